@@ -1,0 +1,160 @@
+"""Shape and dtype rules of every op kind: what verify() checks each op's outputs against."""
+from __future__ import annotations
+
+from typing import Callable
+
+from .ir import Graph, IRError, Op
+
+Shape = tuple[int, ...]
+Rule = Callable[[Graph, Op, list], list]
+
+FLOAT = ("f32", "f16", "bf16")
+WEIGHT = ("f32", "f16", "bf16", "q4_0", "q8_0")
+
+
+def _need(cond: bool, op: Op, msg: str) -> None:
+    if not cond:
+        raise IRError(f"op {op.name} ({op.kind}): {msg}")
+
+
+def _act(op: Op, v, rank: int = 2) -> None:
+    _need(v.dtype in FLOAT and len(v.shape) == rank, op,
+          f"{v.name!r} must be a float tensor of rank {rank}, got {v.dtype}{list(v.shape)}")
+
+
+def _matmul_core(op: Op, x, w) -> tuple[int, int]:
+    _act(op, x)
+    _need(w.dtype in WEIGHT and len(w.shape) == 2, op, f"weight {w.name!r} must be a 2-D weight")
+    _need(x.shape[1] == w.shape[1], op,
+          f"{x.name!r} has {x.shape[1]} columns but weight {w.name!r} is {list(w.shape)} (rows = outputs)")
+    return x.shape[0], w.shape[0]
+
+
+def _embedding(g, op, ins):
+    table, tokens = ins
+    _need(tokens.dtype == "i32" and len(tokens.shape) == 1, op, "tokens must be i32[T]")
+    _need(len(table.shape) == 2, op, "table must be [vocab, dim]")
+    return [((tokens.shape[0], table.shape[1]), "f32")]
+
+
+def _rms_norm(g, op, ins):
+    x, w = ins
+    _act(op, x)
+    _need(w.shape == (x.shape[1],), op, f"norm weight {w.name!r} must be [{x.shape[1]}]")
+    return [(x.shape, "f32")]
+
+
+def _matmul(g, op, ins):
+    t, n = _matmul_core(op, ins[0], ins[1])
+    return [((t, n), "f32")]
+
+
+def _rope(g, op, ins):
+    x = ins[0]
+    _act(op, x)
+    hd, h = op.attrs["head_dim"], op.attrs["n_heads"]
+    _need(x.shape[1] == h * hd and hd % 2 == 0, op, f"{x.name!r} must be [T, {h}*{hd}] with even head_dim")
+    if len(ins) > 1:
+        _need(ins[1].shape == (hd // 2,), op, f"inv_freq must be [{hd // 2}]")
+    return [(x.shape, "f32")]
+
+
+def _kv_store(g, op, ins):
+    src, cache = ins
+    _act(op, src)
+    _need(cache.kind == "state" and len(cache.shape) == 3, op, f"{cache.name!r} must be a state [S,KVH,hd]")
+    _need(src.shape[1] == cache.shape[1] * cache.shape[2], op,
+          f"{src.name!r} has {src.shape[1]} columns, cache rows hold {cache.shape[1]}x{cache.shape[2]}")
+    out = g.values[op.outputs[0]]
+    _need(out.alias == cache.name, op, f"output {out.name!r} must alias {cache.name!r}")
+    return [(cache.shape, cache.dtype)]
+
+
+def _cache_of(g: Graph, name: str):
+    v = g.values[name]
+    return g.values[v.alias] if v.alias else v
+
+
+def _attention(g, op, ins):
+    q, k, v = ins
+    _act(op, q)
+    a = op.attrs
+    _need(q.shape[1] == a["n_heads"] * a["head_dim"], op, f"q must be [T, {a['n_heads']}*{a['head_dim']}]")
+    _need(a["n_heads"] % a["n_kv_heads"] == 0, op, "n_heads must be a multiple of n_kv_heads")
+    for c in (k, v):
+        _need(_cache_of(g, c.name).kind == "state" and c.shape[1:] == (a["n_kv_heads"], a["head_dim"]), op,
+              f"{c.name!r} must be a KV cache [S, {a['n_kv_heads']}, {a['head_dim']}]")
+    return [(q.shape, "f32")]
+
+
+def _same(g, op, ins):
+    for v in ins:
+        _act(op, v)
+    _need(all(v.shape == ins[0].shape for v in ins), op,
+          "operands differ in shape: " + ", ".join(f"{v.name}{list(v.shape)}" for v in ins))
+    return [(ins[0].shape, "f32")]
+
+
+def _argmax(g, op, ins):
+    _act(op, ins[0])
+    return [((ins[0].shape[0],), "i32")]
+
+
+def _slice(g, op, ins):
+    _act(op, ins[0])
+    _need(op.attrs.get("rows") == "last", op, "only rows='last' is supported")
+    return [((1, ins[0].shape[1]), ins[0].dtype)]
+
+
+def _fused_matmul(g, op, ins):
+    a = op.attrs
+    x, w, extra = ins[0], ins[1], list(ins[2:])
+    t, n = _matmul_core(op, x, w)
+    if a.get("prologue") == "rms_norm":
+        norm_w = extra.pop(0)
+        _need(norm_w.shape == (x.shape[1],), op, f"norm weight {norm_w.name!r} must be [{x.shape[1]}]")
+    else:
+        _need(a.get("prologue") is None, op, f"unknown prologue {a.get('prologue')!r}")
+    epi = a.get("epilogue")
+    if epi is None:
+        out = [((t, n), "f32")]
+    elif epi == "add":
+        _need(len(extra) == 1 and extra[0].shape == (t, n), op, f"residual must be [{t},{n}]")
+        extra = []
+        out = [((t, n), "f32")]
+    elif epi == "silu_mul":
+        _need(n % 2 == 0, op, "silu_mul needs the gate and up weights stacked (even rows)")
+        out = [((t, n // 2), "f32")]
+    elif epi == "rope_kv_store":
+        h, kvh, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
+        _need(n == (h + 2 * kvh) * hd, op, f"weight must stack q,k,v: {(h + 2 * kvh) * hd} rows")
+        _need(len(extra) == 3 and extra[0].shape == (hd // 2,), op, "extra inputs: inv_freq, k_cache, v_cache")
+        kc, vc = extra[1], extra[2]
+        for c, o in ((kc, op.outputs[1]), (vc, op.outputs[2])):
+            _need(c.kind == "state" and c.shape[1:] == (kvh, hd), op, f"{c.name!r} must be [S,{kvh},{hd}]")
+            _need(g.values[o].alias == c.name, op, f"output {o!r} must alias {c.name!r}")
+        extra = []
+        out = [((t, h * hd), "f32"), (kc.shape, kc.dtype), (vc.shape, vc.dtype)]
+    else:
+        raise IRError(f"op {op.name} (fused_matmul): unknown epilogue {epi!r}")
+    if epi in (None, "silu_mul"):
+        _need(not extra, op, f"{len(extra)} unexpected extra inputs")
+    return out
+
+
+RULES: dict[str, Rule] = {
+    "embedding": _embedding, "rms_norm": _rms_norm, "matmul": _matmul, "rope": _rope,
+    "kv_store": _kv_store, "attention": _attention, "add": _same, "mul": _same, "silu": _same,
+    "silu_mul": _same, "softmax": _same, "argmax": _argmax, "slice": _slice,
+    "fused_matmul": _fused_matmul,
+}
+
+
+def infer_shapes(g: Graph, op: Op) -> list[tuple[Shape, str]]:
+    ins = [g.values[i] for i in op.inputs]
+    try:
+        return RULES[op.kind](g, op, ins)
+    except (KeyError, IndexError, ValueError) as e:
+        if isinstance(e, IRError):
+            raise
+        raise IRError(f"op {op.name} ({op.kind}): malformed ({type(e).__name__}: {e})") from None

@@ -1,0 +1,149 @@
+"""Llama 3.x as two op graphs (prefill of up to T tokens, 1-token decode), op for op as HF's
+modeling_llama.py; parameters keep their safetensors names."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..compiler.ir import Graph, LazyTensor
+from .config import LlamaConfig, ModelError, load_config
+from .safetensors_io import TensorRef, open_folder
+
+
+def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a LlamaForCausalLM checkpoint holds for cfg, with its [out, in] shape."""
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (q, d),
+            p + "self_attn.k_proj.weight": (kv, d),
+            p + "self_attn.v_proj.weight": (kv, d),
+            p + "self_attn.o_proj.weight": (d, q),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "mlp.gate_proj.weight": (f, d),
+            p + "mlp.up_proj.weight": (f, d),
+            p + "mlp.down_proj.weight": (d, f),
+        })
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, d)
+    return shapes
+
+
+def _ignorable(name: str, cfg: LlamaConfig) -> bool:
+    # old exports carry RoPE buffers; tied checkpoints sometimes still store the head
+    return name.endswith("rotary_emb.inv_freq") or (cfg.tie_word_embeddings and name == "lm_head.weight")
+
+
+def check_weights(cfg: LlamaConfig, refs: dict[str, TensorRef], where: str) -> dict[str, TensorRef]:
+    want = expected_tensors(cfg)
+    for name, shape in want.items():
+        if name not in refs:
+            raise ModelError(f"{where}: tensor {name!r} is missing (config.json expects it, shape {list(shape)})")
+        if refs[name].shape != shape:
+            raise ModelError(f"{where}: tensor {name!r} has shape {list(refs[name].shape)}, "
+                             f"config.json implies {list(shape)}")
+    extra = sorted(n for n in refs if n not in want and not _ignorable(n, cfg))
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise ModelError(f"{where}: unexpected tensor {extra[0]!r}{more}: the checkpoint does not match config.json")
+    return {n: refs[n] for n in want}
+
+
+@dataclass
+class LlamaModel:
+    path: Path
+    config: LlamaConfig
+    tensors: dict[str, TensorRef]
+
+
+def load_model(model_dir: str | Path) -> LlamaModel:
+    """Parse and check a Hugging Face folder; weights stay on disk (memory-mapped on use)."""
+    model_dir = Path(model_dir)
+    cfg = load_config(model_dir)
+    refs = check_weights(cfg, open_folder(model_dir), str(model_dir))
+    return LlamaModel(model_dir, cfg, refs)
+
+
+def _weights(tensors: dict[str, TensorRef]) -> dict[str, LazyTensor]:
+    return {n: LazyTensor(r.shape, r.dtype, r.load) for n, r in tensors.items()}
+
+
+def build_graph(cfg: LlamaConfig, weights: dict[str, LazyTensor], T: int, max_seq_len: int,
+                name: str, kv_dtype: str = "f32") -> Graph:
+    """The forward pass for up to T tokens, writing K/V at n_past and attending causally."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    h, kvh, f = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+    g = Graph(name, T, weights=dict(weights), meta={"config": cfg.to_json(), "max_seq_len": max_seq_len})
+    for pname, lt in weights.items():
+        g.add_value(pname, lt.shape, lt.dtype, kind="param")
+    g.inputs = [g.add_value("tokens", (T,), "i32", kind="input")]
+    act = lambda n, *shape: g.add_value(n, shape, "f32")  # noqa: E731
+
+    x = act("x.embed", T, d)
+    g.add_op("embedding", ["model.embed_tokens.weight", "tokens"], [x])
+    rope_attrs = dict(n_heads=h, head_dim=hd, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
+    for i in range(cfg.num_hidden_layers):
+        p, a = f"model.layers.{i}.", f"l{i}."
+        k_cache = g.add_value(f"cache.k.{i}", (max_seq_len, kvh, hd), kv_dtype, kind="state")
+        v_cache = g.add_value(f"cache.v.{i}", (max_seq_len, kvh, hd), kv_dtype, kind="state")
+        # hidden_states = self.input_layernorm(hidden_states)
+        xn = act(a + "attn_norm", T, d)
+        g.add_op("rms_norm", [x, p + "input_layernorm.weight"], [xn], eps=cfg.rms_norm_eps)
+        q, k, v = act(a + "q", T, h * hd), act(a + "k", T, kvh * hd), act(a + "v", T, kvh * hd)
+        for proj, out in (("q", q), ("k", k), ("v", v)):
+            g.add_op("matmul", [xn, f"{p}self_attn.{proj}_proj.weight"], [out])
+        # query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        qr, kr = act(a + "q_rope", T, h * hd), act(a + "k_rope", T, kvh * hd)
+        g.add_op("rope", [q], [qr], **rope_attrs)
+        g.add_op("rope", [k], [kr], **{**rope_attrs, "n_heads": kvh})
+        # key_states, value_states = past_key_values.update(key_states, value_states, ...)
+        kc = g.add_value(a + "k_cache", (max_seq_len, kvh, hd), kv_dtype, alias=k_cache)
+        vc = g.add_value(a + "v_cache", (max_seq_len, kvh, hd), kv_dtype, alias=v_cache)
+        g.add_op("kv_store", [kr, k_cache], [kc])
+        g.add_op("kv_store", [v, v_cache], [vc])
+        o = act(a + "attn", T, h * hd)
+        g.add_op("attention", [qr, kc, vc], [o], n_heads=h, n_kv_heads=kvh, head_dim=hd,
+                 scale=1.0 / math.sqrt(hd))
+        o_proj = act(a + "o_proj", T, d)
+        g.add_op("matmul", [o, p + "self_attn.o_proj.weight"], [o_proj])
+        # hidden_states = residual + hidden_states
+        x_attn = act(a + "x_attn", T, d)
+        g.add_op("add", [x, o_proj], [x_attn])
+        # hidden_states = self.post_attention_layernorm(hidden_states)
+        xn2 = act(a + "mlp_norm", T, d)
+        g.add_op("rms_norm", [x_attn, p + "post_attention_layernorm.weight"], [xn2], eps=cfg.rms_norm_eps)
+        # down_proj(act_fn(gate_proj(x)) * up_proj(x))
+        gate, up = act(a + "gate", T, f), act(a + "up", T, f)
+        g.add_op("matmul", [xn2, p + "mlp.gate_proj.weight"], [gate])
+        g.add_op("matmul", [xn2, p + "mlp.up_proj.weight"], [up])
+        hmid = act(a + "swiglu", T, f)
+        g.add_op("silu_mul", [gate, up], [hmid])
+        down = act(a + "down", T, d)
+        g.add_op("matmul", [hmid, p + "mlp.down_proj.weight"], [down])
+        x_out = act(a + "x_out", T, d)
+        g.add_op("add", [x_attn, down], [x_out])
+        x = x_out
+    xf = act("x.final_norm", T, d)
+    g.add_op("rms_norm", [x, "model.norm.weight"], [xf], eps=cfg.rms_norm_eps)
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    logits = act("logits", T, cfg.vocab_size)
+    g.add_op("matmul", [xf, head], [logits])
+    g.outputs = [logits]
+    return g
+
+
+def build_graphs(model: LlamaModel, prefill_T: int = 128, max_seq_len: int | None = None,
+                 kv_dtype: str = "f32") -> tuple[Graph, Graph]:
+    """(prefill, decode) sharing parameter names and KV-cache state names."""
+    cfg = model.config
+    max_seq_len = max_seq_len or min(cfg.max_position_embeddings, 2048)
+    if prefill_T < 1 or max_seq_len < 1:
+        raise ModelError(f"prefill chunk ({prefill_T}) and max sequence length ({max_seq_len}) must be positive")
+    w = _weights(model.tensors)
+    return (build_graph(cfg, w, prefill_T, max_seq_len, "prefill", kv_dtype),
+            build_graph(cfg, w, 1, max_seq_len, "decode", kv_dtype))
