@@ -1,0 +1,59 @@
+"""Shared fixtures: the committed golden models, and graph drivers for the interpreter."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llmrs.compiler.interpret import Interpreter
+from llmrs.compiler.ir import Graph, LazyTensor
+from llmrs.models.config import parse_config
+from llmrs.models.llama import build_graph, expected_tensors
+from llmrs.models.tiny import make_config
+
+DATA = Path(__file__).parent / "data"
+GOLDEN = ("golden-a", "golden-b")
+
+
+@pytest.fixture(params=GOLDEN)
+def golden(request) -> tuple[Path, dict]:
+    """(model folder, golden arrays from transformers) for each committed tiny model."""
+    name = request.param
+    return DATA / name, dict(np.load(DATA / f"{name}.npz"))
+
+
+def run_steps(prefill: Graph, decode: Graph, prompt: np.ndarray, decode_tokens: np.ndarray,
+              dtype=np.float32) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Prefill the prompt (in chunks of prefill.T), then feed decode_tokens one at a time.
+    Returns (prefill logits as the graph outputs them, [decode logits row per step])."""
+    ip, idec = Interpreter(prefill, dtype), Interpreter(decode, dtype)
+    state = ip.new_state()
+    chunks = []
+    for s in range(0, len(prompt), prefill.T):
+        chunks.append(ip.run({"tokens": prompt[s:s + prefill.T]}, state, n_past=s)["logits"])
+    n = len(prompt)
+    steps = [idec.run({"tokens": decode_tokens[i:i + 1]}, state, n_past=n + i)["logits"][-1]
+             for i in range(len(decode_tokens))]
+    return np.concatenate(chunks), steps
+
+
+def unloadable_weights(cfg_json: dict) -> dict[str, LazyTensor]:
+    """Weights with the right shapes whose data is never needed (graph building only)."""
+    def fail():
+        raise AssertionError("weights of a shape-only model were loaded")
+    return {n: LazyTensor(s, "bf16", fail) for n, s in expected_tensors(parse_config(cfg_json)).items()}
+
+
+@pytest.fixture(scope="session")
+def llama_1b_graphs() -> tuple[Graph, Graph]:
+    """Llama-3.2-1B's exact graphs (prefill T=128, decode), no weight data."""
+    cfg_json = make_config("llama-3.2-1b")
+    cfg = parse_config(cfg_json)
+    w = unloadable_weights(cfg_json)
+    return build_graph(cfg, w, 128, 2048, "prefill"), build_graph(cfg, w, 1, 2048, "decode")
+
+
+def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
+    """max |a - ref| / max |ref|: the suite's one error measure."""
+    return float(np.max(np.abs(np.asarray(a, np.float64) - ref)) / np.max(np.abs(ref)))
