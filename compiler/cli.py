@@ -1,0 +1,125 @@
+"""llmrs-compile: a Hugging Face Llama folder -> one plan file."""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from ..models.config import ModelError
+from ..models.llama import load_model
+from .ir import IRError
+from .pipeline import RULES, CompileOptions, compile_graphs
+from .plan import PlanWriteError, write_graph_plan
+from .cliutil import OneLineParser, Progress
+from .summary import summarize
+
+WEIGHT_TYPES = ("q4_0", "q8_0", "f16", "f32")
+TARGETS = ("cpu", "opencl")
+
+EPILOG = """examples:
+  llmrs-compile model/ -o plan.bin                       q4_0 weights, CPU + OpenCL code
+  llmrs-compile model/ -o plan.bin --weights q8_0 --lm-head f16 --kv-type f16
+  llmrs-compile model/ -o plan.bin --no-fuse norm_prologue --dump-ir ir/   measure one fusion
+
+fusion rules (--no-fuse): {rules}
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = OneLineParser(
+        prog="llmrs-compile", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Compile a Hugging Face Llama 3.x folder (config.json, *.safetensors, tokenizer.json) "
+                    "into one plan file: fused op graphs, a static activation arena, kernels and weights.",
+        epilog=EPILOG.format(rules=", ".join(RULES)))
+    ap.add_argument("model_dir", type=Path, help="Hugging Face model folder")
+    ap.add_argument("-o", "--output", type=Path, required=True, help="plan file to write")
+    ap.add_argument("--weights", choices=WEIGHT_TYPES, default="q4_0", help="matmul weight format (default q4_0)")
+    ap.add_argument("--embedding", choices=WEIGHT_TYPES, help="token embedding format (default: --weights)")
+    ap.add_argument("--lm-head", choices=WEIGHT_TYPES, help="output head format (default: --weights)")
+    ap.add_argument("--kv-type", choices=("f32", "f16", "q8_0"), default="f16", help="KV cache format (default f16)")
+    ap.add_argument("--max-seq-len", type=int, default=2048, metavar="N", help="KV cache length in tokens (default 2048)")
+    ap.add_argument("--prefill-chunk", type=int, default=128, metavar="T", help="tokens per prefill step (default 128)")
+    ap.add_argument("--target", default="cpu,opencl", help="back ends to generate code for: cpu, opencl or both (default)")
+    ap.add_argument("--triple", action="append", default=None, metavar="TRIPLE",
+                    help="LLVM target triple for prebuilt CPU code, repeatable (default: this host), "
+                         "e.g. aarch64-linux-android")
+    ap.add_argument("--no-fuse", action="append", default=[], metavar="RULE", help="switch a fusion rule off (repeatable)")
+    ap.add_argument("--dump-ir", type=Path, metavar="DIR", help="write each graph after every pass into DIR")
+    ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    return ap
+
+
+def _targets(text: str) -> tuple[str, ...]:
+    targets = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [t for t in targets if t not in TARGETS]
+    if bad or not targets:
+        raise ValueError(f"--target {text!r}: choose from {', '.join(TARGETS)} (comma-separated)")
+    return targets
+
+
+def _code_sections(graphs, targets: tuple[str, ...], triples: list[str] | None) -> dict[str, bytes | str]:
+    sections: dict[str, bytes | str] = {}
+    if "cpu" in targets:
+        from .codegen import llvm
+        for target in llvm.targets_for(triples):
+            ir_text, obj = llvm.generate(graphs, target)
+            sections["llvm-ir"] = ir_text
+            sections[f"llvm.{target.triple}"] = obj
+    if "opencl" in targets:
+        from .codegen import opencl
+        sections["opencl"] = opencl.generate(graphs).to_json()
+    return sections
+
+
+def compile_model(args: argparse.Namespace, argv: list[str]) -> str:
+    t0 = time.perf_counter()
+    model = load_model(args.model_dir)
+    opts = CompileOptions(weights=args.weights, embedding=args.embedding, lm_head=args.lm_head,
+                          kv_type=args.kv_type, max_seq_len=args.max_seq_len,
+                          prefill_chunk=args.prefill_chunk, disabled_rules=tuple(args.no_fuse),
+                          dump_ir_dir=args.dump_ir)
+    prefill, decode = compile_graphs(model, opts)
+    graphs = {"prefill": prefill, "decode": decode}
+    targets = _targets(args.target)
+    sections = _code_sections(graphs, targets, args.triple)
+    tokenizer = args.model_dir / "tokenizer.json"
+    if tokenizer.is_file():
+        sections["tokenizer.json"] = tokenizer.read_text()
+    cfg = model.config
+    manifest = {
+        "model": cfg.to_json(),
+        "compile_options": {**opts.to_json(), "targets": list(targets)},
+        "compile_command": "llmrs-compile " + shlex.join(argv),
+        "stop_ids": list(cfg.eos_token_ids),
+        "bos_id": cfg.bos_token_id,
+        "prefill_chunk": args.prefill_chunk,
+        "max_seq_len": args.max_seq_len,
+    }
+    n_tensors = len({n for g in graphs.values() for n in g.by_kind("param") + g.by_kind("const")})
+    bar = Progress("weights", n_tensors, enabled=None if not args.quiet else False)
+    info = write_graph_plan(args.output, graphs, manifest, sections,
+                            progress=lambda name, i, n: bar.update(i + 1, name))
+    bar.close()
+    return summarize(cfg, graphs, info, time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
+    try:
+        if args.max_seq_len < 1 or args.prefill_chunk < 1:
+            raise ValueError("--max-seq-len and --prefill-chunk must be positive")
+        print(compile_model(args, argv))
+    except (ModelError, IRError, PlanWriteError, ValueError, OSError) as e:
+        print(f"llmrs-compile: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("llmrs-compile: interrupted; no plan written", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

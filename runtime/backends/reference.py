@@ -1,0 +1,24 @@
+"""The numpy interpreter as a backend: slow, exact, for debugging numerics (`--backend reference`)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ...compiler.interpret import Interpreter
+from ...compiler.ir import Graph
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def __init__(self, graphs: dict[str, Graph]):
+        self.interpreters = {phase: Interpreter(g) for phase, g in graphs.items()}
+        self.state = self.interpreters["decode"].new_state()  # both phases share the KV caches
+
+    def run(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
+        it = self.interpreters[phase]
+        out = it.run({"tokens": tokens}, self.state, n_past=n_past, start_pos=start_pos)
+        return np.asarray(out[it.graph.outputs[0]], dtype=np.float32)
+
+    def reset(self) -> None:
+        for arr in self.state.values():
+            arr[...] = 0

@@ -1,0 +1,141 @@
+"""Prefill, then decode one token at a time, on any backend; stats measured as it goes."""
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import numpy as np
+
+from .sampler import Sampler
+
+
+class Backend(Protocol):
+    name: str
+
+    def run(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
+        """One step of `phase` ("prefill" | "decode"); returns logits f32[rows, vocab]."""
+
+    def reset(self) -> None:
+        """Forget the KV cache."""
+
+
+class EngineError(ValueError):
+    """A request the engine cannot serve (one line, names the limit and the flag to change)."""
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0            # request start to the first generated token
+    decode_tokens: int = 0         # tokens produced by decode steps (the first comes from prefill)
+    decode_s: float = 0.0
+    load_s: float = 0.0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+    @staticmethod
+    def peak_rss_bytes() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+    def report(self) -> str:
+        return "\n".join([
+            f"prompt tokens     {self.prompt_tokens}",
+            f"load              {self.load_s * 1e3:.0f} ms",
+            f"prefill           {self.prefill_s * 1e3:.1f} ms ({self.prefill_tok_s:.1f} tok/s)",
+            f"time to 1st token {self.ttft_s * 1e3:.1f} ms",
+            f"decode            {self.decode_tokens} tokens in {self.decode_s * 1e3:.1f} ms "
+            f"({self.decode_tok_s:.2f} tok/s)",
+            f"peak memory       {self.peak_rss_bytes() / 2**20:.0f} MiB (resident)",
+        ])
+
+
+@dataclass
+class Generation:
+    tokens: list[int]                               # generated ids (stop token excluded)
+    logits: list[np.ndarray] = field(default_factory=list)  # row i: what token i was drawn from
+    stop_reason: str = "length"                     # length | stop token | cache full
+    stats: Stats = field(default_factory=Stats)
+
+
+class Engine:
+    """Owns the positions: n_past (cache slots used) and start_pos (RoPE position, only grows)."""
+
+    def __init__(self, backend: Backend, prefill_T: int, max_seq_len: int, stop_ids: tuple[int, ...] = ()):
+        self.backend = backend
+        self.prefill_T = prefill_T
+        self.max_seq_len = max_seq_len
+        self.stop_ids = set(stop_ids)
+        self.n_past = 0
+        self.start_pos = 0
+
+    def reset(self) -> None:
+        self.backend.reset()
+        self.n_past = self.start_pos = 0
+
+    def _step(self, phase: str, tokens: np.ndarray) -> np.ndarray:
+        logits = self.backend.run(phase, tokens, self.n_past, self.start_pos)
+        self.n_past += len(tokens)
+        self.start_pos += len(tokens)
+        return logits[-1]
+
+    def prefill(self, tokens: list[int]) -> np.ndarray:
+        """Feed the prompt in chunks of the prefill graph's T; logits of its last position."""
+        if not tokens:
+            raise EngineError("the prompt is empty")
+        if self.n_past + len(tokens) > self.max_seq_len:
+            raise EngineError(f"the prompt has {len(tokens)} tokens but the KV cache holds "
+                              f"{self.max_seq_len - self.n_past} more (recompile with a larger --max-seq-len)")
+        ids = np.asarray(tokens, dtype=np.int32)
+        for s in range(0, len(ids), self.prefill_T):
+            logits = self._step("prefill", ids[s:s + self.prefill_T])
+        return logits
+
+    def decode_one_token(self, token: int) -> np.ndarray:
+        return self._step("decode", np.array([token], dtype=np.int32))
+
+    def generate(self, prompt: list[int], max_new_tokens: int, sampler: Sampler,
+                 on_token: Callable[[int], None] | None = None, keep_logits: bool = False) -> Generation:
+        if max_new_tokens < 1:
+            raise EngineError(f"-n must be at least 1, got {max_new_tokens}")
+        gen = Generation(tokens=[])
+        st = gen.stats
+        st.prompt_tokens = len(prompt)
+        t0 = time.perf_counter()
+        logits = self.prefill(prompt)
+        st.prefill_s = time.perf_counter() - t0
+        history = list(prompt)
+        t_dec = None
+        while True:
+            if keep_logits:
+                gen.logits.append(np.asarray(logits, np.float32).copy())
+            token = sampler.sample(logits, history)
+            if not gen.tokens:
+                st.ttft_s = time.perf_counter() - t0
+            if token in self.stop_ids:
+                gen.stop_reason = "stop token"
+                gen.logits = gen.logits[:len(gen.tokens)]
+                break
+            gen.tokens.append(token)
+            history.append(token)
+            if on_token:
+                on_token(token)
+            if len(gen.tokens) >= max_new_tokens:
+                break
+            if self.n_past >= self.max_seq_len:
+                gen.stop_reason = "cache full"
+                break
+            t_dec = t_dec or time.perf_counter()
+            logits = self.decode_one_token(token)
+            st.decode_tokens += 1
+        if t_dec is not None:
+            st.decode_s = time.perf_counter() - t_dec
+        return gen

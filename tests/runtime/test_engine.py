@@ -1,0 +1,60 @@
+"""The engine on the reference backend: chunked prefill + decode reproduce transformers' greedy tokens."""
+import numpy as np
+import pytest
+
+from llmrs.models.llama import build_graphs, load_model
+from llmrs.runtime.backends.reference import ReferenceBackend
+from llmrs.runtime.engine import Engine, EngineError
+from llmrs.runtime.sampler import Sampler, SamplerConfig
+
+from ..conftest import DATA, rel_err
+
+
+def _engine(name, T=16, max_seq_len=64, stop_ids=()):
+    prefill, decode = build_graphs(load_model(DATA / name), T, max_seq_len)
+    return Engine(ReferenceBackend({"prefill": prefill, "decode": decode}), T, max_seq_len, stop_ids)
+
+
+def test_greedy_generation_reproduces_transformers(golden):
+    path, gd = golden
+    engine = _engine(path.name, T=16)  # the prompt spans several prefill chunks
+    gen = engine.generate(list(gd["prompt_tokens"]), 9, Sampler(SamplerConfig()), keep_logits=True)
+    assert gen.tokens == list(gd["generated"])
+    assert rel_err(gen.logits[0], gd["prefill_logits"][-1]) <= 1e-4
+    for got, ref in zip(gen.logits[1:], gd["decode_logits"]):
+        assert rel_err(got, ref) <= 1e-4
+    assert gen.stats.prompt_tokens == len(gd["prompt_tokens"]) and gen.stats.decode_tokens == 8
+
+
+def test_stop_token_ends_generation_and_is_not_emitted():
+    gd = np.load(DATA / "golden-b.npz")
+    stop = int(gd["generated"][3])
+    engine = _engine("golden-b", stop_ids=(stop,))
+    seen = []
+    gen = engine.generate(list(gd["prompt_tokens"]), 20, Sampler(SamplerConfig()), on_token=seen.append)
+    assert gen.tokens == seen == list(gd["generated"][:3]) and gen.stop_reason == "stop token"
+
+
+def test_generation_stops_when_the_cache_is_full():
+    engine = _engine("golden-a", T=8, max_seq_len=12)
+    gen = engine.generate([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 50, Sampler(SamplerConfig()))
+    assert gen.stop_reason == "cache full" and len(gen.tokens) == 3
+
+
+def test_prompt_longer_than_the_cache_is_refused_before_any_work():
+    engine = _engine("golden-a", T=8, max_seq_len=12)
+    with pytest.raises(EngineError, match="the prompt has 13 tokens but the KV cache holds 12 more"):
+        engine.generate(list(range(1, 14)), 4, Sampler(SamplerConfig()))
+    assert engine.n_past == 0
+
+
+def test_zero_new_tokens_is_refused():
+    with pytest.raises(EngineError, match="-n must be at least 1"):
+        _engine("golden-a").generate([1, 2], 0, Sampler(SamplerConfig()))
+
+
+def test_reset_forgets_the_cache():
+    engine = _engine("golden-a")
+    a = engine.generate([5, 6, 7], 4, Sampler(SamplerConfig())).tokens
+    engine.reset()
+    assert engine.generate([5, 6, 7], 4, Sampler(SamplerConfig())).tokens == a
