@@ -1,0 +1,141 @@
+"""fuse pass: fewer kernels, the same logits (max |a - b| / max |b| < 1e-5 in float32), each rule
+switchable on its own, and a Llama-3.2-1B decode layer in 5 kernels."""
+
+import time
+
+import numpy as np
+import pytest
+
+from llmrs.compiler import quant
+from llmrs.compiler.passes.fold import INV_FREQ, fold
+from llmrs.compiler.passes.fuse import RULE_NAMES, fuse
+from llmrs.compiler.passes.quantize import quantize
+from llmrs.models.config import parse_config
+from llmrs.models.llama import build_graph, build_graphs, load_model
+from llmrs.models.tiny import make_config
+
+from ..conftest import rel_err, run_steps, unloadable_weights
+
+T, S = 8, 64   # prefill chunk, KV slots
+
+
+def _graphs(model_dir):
+    return build_graphs(load_model(model_dir), prefill_T=T, max_seq_len=S)
+
+
+def _check_same_logits(p, d, fp, fd, tol=1e-5):
+    """Prefill 19 random tokens in chunks of T, then 4 decode steps, on both pairs of graphs.
+    A graph with last-token logits outputs one row per chunk: the chunk's last row."""
+    rng = np.random.default_rng(4)
+    vocab = p.values["logits"].shape[1]
+    prompt, steps = rng.integers(0, vocab, 19, dtype=np.int32), rng.integers(0, vocab, 4, dtype=np.int32)
+    ref_p, ref_d = run_steps(p, d, prompt, steps)
+    out_p, out_d = run_steps(fp.verify(), fd.verify(), prompt, steps)
+    if out_p.shape[0] != ref_p.shape[0]:
+        ref_p = ref_p[[min(s + T, len(prompt)) - 1 for s in range(0, len(prompt), T)]]
+    assert rel_err(out_p, ref_p) < tol
+    assert rel_err(np.stack(out_d), np.stack(ref_d)) < tol
+
+
+def test_fused_graphs_give_the_same_logits(golden):
+    p, d = _graphs(golden[0])
+    _check_same_logits(p, d, fuse(p), fuse(d))
+
+
+def test_fusing_folded_q4_0_graphs_gives_the_same_logits(golden):
+    p, d = (fold(quantize(g, "q4_0")) for g in _graphs(golden[0]))
+    _check_same_logits(p, d, fuse(p), fuse(d))
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_each_rule_switched_off_still_gives_the_same_logits(golden, rule):
+    p, d = _graphs(golden[0])
+    fp, fd = fuse(p, disabled=[rule]), fuse(d, disabled=[rule])
+    assert fd.kernel_count() > fuse(d).kernel_count() or rule == "last_token_logits"
+    _check_same_logits(p, d, fp, fd)
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_each_rule_alone_gives_the_same_logits(golden, rule):
+    p, d = _graphs(golden[0])
+    others = [r for r in RULE_NAMES if r != rule]
+    fp, fd = fuse(p, disabled=others), fuse(d, disabled=others)
+    if rule == "last_token_logits":     # the slice is no kernel: the head reads one row
+        assert fp.values["logits"].shape[0] == 1
+    else:
+        assert fp.kernel_count() < p.kernel_count()
+    _check_same_logits(p, d, fp, fd)
+
+
+def test_a_decode_layer_is_the_five_kernels_of_the_contract():
+    d = fuse(fold(_graphs("tests/data/golden-b")[1]))
+    layer = d.ops[1:6]
+    assert [(op.kind, op.attrs.get("prologue"), op.attrs.get("epilogue")) for op in layer] == [
+        ("fused_matmul", "rms_norm", "rope_kv_store"), ("attention", None, None),
+        ("fused_matmul", None, "add"), ("fused_matmul", "rms_norm", "silu_mul"),
+        ("fused_matmul", None, "add")]
+    qkv = layer[0]
+    assert qkv.inputs == ["x.embed", "model.layers.0.self_attn.qkv_proj.weight",
+                          "model.layers.0.input_layernorm.weight", INV_FREQ, "cache.k.0", "cache.v.0"]
+    assert qkv.outputs == ["l0.q_rope", "l0.k_cache", "l0.v_cache"]
+    assert (qkv.attrs["n_heads"], qkv.attrs["n_kv_heads"], qkv.attrs["head_dim"]) == (8, 2, 16)
+    assert layer[2].inputs == ["l0.attn", "model.layers.0.self_attn.o_proj.weight", "x.embed"]
+    assert layer[4].inputs == ["l0.swiglu", "model.layers.0.mlp.down_proj.weight", "l0.x_attn"]
+    assert d.kernel_count() == 1 + 2 * 5 + 1
+    assert [op.name for op in d.ops] == [f"{op.kind}_{i}" for i, op in enumerate(d.ops)]
+
+
+def test_prefill_runs_the_final_norm_and_head_on_the_last_row_only():
+    p = fuse(_graphs("tests/data/golden-a")[0])
+    sl, head = p.ops[-2], p.ops[-1]
+    assert sl.kind == "slice" and sl.attrs == {"rows": "last"} and head.inputs[0] == sl.outputs[0]
+    assert head.attrs["prologue"] == "rms_norm" and p.values["logits"].shape == (1, 384)
+    assert fuse(_graphs("tests/data/golden-a")[1]).values["logits"].shape == (1, 384)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "q4_0"])
+def test_stacked_weights_are_the_sources_rows_in_order(fmt):
+    d = _graphs("tests/data/golden-b")[1]
+    if fmt != "bf16":
+        d = quantize(d, fmt)
+    f = fuse(d)
+    for stacked, parts in (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                           ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"))):
+        name = f"model.layers.1.{stacked}.weight"
+        srcs = [d.weights[f"model.layers.1.{p}.weight"].load() for p in parts]
+        assert f.values[name].kind == "const" and f.values[name].dtype == fmt
+        assert np.array_equal(f.weights[name].load(), np.concatenate(srcs))
+        for p in parts:                                  # the unstacked weights are gone
+            assert f"model.layers.1.{p}.weight" not in f.values
+    if fmt == "q4_0":   # stacking blocks is quantizing the stacked matrix
+        tensors = load_model("tests/data/golden-b").tensors
+        bf16 = np.concatenate([tensors[f"model.layers.0.self_attn.{x}_proj.weight"].load() for x in "qkv"])
+        floats = (bf16.astype(np.uint32) << 16).view(np.float32)
+        assert np.array_equal(f.weights["model.layers.0.self_attn.qkv_proj.weight"].load(),
+                              quant.quantize(floats, "q4_0"))
+
+
+def test_fuse_leaves_its_input_graph_untouched(golden):
+    d = _graphs(golden[0])[1]
+    before = str(d)
+    fuse(d)
+    assert str(d) == before
+
+
+def test_an_unknown_rule_is_a_one_line_error_listing_the_rules(golden):
+    with pytest.raises(ValueError, match=r"^unknown fusion rule 'qkv'; the rules are qkv_rope_kv, "
+                                         r"gate_up_silu, residual_epilogue, last_token_logits, norm_prologue$"):
+        fuse(_graphs(golden[0])[1], disabled=["qkv"])
+
+
+def test_llama_1b_graphs_build_in_under_a_second_and_decode_in_5_kernels_a_layer():
+    cfg_json = make_config("llama-3.2-1b")
+    cfg, weights = parse_config(cfg_json), unloadable_weights(cfg_json)
+    t0 = time.perf_counter()
+    prefill, decode = (build_graph(cfg, weights, t, 2048, name) for t, name in ((128, "prefill"), (1, "decode")))
+    assert time.perf_counter() - t0 < 1.0
+    for g in (prefill, decode):
+        f = fuse(fold(quantize(g, "q4_0"))).verify()     # no weight is loaded on the way
+        per_layer = (f.kernel_count() - 2) / cfg.num_hidden_layers   # less embedding and head
+        assert per_layer <= 5, f"{g.name}: {per_layer} kernels per layer"
+    assert f.kernel_count() == 16 * 5 + 2
