@@ -1,0 +1,113 @@
+"""llmrs-inspect plan.bin: what a plan holds (model, weight formats, sections, kernels, arena)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from typing import Any, TextIO
+
+from ..compiler.ir import Graph
+from .plan import VERIFY_MODES, Plan, PlanError
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+
+def human_bytes(n: int) -> str:
+    """1536 -> '1.50 KiB'; bytes stay exact below 1 KiB."""
+    x, unit = float(n), 0
+    while x >= 1024 and unit < len(_UNITS) - 1:
+        x, unit = x / 1024, unit + 1
+    return f"{n} B" if unit == 0 else f"{x:.2f} {_UNITS[unit]}"
+
+
+def _config(plan: Plan, graphs: dict[str, Graph]) -> dict[str, Any] | None:
+    for key in ("model", "config"):  # llmrs-compile writes the model config under "model"
+        if isinstance(plan.manifest.get(key), dict):
+            return plan.manifest[key]
+    for g in graphs.values():
+        if isinstance(g.meta.get("config"), dict):
+            return g.meta["config"]
+    return None
+
+
+def _print_summary(plan: Plan, graphs: dict[str, Graph], out: TextIO) -> None:
+    size = plan.header.file_bytes
+    print(f"plan {plan.path}: format v{plan.header.version}, {human_bytes(size)} ({size} bytes)", file=out)
+    if plan.manifest.get("compile_command"):
+        print(f"compiled with: {plan.manifest['compile_command']}", file=out)
+    cfg = _config(plan, graphs)
+    if cfg:
+        print("model:", file=out)
+        for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "vocab_size", "rope_theta", "rope_scaling",
+                    "tie_word_embeddings", "max_position_embeddings"):
+            if key in cfg:
+                print(f"  {key:<26} {cfg[key]}", file=out)
+
+    by_dtype: Counter[str] = Counter()
+    count: Counter[str] = Counter()
+    for t in plan.tensors.values():
+        by_dtype[t.dtype] += t.nbytes
+        count[t.dtype] += 1
+    print(f"weights: {len(plan.tensors)} tensors", file=out)
+    for dtype, n in sorted(by_dtype.items(), key=lambda kv: -kv[1]):
+        print(f"  {dtype:<6} {count[dtype]:>5} tensors  {human_bytes(n):>12}", file=out)
+
+    print(f"sections (weights checksum: {plan.verification}):", file=out)
+    for name, sec in sorted(plan.sections.items(), key=lambda kv: kv[1].offset):
+        print(f"  {name:<28} offset {sec.offset:>12}  {human_bytes(sec.size):>12}  crc32 {sec.crc32:08x}", file=out)
+
+    print("kernels per step:", file=out)
+    for phase, g in graphs.items():
+        kinds = Counter(op.kind for op in g.ops if op.kind != "slice")
+        per = ", ".join(f"{k} {n}" for k, n in kinds.most_common())
+        print(f"  {phase:<8} T={g.T:<5} {g.kernel_count():>5} kernels ({per})", file=out)
+
+
+def _print_offsets(title: str, table: Any, g: Graph, out: TextIO) -> None:
+    """offset, size, value name for each entry of a {value: byte offset} table, by offset."""
+    rows = sorted((off, name) for name, off in (table.items() if isinstance(table, dict) else ())
+                  if isinstance(off, int))
+    if not rows:
+        return
+    print(title, file=out)
+    for off, name in rows:
+        v = g.values.get(name)
+        print(f"  {off:>12}  {human_bytes(v.nbytes) if v is not None else '?':>12}  {name}", file=out)
+
+
+def _print_layout(phase: str, g: Graph, out: TextIO) -> None:
+    layout = g.meta.get("layout")
+    if not isinstance(layout, dict):
+        print(f"arena {phase}: no layout (the plan_memory pass did not run)", file=out)
+        return
+    _print_offsets(f"arena {phase} (offset, size, value):", layout.get("arena"), g, out)
+    _print_offsets(f"kv {phase} (offset, size, cache):", layout.get("kv"), g, out)
+    for key in ("arena_bytes", "naive_bytes", "lower_bound_bytes", "kv_bytes"):
+        if isinstance(layout.get(key), int):
+            print(f"  {key:<18} {human_bytes(layout[key]):>12} ({layout[key]} bytes)", file=out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="llmrs-inspect", description=__doc__)
+    ap.add_argument("plan", help="a plan.bin written by llmrs-compile")
+    ap.add_argument("--verify", default="auto", choices=VERIFY_MODES,
+                    help="checksum the weights: auto (first open of a file only), always, never")
+    ap.add_argument("--no-layout", action="store_true", help="leave out the arena layouts")
+    args = ap.parse_args(argv)
+    try:
+        plan = Plan.open(args.plan, verify=args.verify)
+    except PlanError as e:
+        print(f"llmrs-inspect: {e}", file=sys.stderr)
+        return 2
+    graphs = plan.graphs()
+    out = sys.stdout
+    _print_summary(plan, graphs, out)
+    if not args.no_layout:
+        for phase, g in graphs.items():
+            _print_layout(phase, g, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
