@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
@@ -63,13 +64,14 @@ def _code_sections(graphs, targets: tuple[str, ...], triples: list[str] | None) 
     sections: dict[str, bytes | str] = {}
     if "cpu" in targets:
         from .codegen import llvm
-        for target in llvm.targets_for(triples):
+        from .codegen.llvm_target import host_target, parse_target
+        for target in [parse_target(t) for t in triples] if triples else [host_target()]:
             ir_text, obj = llvm.generate(graphs, target)
-            sections["llvm-ir"] = ir_text
+            sections.setdefault("llvm-ir", ir_text)  # the first target's IR, for JIT fallback
             sections[f"llvm.{target.triple}"] = obj
     if "opencl" in targets:
         from .codegen import opencl
-        sections["opencl"] = opencl.generate(graphs).to_json()
+        sections["opencl"] = json.dumps(opencl.generate(graphs))
     return sections
 
 

@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         logits = np.stack(gen.logits) if gen.logits else np.zeros((0, m["model"]["vocab_size"]), np.float32)
         np.savez(args.dump_logits, tokens=np.array(prompt + gen.tokens, np.int32), logits=logits.astype(np.float32))
     if args.stats:
-        print(f"backend           {backend.name}\n{gen.stats.report()}\nstopped by        {gen.stop_reason}",
+        print(f"backend           {getattr(backend, 'name', args.backend)}\n{gen.stats.report()}\nstopped by        {gen.stop_reason}",
               file=sys.stderr)
     return 0
 

@@ -1,0 +1,110 @@
+"""llmrs-compile end to end: plans of the golden models interpreted against transformers' logits."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from llmrs.compiler.cli import main as compile_main
+from llmrs.runtime.backends.reference import ReferenceBackend
+from llmrs.runtime.engine import Engine
+from llmrs.runtime.plan import Plan
+from llmrs.runtime.sampler import Sampler, SamplerConfig
+
+from ..conftest import DATA, rel_err
+
+
+def _compile(tmp_path, name, *flags):
+    out = tmp_path / f"{name}.plan.bin"
+    rc = compile_main([str(DATA / name), "-o", str(out), "--target", "cpu", "--max-seq-len", "64",
+                       "--prefill-chunk", "16", "-q", *flags])
+    assert rc == 0
+    return Plan.open(out)
+
+
+def _generate(plan, prompt, n):
+    m = plan.manifest
+    engine = Engine(ReferenceBackend(plan.graphs()), m["prefill_chunk"], m["max_seq_len"])
+    return engine.generate(list(prompt), n, Sampler(SamplerConfig()), keep_logits=True)
+
+
+def test_f32_plan_matches_transformers(tmp_path, golden):
+    path, gd = golden
+    gen = _generate(_compile(tmp_path, path.name, "--weights", "f32", "--kv-type", "f32"), gd["prompt_tokens"], 9)
+    ref = np.concatenate([gd["prefill_logits"][-1:], gd["decode_logits"]])
+    assert rel_err(np.stack(gen.logits), ref) <= 1e-4
+    assert gen.tokens == list(gd["generated"])
+
+
+def test_q8_0_plan_keeps_the_greedy_tokens_of_f32(tmp_path, golden):
+    """Stated tolerance: q8_0 weights + Q8_0 activations + f16 KV stay within 5% of the logit range."""
+    path, gd = golden
+    gen = _generate(_compile(tmp_path, path.name, "--weights", "q8_0", "--kv-type", "f16"), gd["prompt_tokens"], 9)
+    ref = np.concatenate([gd["prefill_logits"][-1:], gd["decode_logits"]])
+    assert rel_err(np.stack(gen.logits), ref) <= 5e-2
+    assert gen.tokens == list(gd["generated"])
+
+
+def test_q4_0_plan_computes_the_q4_0_model(tmp_path):
+    """q4_0 changes a random tiny model's logits a lot (4-bit weights, no redundancy to absorb it),
+    so the plan is checked against the interpreter on the same q4_0 weights, and the error against
+    the float model is bounded loosely."""
+    gd = np.load(DATA / "golden-b.npz")
+    plan = _compile(tmp_path, "golden-b", "--weights", "q4_0", "--kv-type", "f32")
+    assert {plan.tensors[n].dtype for n in plan.tensors if len(plan.tensors[n].shape) == 2} == {"q4_0"}
+    gen = _generate(plan, gd["prompt_tokens"], 3)
+    ref = gd["prefill_logits"][-1]
+    assert 0.01 < rel_err(gen.logits[0], ref) <= 2.0
+    assert np.corrcoef(gen.logits[0], ref)[0, 1] > 0.5
+
+
+def test_compile_summary_reports_kernels_arena_and_kv(tmp_path, capsys):
+    _compile(tmp_path, "golden-a", "--weights", "q8_0")
+    out = capsys.readouterr().out
+    assert "decode step 12 (5 per layer x 2 layers + 2)" in out
+    assert "lower bound" in out and "KV cache      16.00 KiB" in out and "naive sum" in out
+
+
+def test_no_fuse_rule_changes_the_kernel_count_not_the_logits(tmp_path):
+    a = _compile(tmp_path, "golden-a", "--weights", "f32", "--kv-type", "f32")
+    out = tmp_path / "b.plan.bin"
+    assert compile_main([str(DATA / "golden-a"), "-o", str(out), "--target", "cpu", "--max-seq-len", "64",
+                         "--prefill-chunk", "16", "-q", "--weights", "f32", "--kv-type", "f32",
+                         "--no-fuse", "norm_prologue"]) == 0
+    b = Plan.open(out)
+    assert b.graphs()["decode"].kernel_count() == a.graphs()["decode"].kernel_count() + 5  # two norms per layer, one final
+    prompt = [5, 9, 17, 33, 2]
+    assert rel_err(np.stack(_generate(b, prompt, 3).logits), np.stack(_generate(a, prompt, 3).logits)) <= 1e-5
+
+
+def _one_line_error(capsys, argv, message):
+    assert compile_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("llmrs-compile: error:") and message in err, err
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
+    out = str(tmp_path / "x.plan.bin")
+    _one_line_error(capsys, [str(tmp_path), "-o", out], "no config.json")
+    bad = tmp_path / "bad"
+    shutil.copytree(DATA / "golden-a", bad)
+    raw = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**raw, "architectures": ["GPT2LMHeadModel"]}))
+    _one_line_error(capsys, [str(bad), "-o", out], "architecture GPT2LMHeadModel is not supported")
+    (bad / "config.json").write_text(json.dumps({**raw, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}))
+    _one_line_error(capsys, [str(bad), "-o", out], "rope_scaling type 'dynamic' is not supported")
+    (bad / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": 3}))
+    _one_line_error(capsys, [str(bad), "-o", out], "tensor 'model.layers.2.input_layernorm.weight' is missing")
+    (bad / "config.json").write_text(json.dumps({**raw, "intermediate_size": 200}))
+    _one_line_error(capsys, [str(bad), "-o", out], "has shape [192, 64], config.json implies [200, 64]")
+    _one_line_error(capsys, [str(DATA / "golden-a"), "-o", out, "--no-fuse", "everything"], "everything")
+    _one_line_error(capsys, [str(DATA / "golden-a"), "-o", out, "--target", "tpu"], "--target 'tpu'")
+    assert not (tmp_path / "x.plan.bin").exists()
+
+
+def test_bad_flag_value_is_one_line_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        compile_main([str(DATA / "golden-a"), "-o", "x.bin", "--weights", "q3_k"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "invalid choice: 'q3_k'" in err
