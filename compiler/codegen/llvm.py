@@ -1,0 +1,165 @@
+"""CPU code for a plan: one LLVM function per phase runs the whole step.
+
+    void llmrs_<phase>(ptr arena,          // activations, graph.meta["layout"]["arena"] offsets
+                       ptr weight_table,   // ptr[len(weight_names(graphs))]: each weight's address
+                       ptr kv,             // KV caches, layout["kv"] offsets
+                       ptr scratch,        // u8[nth, llmrs_scratch_bytes()]: per-thread scratch
+                       ptr barrier,        // u32[32], zeroed once; shared by the thread team
+                       i64 n_tokens, i64 n_past, i64 start_pos, i64 tid, i64 nth)
+
+Each of nth threads calls it with its id; every kernel does its share of rows, and the threads
+meet at a spinning barrier between kernels, so a step is one foreign call per thread. Kernels are
+shared between ops (and phases) with the same shapes, dtypes and attributes.
+"""
+from __future__ import annotations
+
+import json
+from typing import Mapping, Sequence
+
+import llvmlite.ir as ir
+
+from ..ir import Graph, Op
+from .llvm_builder import I32, I64, PTR, VOID
+from .llvm_kernels import CodegenError, emit_op, op_scratch_bytes
+from .llvm_target import Target, emit
+
+PHASES = ("prefill", "decode")
+ALIGN = 64
+
+
+def _graphs(graphs: Mapping[str, Graph] | Sequence[Graph]) -> list[Graph]:
+    return list(graphs.values()) if isinstance(graphs, Mapping) else list(graphs)
+
+
+def weight_names(graphs: Mapping[str, Graph] | Sequence[Graph]) -> list[str]:
+    """Order of the weight table: every param/const an op of any phase reads, sorted by name."""
+    names = set()
+    for g in _graphs(graphs):
+        for op in g.ops:
+            names.update(i for i in op.inputs if g.values[i].kind in ("param", "const"))
+    return sorted(names)
+
+
+def naive_layout(graphs: Mapping[str, Graph] | Sequence[Graph]) -> None:
+    """Give graphs without a plan_memory layout one: every value its own arena slot, shared KV."""
+    gs = _graphs(graphs)
+    kv: dict[str, int] = {}
+    kv_end = 0
+    for g in gs:
+        for name in g.state:
+            if name not in kv:
+                kv[name] = kv_end
+                kv_end += _align(g.values[name].nbytes)
+    arena_bytes = 0
+    for g in gs:
+        if "layout" in g.meta:
+            continue
+        arena, end = {}, 0
+        for v in g.values.values():
+            if v.kind in ("act", "input") and v.alias is None:
+                arena[v.name] = end
+                end += _align(v.nbytes)
+        arena_bytes = max(arena_bytes, end)
+        g.meta["layout"] = {"alignment": ALIGN, "arena": arena, "arena_bytes": end, "kv": kv,
+                            "kv_bytes": kv_end, "naive_bytes": end, "lower_bound_bytes": end}
+    for g in gs:
+        g.meta["layout"]["arena_bytes"] = max(g.meta["layout"]["arena_bytes"], arena_bytes)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def scratch_bytes(graphs: Mapping[str, Graph] | Sequence[Graph]) -> int:
+    return _align(max([op_scratch_bytes(g, op) for g in _graphs(graphs) for op in g.ops] + [ALIGN]))
+
+
+def _kernel_key(g: Graph, op: Op) -> str:
+    def val(n: str) -> tuple:
+        v = g.values[n]
+        alias_dtype = g.values[v.alias].dtype if v.alias else None
+        return (v.shape, v.dtype, alias_dtype, v.kind in ("param", "const"))
+    return json.dumps([op.kind, g.T, [val(i) for i in op.inputs], [val(o) for o in op.outputs],
+                       sorted((k, repr(a)) for k, a in op.attrs.items())])
+
+
+def _barrier(module: ir.Module, target: Target) -> ir.Function:
+    """Centralised barrier: count arrivals; the last one resets the count and bumps the generation."""
+    fn = ir.Function(module, ir.FunctionType(VOID, [PTR, I64]), "llmrs_barrier")
+    fn.linkage = "internal"
+    bar, nth = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    count = bar                                                      # u32 at byte 0
+    gen_ptr = b.gep(bar, [ir.Constant(I64, 64)], source_etype=ir.IntType(8))  # u32 at byte 64
+    gen = b.load_atomic(gen_ptr, "acquire", 4, typ=I32)
+    old = b.atomic_rmw("add", count, ir.Constant(I32, 1), "acq_rel")
+    last = b.icmp_unsigned("==", b.zext(old, I64), b.sub(nth, ir.Constant(I64, 1)))
+    spin = fn.append_basic_block("spin")
+    done = fn.append_basic_block("done")
+    release = fn.append_basic_block("release")
+    b.cbranch(last, release, spin)
+    b.position_at_end(release)
+    b.atomic_rmw("xchg", count, ir.Constant(I32, 0), "monotonic")
+    b.atomic_rmw("add", gen_ptr, ir.Constant(I32, 1), "release")
+    b.branch(done)
+    b.position_at_end(spin)
+    if target.is_x86:
+        b.call(ir.Function(module, ir.FunctionType(VOID, []), "llvm.x86.sse2.pause"), [])
+    elif target.is_aarch64:
+        b.call(ir.Function(module, ir.FunctionType(VOID, [I32]), "llvm.aarch64.hint"), [ir.Constant(I32, 1)])
+    now = b.load_atomic(gen_ptr, "acquire", 4, typ=I32)
+    b.cbranch(b.icmp_unsigned("==", now, gen), spin, done)
+    b.position_at_end(done)
+    b.ret_void()
+    return fn
+
+
+def build_module(graphs: Mapping[str, Graph] | Sequence[Graph], target: Target) -> ir.Module:
+    gs = _graphs(graphs)
+    for g in gs:
+        if "layout" not in g.meta:
+            raise CodegenError(f"graph {g.name} has no memory layout; run plan_memory "
+                               "(compiler/pipeline.py) before LLVM codegen")
+    module = ir.Module("llmrs")
+    module.triple = target.triple
+    wnames = {n: i for i, n in enumerate(weight_names(gs))}
+    stride = scratch_bytes(gs)
+    barrier = _barrier(module, target)
+    kernels: dict[str, ir.Function] = {}
+    for g in gs:
+        lay = g.meta["layout"]
+        fn = ir.Function(module, ir.FunctionType(VOID, [PTR] * 5 + [I64] * 5), f"llmrs_{g.name}")
+        arena, wtab, kv, scratch, bar, n_tokens, n_past, start_pos, tid, nth = fn.args
+        b = ir.IRBuilder(fn.append_basic_block("entry"))
+        my_scratch = b.gep(scratch, [b.mul(tid, ir.Constant(I64, stride))], source_etype=ir.IntType(8))
+
+        def ptr(name: str) -> ir.Value:
+            v = g.values[name]
+            if v.kind in ("param", "const"):
+                slot = b.gep(wtab, [ir.Constant(I64, wnames[name] * 8)], source_etype=ir.IntType(8))
+                return b.load(slot, typ=PTR)
+            if v.kind == "state" or v.alias:
+                off, base = lay["kv"][v.alias or name], kv
+            else:
+                off, base = lay["arena"][name], arena
+            return b.gep(base, [ir.Constant(I64, off)], source_etype=ir.IntType(8))
+
+        for i, op in enumerate(g.ops):
+            key = _kernel_key(g, op)
+            if key not in kernels:
+                kernels[key] = emit_op(module, target, g, op, f"k{len(kernels)}.{op.kind}", internal=True)
+            args = [ptr(n) for n in op.inputs + op.outputs]
+            b.call(kernels[key], args + [n_tokens, n_past, start_pos, tid, nth, my_scratch])
+            if i + 1 < len(g.ops):
+                b.call(barrier, [bar, nth])
+        b.ret_void()
+    # self-description the runtime reads through the JIT: per-thread scratch size
+    sfn = ir.Function(module, ir.FunctionType(I64, []), "llmrs_scratch_bytes")
+    ir.IRBuilder(sfn.append_basic_block("entry")).ret(ir.Constant(I64, stride))
+    return module
+
+
+def generate(graphs: Mapping[str, Graph] | Sequence[Graph], target: Target) -> tuple[str, bytes]:
+    """(LLVM IR text, object code for target) holding llmrs_prefill / llmrs_decode."""
+    ir_text = str(build_module(graphs, target))
+    return ir_text, emit(ir_text, target)

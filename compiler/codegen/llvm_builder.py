@@ -1,0 +1,231 @@
+"""Small helpers over llvmlite.ir for writing kernels: loops, typed loads, vectors, intrinsics."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import llvmlite.ir as ir
+
+from .llvm_target import Target
+
+I1, I8, I16, I32, I64 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+F16, F32 = ir.HalfType(), ir.FloatType()
+PTR = ir.PointerType()
+VOID = ir.VoidType()
+
+# every kernel: (ptr buffers..., i64 n_tokens, n_past, start_pos, tid, nth, ptr scratch)
+SCALAR_ARGS = ("n_tokens", "n_past", "start_pos", "tid", "nth")
+
+
+def vec(t: ir.Type, n: int) -> ir.VectorType:
+    return ir.VectorType(t, n)
+
+
+def _type_name(t: ir.Type) -> str:
+    if isinstance(t, ir.VectorType):
+        return f"v{t.count}{_type_name(t.element)}"
+    return {id(F32): "f32", id(F16): "f16"}.get(id(t), str(t))
+
+
+class KernelBuilder:
+    """One kernel function under construction: its builder, arguments and target."""
+
+    def __init__(self, module: ir.Module, target: Target, name: str, n_buffers: int,
+                 internal: bool = False):
+        self.module = module
+        self.target = target
+        self.vw = target.float_lanes
+        fnty = ir.FunctionType(VOID, [PTR] * n_buffers + [I64] * len(SCALAR_ARGS) + [PTR])
+        self.fn = ir.Function(module, fnty, name)
+        if internal:
+            self.fn.linkage = "internal"
+        self.fn.attributes.add("nounwind")
+        args = list(self.fn.args)
+        self.bufs = args[:n_buffers]  # no `noalias`: an epilogue may write in place over its residual
+        s = args[n_buffers:n_buffers + len(SCALAR_ARGS)]
+        self.n_tokens, self.n_past, self.start_pos, self.tid, self.nth = s
+        self.scratch = args[-1]
+        self.entry = self.fn.append_basic_block("entry")
+        self.b = ir.IRBuilder(self.entry)
+
+    def finish(self) -> ir.Function:
+        self.b.ret_void()
+        return self.fn
+
+    # -- constants and variables ----------------------------------------------------------------
+    @staticmethod
+    def i64(v: int) -> ir.Constant:
+        return ir.Constant(I64, int(v))
+
+    @staticmethod
+    def f32(v: float) -> ir.Constant:
+        return ir.Constant(F32, float(v))
+
+    def var(self, ty: ir.Type, init: ir.Value | None = None, count: int | None = None) -> ir.Value:
+        """A stack slot made in the entry block, so LLVM promotes it to registers."""
+        with self.b.goto_entry_block():
+            if self.entry.instructions:
+                self.b.position_before(self.entry.instructions[0])
+            slot = self.b.alloca(ty, size=None if count is None else self.i64(count))
+        if init is not None:
+            self.b.store(init, slot)
+        if count is None:
+            return slot
+        # arrays are addressed bytewise through at(); llvmlite types an alloca's pointer and would
+        # refuse vector stores into it, so hand out an untyped `ptr` to the same slot
+        with self.b.goto_entry_block():
+            self.b.position_after(slot)
+            return self.b.inttoptr(self.b.ptrtoint(slot, I64), PTR)
+
+    # -- control flow --------------------------------------------------------------------------
+    @contextmanager
+    def loop(self, start: ir.Value | int, stop: ir.Value | int, step: int = 1) -> Iterator[ir.Value]:
+        b = self.b
+        start = self.i64(start) if isinstance(start, int) else start
+        stop = self.i64(stop) if isinstance(stop, int) else stop
+        pre = b.block
+        cond = b.append_basic_block("loop")
+        body = b.append_basic_block("body")
+        end = b.append_basic_block("endloop")
+        b.branch(cond)
+        b.position_at_end(cond)
+        i = b.phi(I64)
+        i.add_incoming(start, pre)
+        b.cbranch(b.icmp_signed("<", i, stop), body, end)
+        b.position_at_end(body)
+        yield i
+        nxt = b.add(i, self.i64(step))
+        i.add_incoming(nxt, b.block)
+        b.branch(cond)
+        b.position_at_end(end)
+
+    @contextmanager
+    def if_(self, cond: ir.Value) -> Iterator[None]:
+        with self.b.if_then(cond):
+            yield
+
+    def split(self, units: ir.Value | int) -> tuple[ir.Value, ir.Value]:
+        """This thread's share [lo, hi) of `units` work items, contiguous, sizes within one."""
+        b = self.b
+        u = self.i64(units) if isinstance(units, int) else units
+        lo = b.udiv(b.mul(u, self.tid), self.nth)
+        hi = b.udiv(b.mul(u, b.add(self.tid, self.i64(1))), self.nth)
+        return lo, hi
+
+    # -- memory --------------------------------------------------------------------------------
+    def at(self, ptr: ir.Value, byte_offset: ir.Value | int) -> ir.Value:
+        off = self.i64(byte_offset) if isinstance(byte_offset, int) else byte_offset
+        return self.b.gep(ptr, [off], inbounds=True, source_etype=I8)
+
+    def load(self, ty: ir.Type, ptr: ir.Value, byte_offset: ir.Value | int = 0) -> ir.Value:
+        return self.b.load(self.at(ptr, byte_offset), typ=ty, align=1)
+
+    def store(self, val: ir.Value, ptr: ir.Value, byte_offset: ir.Value | int = 0) -> None:
+        self.b.store(val, self.at(ptr, byte_offset), align=1)
+
+    def idx(self, *terms: tuple[ir.Value | int, int]) -> ir.Value:
+        """sum of value * constant: byte offsets from indices and strides."""
+        b = self.b
+        acc: ir.Value = self.i64(0)
+        for v, k in terms:
+            v = self.i64(v) if isinstance(v, int) else v
+            acc = b.add(acc, v if k == 1 else b.mul(v, self.i64(k)))
+        return acc
+
+    def load_floats(self, dtype: str, ptr: ir.Value, elem_index: ir.Value, n: int) -> ir.Value:
+        """n consecutive elements of an f32/f16/bf16 array as <n x float>."""
+        b = self.b
+        if dtype == "f32":
+            return self.load(vec(F32, n), ptr, b.mul(elem_index, self.i64(4)))
+        raw = self.load(vec(I16, n), ptr, b.mul(elem_index, self.i64(2)))
+        if dtype == "f16":
+            return b.fpext(b.bitcast(raw, vec(F16, n)), vec(F32, n))
+        if dtype == "bf16":
+            return b.bitcast(b.shl(b.zext(raw, vec(I32, n)), self.splat(ir.Constant(I32, 16), n)), vec(F32, n))
+        raise ValueError(f"no float load for dtype {dtype!r}")
+
+    def store_floats(self, dtype: str, val: ir.Value, ptr: ir.Value, elem_index: ir.Value) -> None:
+        b = self.b
+        n = val.type.count
+        if dtype == "f32":
+            self.store(val, ptr, b.mul(elem_index, self.i64(4)))
+        elif dtype == "f16":
+            self.store(b.fptrunc(val, vec(F16, n)), ptr, b.mul(elem_index, self.i64(2)))
+        else:
+            raise ValueError(f"no float store for dtype {dtype!r}")
+
+    # -- vectors -------------------------------------------------------------------------------
+    def splat(self, x: ir.Value, n: int) -> ir.Value:
+        b = self.b
+        v = b.insert_element(ir.Constant(vec(x.type, n), None), x, ir.Constant(I32, 0))
+        return b.shuffle_vector(v, ir.Constant(vec(x.type, n), None), ir.Constant(vec(I32, n), [0] * n))
+
+    def shuffle(self, a: ir.Value, b_: ir.Value | None, mask: Sequence[int]) -> ir.Value:
+        other = b_ if b_ is not None else ir.Constant(a.type, None)
+        return self.b.shuffle_vector(a, other, ir.Constant(vec(I32, len(mask)), list(mask)))
+
+    def halves(self, v: ir.Value) -> tuple[ir.Value, ir.Value]:
+        n = v.type.count // 2
+        return self.shuffle(v, None, range(n)), self.shuffle(v, None, range(n, 2 * n))
+
+    def concat(self, a: ir.Value, c: ir.Value) -> ir.Value:
+        return self.shuffle(a, c, range(2 * a.type.count))
+
+    def hsum(self, v: ir.Value) -> ir.Value:
+        """Pairwise tree sum of a vector's lanes (fixed order, so every run rounds alike)."""
+        b = self.b
+        while v.type.count > 1:
+            lo, hi = self.halves(v)
+            v = b.fadd(lo, hi) if isinstance(v.type.element, ir.FloatType) else b.add(lo, hi)
+        return b.extract_element(v, ir.Constant(I32, 0))
+
+    def hmax(self, v: ir.Value) -> ir.Value:
+        while v.type.count > 1:
+            lo, hi = self.halves(v)
+            v = self.maxnum(lo, hi)
+        return self.b.extract_element(v, ir.Constant(I32, 0))
+
+    # -- intrinsics ----------------------------------------------------------------------------
+    def intrinsic(self, name: str, ret: ir.Type, args: Sequence[ir.Type]) -> ir.Function:
+        fn = self.module.globals.get(name)
+        if fn is None:
+            fn = ir.Function(self.module, ir.FunctionType(ret, list(args)), name)
+        return fn
+
+    def call_math(self, base: str, *xs: ir.Value) -> ir.Value:
+        t = xs[0].type
+        fn = self.intrinsic(f"llvm.{base}.{_type_name(t)}", t, [x.type for x in xs])
+        return self.b.call(fn, list(xs))
+
+    def maxnum(self, a: ir.Value, c: ir.Value) -> ir.Value:
+        return self.call_math("maxnum", a, c)
+
+    def fabs(self, a: ir.Value) -> ir.Value:
+        return self.call_math("fabs", a)
+
+    def sqrt(self, a: ir.Value) -> ir.Value:
+        return self.call_math("sqrt", a)
+
+    def exp(self, a: ir.Value) -> ir.Value:
+        return self.call_math("exp", a)
+
+    def round_away(self, a: ir.Value) -> ir.Value:
+        return self.call_math("round", a)   # half away from zero, as C's roundf
+
+    def fma(self, a: ir.Value, c: ir.Value, d: ir.Value) -> ir.Value:
+        return self.call_math("fma", a, c, d)
+
+    def to_f16_and_back(self, x: ir.Value) -> ir.Value:
+        return self.b.fpext(self.b.fptrunc(x, F16), F32)
+
+    def load_f16(self, ptr: ir.Value, byte_offset: ir.Value | int) -> ir.Value:
+        return self.b.fpext(self.b.bitcast(self.load(I16, ptr, byte_offset), F16), F32)
+
+    def store_f16(self, x: ir.Value, ptr: ir.Value, byte_offset: ir.Value | int) -> None:
+        self.store(self.b.bitcast(self.b.fptrunc(x, F16), I16), ptr, byte_offset)
+
+    def silu(self, x: ir.Value) -> ir.Value:
+        """x / (1 + exp(-x)), operation for operation as the interpreter."""
+        b = self.b
+        one = self.f32(1.0) if x.type == F32 else self.splat(self.f32(1.0), x.type.count)
+        return b.fdiv(x, b.fadd(one, self.exp(b.fneg(x))))

@@ -1,0 +1,253 @@
+"""One LLVM kernel per graph op. Every kernel takes (ptr op.inputs..., ptr op.outputs..., i64 n_tokens,
+n_past, start_pos, tid, nth, ptr scratch) and does this thread's share of the op's rows."""
+from __future__ import annotations
+
+import math
+
+import llvmlite.ir as ir
+
+from ...models.rope import rope_inv_freq
+from ..ir import QK, Graph, Op
+from .llvm_builder import F32, I8, I32, KernelBuilder, vec
+from .llvm_matmul import (BLOCK_BYTES, MatmulSpec, cache_row_bytes, check_matmul, emit_matmul,
+                          load_weight_block, normalized, rms_scale_row, rope_row, store_cache_row)
+from .llvm_target import Target
+
+
+class CodegenError(ValueError):
+    """An op the CPU back end cannot compile; the message names the op and what to change."""
+
+
+def cache_dtype(graph: Graph, name: str) -> str:
+    v = graph.values[name]
+    return graph.values[v.alias].dtype if v.alias else v.dtype
+
+
+def op_scratch_bytes(graph: Graph, op: Op) -> int:
+    if op.kind in ("matmul", "fused_matmul"):
+        return MatmulSpec.of(graph, op).scratch_bytes()
+    return 0
+
+
+def emit_op(module: ir.Module, target: Target, graph: Graph, op: Op, name: str,
+            internal: bool = False) -> ir.Function:
+    where = f"op {op.name} ({op.kind}) of graph {graph.name}"
+    kb = KernelBuilder(module, target, name, len(op.inputs) + len(op.outputs), internal)
+    if op.kind in ("matmul", "fused_matmul"):
+        spec = MatmulSpec.of(graph, op)
+        try:
+            check_matmul(spec, where)
+        except ValueError as e:
+            raise CodegenError(str(e)) from None
+        emit_matmul(kb, spec)
+        return kb.fn
+    emitter = _EMITTERS.get(op.kind)
+    if emitter is None:
+        raise CodegenError(f"{where}: no CPU kernel for this op kind; run the fuse pass or use "
+                           "--backend reference")
+    emitter(kb, graph, op)
+    return kb.finish()
+
+
+def _shape(graph: Graph, name: str) -> tuple[int, ...]:
+    return graph.values[name].shape
+
+
+def _embedding(kb: KernelBuilder, graph: Graph, op: Op) -> None:
+    table, tokens, out = kb.bufs
+    b, vw = kb.b, kb.vw
+    tv = graph.values[op.inputs[0]]
+    d = tv.shape[1]
+    lo, hi = kb.split(kb.n_tokens)
+    with kb.loop(lo, hi) as t:
+        tok = b.sext(kb.load(I32, tokens, b.mul(t, kb.i64(4))), ir.IntType(64))
+        if tv.dtype in BLOCK_BYTES:
+            rb = d // QK * BLOCK_BYTES[tv.dtype]
+            with kb.loop(0, d // QK) as blk:
+                scale, q = load_weight_block(kb, tv.dtype, table, tok, blk, rb)
+                for j in range(0, QK, vw):
+                    part = kb.shuffle(q, None, range(j, j + vw))
+                    val = b.fmul(b.sitofp(part, vec(F32, vw)), kb.splat(scale, vw))
+                    kb.store(val, out, b.mul(kb.idx((t, d), (blk, QK), (j, 1)), kb.i64(4)))
+        else:
+            with kb.loop(0, d, vw) as k:
+                val = kb.load_floats(tv.dtype, table, b.add(b.mul(tok, kb.i64(d)), k), vw)
+                kb.store(val, out, b.mul(kb.idx((t, d), (k, 1)), kb.i64(4)))
+
+
+def _rms_norm(kb: KernelBuilder, graph: Graph, op: Op) -> None:
+    x, w, out = kb.bufs
+    b = kb.b
+    d = _shape(graph, op.inputs[0])[1]
+    wdt = graph.values[op.inputs[1]].dtype
+    lo, hi = kb.split(kb.n_tokens)
+    with kb.loop(lo, hi) as t:
+        row = b.mul(t, kb.i64(d * 4))
+        den = rms_scale_row(kb, x, row, d, float(op.attrs["eps"]))
+        with kb.loop(0, d, kb.vw) as k:
+            kb.store(normalized(kb, x, row, k, den, w, wdt), out, b.add(row, b.mul(k, kb.i64(4))))
+
+
+def _elementwise(kind: str):
+    def emit(kb: KernelBuilder, graph: Graph, op: Op) -> None:
+        b, vw = kb.b, kb.vw
+        d = _shape(graph, op.inputs[0])[-1]
+        if d % vw:
+            raise CodegenError(f"op {op.name} ({kind}): last axis {d} is not a multiple of {vw}")
+        rows = _shape(graph, op.inputs[0])[0] if len(_shape(graph, op.inputs[0])) > 1 else 1
+        n_rows = kb.n_tokens if rows == graph.T and rows > 1 else kb.i64(rows)
+        lo, hi = kb.split(b.mul(n_rows, kb.i64(d // vw)))
+        with kb.loop(lo, hi) as i:
+            off = b.mul(i, kb.i64(vw * 4))
+            args = [kb.load(vec(F32, vw), p, off) for p in kb.bufs[:-1]]
+            if kind == "add":
+                y = b.fadd(*args)
+            elif kind == "mul":
+                y = b.fmul(*args)
+            elif kind == "silu":
+                y = kb.silu(args[0])
+            else:
+                y = b.fmul(kb.silu(args[0]), args[1])
+            kb.store(y, kb.bufs[-1], off)
+    return emit
+
+
+def _argmax(kb: KernelBuilder, graph: Graph, op: Op) -> None:
+    x, out = kb.bufs
+    b = kb.b
+    v = _shape(graph, op.inputs[0])[1]
+    rows = _shape(graph, op.inputs[0])[0]
+    lo, hi = kb.split(kb.n_tokens if rows == graph.T and rows > 1 else kb.i64(rows))
+    with kb.loop(lo, hi) as t:
+        row = b.mul(t, kb.i64(v * 4))
+        best = kb.var(F32, kb.load(F32, x, row))
+        arg = kb.var(ir.IntType(64), kb.i64(0))
+        with kb.loop(1, v) as j:
+            val = kb.load(F32, x, b.add(row, b.mul(j, kb.i64(4))))
+            better = b.fcmp_ordered(">", val, b.load(best))  # strict: the first maximum wins
+            b.store(b.select(better, val, b.load(best)), best)
+            b.store(b.select(better, j, b.load(arg)), arg)
+        kb.store(b.trunc(b.load(arg), I32), out, b.mul(t, kb.i64(4)))
+
+
+def _slice(kb: KernelBuilder, graph: Graph, op: Op) -> None:
+    x, out = kb.bufs
+    b = kb.b
+    d = _shape(graph, op.inputs[0])[1]
+    lo, hi = kb.split(d // kb.vw)
+    last = b.sub(kb.n_tokens, kb.i64(1))
+    with kb.loop(lo, hi) as i:
+        off = b.mul(i, kb.i64(kb.vw * 4))
+        kb.store(kb.load(vec(F32, kb.vw), x, b.add(b.mul(last, kb.i64(d * 4)), off)), out, off)
+
+
+def _inv_freq_ptr(kb: KernelBuilder, op: Op) -> tuple[ir.Value, str]:
+    """The folded inv_freq input, or a constant table made from the op's RoPE attributes."""
+    if len(op.inputs) > 1:
+        return kb.bufs[1], "f32"
+    a = op.attrs
+    table = rope_inv_freq(a["head_dim"], a["theta"], a.get("scaling"))
+    name = f"inv_freq.{kb.fn.name}"
+    g = ir.GlobalVariable(kb.module, ir.ArrayType(F32, len(table)), name)
+    g.linkage, g.global_constant = "internal", True
+    g.initializer = ir.Constant(ir.ArrayType(F32, len(table)), [float(f) for f in table])
+    return g, "f32"
+
+
+def _rope(kb: KernelBuilder, graph: Graph, op: Op) -> None:
+    x, out = kb.bufs[0], kb.bufs[-1]
+    b = kb.b
+    h, hd = op.attrs["n_heads"], op.attrs["head_dim"]
+    inv, inv_dt = _inv_freq_ptr(kb, op)
+    lo, hi = kb.split(b.mul(kb.n_tokens, kb.i64(h)))
+    with kb.loop(lo, hi) as i:
+        t = b.udiv(i, kb.i64(h))
+        off = b.mul(i, kb.i64(hd * 4))   # rows of [T, H*hd] are heads laid end to end
+        rope_row(kb, kb.at(x, off), kb.at(out, off), b.add(kb.start_pos, t), inv, inv_dt, hd)
+
+
+def _kv_store(kb: KernelBuilder, graph: Graph, op: Op) -> None:
+    src, cache = kb.bufs[0], kb.bufs[1]
+    b = kb.b
+    _, kvh, hd = _shape(graph, op.inputs[1])
+    dt = cache_dtype(graph, op.inputs[1])
+    lo, hi = kb.split(b.mul(kb.n_tokens, kb.i64(kvh)))
+    with kb.loop(lo, hi) as i:
+        t, kh = b.udiv(i, kb.i64(kvh)), b.urem(i, kb.i64(kvh))
+        store_cache_row(kb, kb.at(src, b.mul(i, kb.i64(hd * 4))), cache, b.add(kb.n_past, t), kh, kvh, hd, dt)
+
+
+def load_kv(kb: KernelBuilder, dtype: str, cache: ir.Value, slot: ir.Value, kh: ir.Value,
+            kvh: int, hd: int, j: ir.Value) -> ir.Value:
+    """VW floats cache[slot, kh, j:j+VW], dequantized."""
+    b, vw = kb.b, kb.vw
+    rb = cache_row_bytes(dtype, hd)
+    base = kb.idx((slot, kvh * rb), (kh, rb))
+    if dtype in ("f32", "f16"):
+        return kb.load_floats(dtype, kb.at(cache, base), j, vw)
+    off = b.add(base, b.mul(b.udiv(j, kb.i64(QK)), kb.i64(34)))
+    d = kb.load_f16(cache, off)
+    q = kb.load(vec(I8, vw), cache, b.add(b.add(off, kb.i64(2)), b.urem(j, kb.i64(QK))))
+    return b.fmul(b.sitofp(q, vec(F32, vw)), kb.splat(d, vw))
+
+
+def _attention(kb: KernelBuilder, graph: Graph, op: Op) -> None:
+    """Causal GQA with an online softmax; one work item is one (token, query head)."""
+    q, k_cache, v_cache, out = kb.bufs
+    b, vw = kb.b, kb.vw
+    a = op.attrs
+    h, kvh, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
+    if hd % vw:
+        raise CodegenError(f"op {op.name} (attention): head_dim {hd} is not a multiple of {vw}")
+    kdt, vdt = cache_dtype(graph, op.inputs[1]), cache_dtype(graph, op.inputs[2])
+    group = h // kvh
+    zero = ir.Constant(vec(F32, vw), [0.0] * vw)
+    acc = kb.var(F32, count=hd)                          # f32[hd]: sum of p * v so far
+    m = kb.var(F32)
+    total = kb.var(F32)
+    lo, hi = kb.split(b.mul(kb.n_tokens, kb.i64(h)))
+    with kb.loop(lo, hi) as i:
+        t, hh = b.udiv(i, kb.i64(h)), b.urem(i, kb.i64(h))
+        kh = b.udiv(hh, kb.i64(group))
+        q_row = kb.at(q, b.mul(i, kb.i64(hd * 4)))
+        with kb.loop(0, hd, vw) as j:
+            kb.store(zero, acc, b.mul(j, kb.i64(4)))
+        b.store(kb.f32(-math.inf), m)
+        b.store(kb.f32(0.0), total)
+        length = b.add(b.add(kb.n_past, t), kb.i64(1))
+        with kb.loop(0, length) as slot:
+            dot = kb.var(vec(F32, vw), zero)
+            with kb.loop(0, hd, vw) as j:
+                qv = kb.load(vec(F32, vw), q_row, b.mul(j, kb.i64(4)))
+                b.store(kb.fma(qv, load_kv(kb, kdt, k_cache, slot, kh, kvh, hd, j), b.load(dot)), dot)
+            score = b.fmul(kb.hsum(b.load(dot)), kb.f32(a["scale"]))
+            m_old = b.load(m)
+            m_new = kb.maxnum(m_old, score)
+            corr = kb.exp(b.fsub(m_old, m_new))
+            p = kb.exp(b.fsub(score, m_new))
+            b.store(m_new, m)
+            b.store(b.fadd(b.fmul(b.load(total), corr), p), total)
+            corr_v, p_v = kb.splat(corr, vw), kb.splat(p, vw)
+            with kb.loop(0, hd, vw) as j:
+                off = b.mul(j, kb.i64(4))
+                vv = load_kv(kb, vdt, v_cache, slot, kh, kvh, hd, j)
+                kb.store(kb.fma(p_v, vv, b.fmul(kb.load(vec(F32, vw), acc, off), corr_v)), acc, off)
+        inv = kb.splat(b.load(total), vw)
+        with kb.loop(0, hd, vw) as j:
+            off = b.mul(j, kb.i64(4))
+            kb.store(b.fdiv(kb.load(vec(F32, vw), acc, off), inv), out, b.add(b.mul(i, kb.i64(hd * 4)), off))
+
+
+_EMITTERS = {
+    "embedding": _embedding,
+    "rms_norm": _rms_norm,
+    "add": _elementwise("add"),
+    "mul": _elementwise("mul"),
+    "silu": _elementwise("silu"),
+    "silu_mul": _elementwise("silu_mul"),
+    "argmax": _argmax,
+    "slice": _slice,
+    "rope": _rope,
+    "kv_store": _kv_store,
+    "attention": _attention,
+}

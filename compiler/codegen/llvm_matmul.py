@@ -1,0 +1,406 @@
+"""matmul / fused_matmul kernels: x[T,K] @ w[N,K].T with an optional RMSNorm prologue and an
+add / silu_mul / rope_kv_store epilogue (compiler/ir.py gives the exact semantics).
+
+q4_0 / q8_0 weights: each thread quantizes the activation rows to Q8_0 in its own scratch
+(GGML's reference rounding), then every 32-value block is an int8 x int8 -> int32 dot product,
+scaled by d_w * d_x and accumulated in f32 lanes, as GGML's CPU kernels do. A tile is R weight
+rows x TT tokens: each weight block is loaded and unpacked once per TT tokens (prefill), and
+tokens are walked in chunks of TC so the quantized activations stay in L2.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import llvmlite.ir as ir
+
+from ..ir import QK, Graph, Op
+from .llvm_builder import F32, I8, I32, KernelBuilder, vec
+
+BLOCK_BYTES = {"q4_0": 18, "q8_0": 34}
+TOKEN_TILE = 4     # tokens per tile in prefill
+TOKEN_CHUNK = 64   # tokens whose quantized rows are walked per pass over a thread's weight rows
+FLOAT_WEIGHTS = ("f32", "f16", "bf16")
+
+
+@dataclass(frozen=True)
+class MatmulSpec:
+    T: int                      # max tokens (graph's T)
+    K: int
+    N: int                      # weight rows
+    wdtype: str                 # q4_0 | q8_0 | f16 | bf16 | f32
+    prologue: bool = False      # rms_norm of x first
+    eps: float = 0.0
+    norm_dtype: str = "f32"
+    epilogue: str | None = None  # None | add | silu_mul | rope_kv_store
+    n_heads: int = 0
+    n_kv_heads: int = 0
+    head_dim: int = 0
+    inv_freq_dtype: str = "f32"
+    cache_dtype: str = "f32"    # k/v cache dtype (rope_kv_store)
+
+    @staticmethod
+    def of(graph: Graph, op: Op) -> "MatmulSpec":
+        v = graph.values
+        x, w = v[op.inputs[0]], v[op.inputs[1]]
+        a = op.attrs
+        pro = op.kind == "fused_matmul" and a.get("prologue") == "rms_norm"
+        epi = a.get("epilogue") if op.kind == "fused_matmul" else None
+        kw = {}
+        if pro:
+            kw.update(eps=float(a["eps"]), norm_dtype=v[op.inputs[2]].dtype)
+        if epi == "rope_kv_store":
+            n_extra = 3 if pro else 2
+            cache = v[op.inputs[n_extra + 1]]
+            cache_dtype = v[cache.alias].dtype if cache.alias else cache.dtype
+            kw.update(n_heads=a["n_heads"], n_kv_heads=a["n_kv_heads"], head_dim=a["head_dim"],
+                      inv_freq_dtype=v[op.inputs[n_extra]].dtype, cache_dtype=cache_dtype)
+        return MatmulSpec(graph.T, x.shape[1], w.shape[0], w.dtype, pro, epilogue=epi, **kw)
+
+    @property
+    def quantized(self) -> bool:
+        return self.wdtype in BLOCK_BYTES
+
+    @property
+    def row_bytes(self) -> int:
+        if self.quantized:
+            return self.K // QK * BLOCK_BYTES[self.wdtype]
+        return self.K * (4 if self.wdtype == "f32" else 2)
+
+    def scratch_bytes(self) -> int:
+        """Per-thread scratch: Q8_0 activations (quantized weights) or normalised f32 rows."""
+        if self.quantized:
+            return _align(self.T * self.K) + _align(self.T * self.K // QK * 4)
+        return self.T * self.K * 4 if self.prologue else 0
+
+
+def _align(n: int, a: int = 64) -> int:
+    return (n + a - 1) // a * a
+
+
+def check_matmul(spec: MatmulSpec, where: str) -> None:
+    if spec.K % QK:
+        raise ValueError(f"{where}: K={spec.K} is not a multiple of {QK}; the CPU kernels need it")
+    if spec.wdtype not in BLOCK_BYTES and spec.wdtype not in FLOAT_WEIGHTS:
+        raise ValueError(f"{where}: weight dtype {spec.wdtype} has no CPU matmul kernel")
+    if spec.epilogue == "rope_kv_store" and spec.head_dim % 8:
+        raise ValueError(f"{where}: head_dim {spec.head_dim} must be a multiple of 8")
+
+
+# -- int8 block dot products ------------------------------------------------------------------
+
+def dot_i8x32(kb: KernelBuilder, w: ir.Value, x: ir.Value) -> ir.Value:
+    """<32 x i8> . <32 x i8> as <VW x i32> partial sums; exact (no saturation for |w|,|x| <= 127)."""
+    b, t, vw = kb.b, kb.target, kb.vw
+    how = t.int8_dot
+    v32i8 = vec(I8, 32)
+    if how in ("vnni", "avx2"):
+        # u8 x s8 instructions: move w's sign onto x (GGML's trick), multiply |w| by it
+        absw = kb.call_math("abs", w, ir.Constant(ir.IntType(1), 0))
+        sx = b.call(kb.intrinsic("llvm.x86.avx2.psign.b", v32i8, [v32i8, v32i8]), [x, w])
+        zero = ir.Constant(vec(I32, 8), None)
+        if how == "vnni":
+            fn = kb.intrinsic("llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), [vec(I32, 8), v32i8, v32i8])
+            return b.call(fn, [zero, absw, sx])
+        i16x16 = vec(ir.IntType(16), 16)
+        pairs = b.call(kb.intrinsic("llvm.x86.avx2.pmadd.ub.sw", i16x16, [v32i8, v32i8]), [absw, sx])
+        ones = ir.Constant(i16x16, [1] * 16)
+        return b.call(kb.intrinsic("llvm.x86.avx2.pmadd.wd", vec(I32, 8), [i16x16, i16x16]), [pairs, ones])
+    if how == "sdot":
+        fn = kb.intrinsic("llvm.aarch64.neon.sdot.v4i32.v16i8", vec(I32, 4), [vec(I32, 4), vec(I8, 16), vec(I8, 16)])
+        wl, wh = kb.halves(w)
+        xl, xh = kb.halves(x)
+        acc = b.call(fn, [ir.Constant(vec(I32, 4), None), wl, xl])
+        return b.call(fn, [acc, wh, xh])
+    prod = b.mul(b.sext(w, vec(I32, 32)), b.sext(x, vec(I32, 32)))
+    while prod.type.count > vw:
+        lo, hi = kb.halves(prod)
+        prod = b.add(lo, hi)
+    return prod
+
+
+def load_weight_block(kb: KernelBuilder, dtype: str, w: ir.Value, row: ir.Value, blk: ir.Value,
+                      row_bytes: int) -> tuple[ir.Value, ir.Value]:
+    """(d as f32, <32 x i8> signed values) of block blk of weight row `row`."""
+    b = kb.b
+    off = kb.idx((row, row_bytes), (blk, BLOCK_BYTES[dtype]))
+    d = kb.load_f16(w, off)
+    if dtype == "q8_0":
+        return d, kb.load(vec(I8, 32), w, b.add(off, kb.i64(2)))
+    qs = kb.load(vec(I8, 16), w, b.add(off, kb.i64(2)))
+    lo = b.and_(qs, ir.Constant(vec(I8, 16), [0x0F] * 16))
+    hi = b.lshr(qs, ir.Constant(vec(I8, 16), [4] * 16))
+    return d, b.sub(kb.concat(lo, hi), ir.Constant(vec(I8, 32), [8] * 32))
+
+
+def quantize_block(kb: KernelBuilder, vals: list[ir.Value]) -> tuple[ir.Value, ir.Value]:
+    """32 floats (as VW-lane vectors) -> (d f32, <32 x i8>) by GGML's quantize_row_q8_0_ref."""
+    b = kb.b
+    amax = kb.fabs(vals[0])
+    for v in vals[1:]:
+        amax = kb.maxnum(amax, kb.fabs(v))
+    d = b.fdiv(kb.hmax(amax), kb.f32(127.0))
+    inv = b.select(b.fcmp_ordered("!=", d, kb.f32(0.0)), b.fdiv(kb.f32(1.0), d), kb.f32(0.0))
+    invv = kb.splat(inv, kb.vw)
+    qs = [b.fptosi(kb.round_away(b.fmul(v, invv)), vec(I8, kb.vw)) for v in vals]
+    while len(qs) > 1:
+        qs = [kb.concat(qs[i], qs[i + 1]) for i in range(0, len(qs), 2)]
+    return d, qs[0]
+
+
+def rms_scale_row(kb: KernelBuilder, x: ir.Value, row_off: ir.Value, K: int, eps: float) -> ir.Value:
+    """sqrt(mean(x^2) + eps) of the f32 row at byte offset row_off."""
+    b, vw = kb.b, kb.vw
+    acc = kb.var(vec(F32, vw), ir.Constant(vec(F32, vw), [0.0] * vw))
+    with kb.loop(0, K, vw) as k:
+        v = kb.load(vec(F32, vw), x, b.add(row_off, b.mul(k, kb.i64(4))))
+        b.store(kb.fma(v, v, b.load(acc)), acc)
+    var = b.fdiv(kb.hsum(b.load(acc)), kb.f32(K))
+    return kb.sqrt(b.fadd(var, kb.f32(eps)))
+
+
+def normalized(kb: KernelBuilder, x: ir.Value, row_off: ir.Value, k: ir.Value, den: ir.Value | None,
+               norm_w: ir.Value | None, norm_dtype: str) -> ir.Value:
+    """VW floats of row x at element k, as x / den * w when a norm is fused in."""
+    b, vw = kb.b, kb.vw
+    v = kb.load(vec(F32, vw), x, b.add(row_off, b.mul(k, kb.i64(4))))
+    if den is None:
+        return v
+    return b.fmul(b.fdiv(v, kb.splat(den, vw)), kb.load_floats(norm_dtype, norm_w, k, vw))
+
+
+# -- the kernel -------------------------------------------------------------------------------
+
+class MatmulEmitter:
+    def __init__(self, kb: KernelBuilder, spec: MatmulSpec):
+        self.kb, self.s = kb, spec
+        bufs = list(kb.bufs)
+        self.x, self.w = bufs[0], bufs[1]
+        self.norm_w = bufs[2] if spec.prologue else None
+        extra = bufs[3 if spec.prologue else 2:]
+        self.extra = extra
+        self.nb = spec.K // QK
+        self.xq = kb.scratch                                           # i8[T, K]
+        self.xd = kb.at(kb.scratch, _align(spec.T * spec.K))           # f32[T, K/32]
+        self.xf = kb.scratch                                           # f32[T, K] (float weights)
+
+    def emit(self) -> None:
+        self.prepare()
+        s = self.s
+        if s.epilogue == "rope_kv_store":
+            units, self.unit_rows = s.n_heads + 2 * s.n_kv_heads, s.head_dim
+        elif s.epilogue == "silu_mul":
+            units, self.unit_rows = s.N // 2 // self._rows_per_tile(s.N // 2, 2), 0
+        else:
+            units, self.unit_rows = s.N // self._rows_per_tile(s.N, 4), 0
+        kb, b = self.kb, self.kb.b
+        lo, hi = kb.split(units)
+        if s.T == 1:
+            with kb.loop(lo, hi) as u:
+                self.unit(u, kb.i64(0), 1)
+            return
+        n = kb.n_tokens
+        with kb.loop(0, n, TOKEN_CHUNK) as c0:
+            c_end = b.add(c0, kb.i64(TOKEN_CHUNK))
+            c_end = b.select(b.icmp_signed("<", c_end, n), c_end, n)
+            full_end = b.sub(c_end, b.urem(b.sub(c_end, c0), kb.i64(TOKEN_TILE)))
+            with kb.loop(lo, hi) as u:
+                with kb.loop(c0, full_end, TOKEN_TILE) as t0:
+                    self.unit(u, t0, TOKEN_TILE)
+                with kb.loop(full_end, c_end) as t0:
+                    self.unit(u, t0, 1)
+
+    @staticmethod
+    def _rows_per_tile(n: int, most: int) -> int:
+        r = most
+        while n % r:
+            r //= 2
+        return r
+
+    # activations: quantized to Q8_0, or normalised f32, for every row of the step
+    def prepare(self) -> None:
+        s, kb = self.s, self.kb
+        b = kb.b
+        if not s.quantized and not s.prologue:
+            return
+        with kb.loop(0, kb.n_tokens) as t:
+            row_off = b.mul(t, kb.i64(s.K * 4))
+            den = rms_scale_row(kb, self.x, row_off, s.K, s.eps) if s.prologue else None
+            if not s.quantized:
+                with kb.loop(0, s.K, kb.vw) as k:
+                    v = normalized(kb, self.x, row_off, k, den, self.norm_w, s.norm_dtype)
+                    kb.store(v, self.xf, b.add(row_off, b.mul(k, kb.i64(4))))
+            else:
+                with kb.loop(0, self.nb) as blk:
+                    k0 = b.mul(blk, kb.i64(QK))
+                    vals = [normalized(kb, self.x, row_off, b.add(k0, kb.i64(j)), den, self.norm_w, s.norm_dtype)
+                            for j in range(0, QK, kb.vw)]
+                    d, q = quantize_block(kb, vals)
+                    i = kb.idx((t, self.nb), (blk, 1))
+                    kb.store(kb.to_f16_and_back(d), self.xd, b.mul(i, kb.i64(4)))
+                    kb.store(q, self.xq, b.mul(i, kb.i64(QK)))
+
+    def tile(self, rows: list[ir.Value], t0: ir.Value, tt: int) -> list[list[ir.Value]]:
+        """y[t0+t, rows[r]] for r < R, t < tt, as f32 scalars."""
+        s, kb = self.s, self.kb
+        b, vw = kb.b, kb.vw
+        zero = ir.Constant(vec(F32, vw), [0.0] * vw)
+        accs = [[kb.var(vec(F32, vw), zero) for _ in range(tt)] for _ in rows]
+        if s.quantized:
+            with kb.loop(0, self.nb) as blk:
+                ws = [load_weight_block(kb, s.wdtype, self.w, r, blk, s.row_bytes) for r in rows]
+                for t in range(tt):
+                    i = kb.idx((t0, self.nb), (t, self.nb), (blk, 1))
+                    xd = kb.load(F32, self.xd, b.mul(i, kb.i64(4)))
+                    xq = kb.load(vec(I8, 32), self.xq, b.mul(i, kb.i64(QK)))
+                    for r, (wd, wq) in enumerate(ws):
+                        p = b.sitofp(dot_i8x32(kb, wq, xq), vec(F32, vw))
+                        sc = kb.splat(b.fmul(xd, wd), vw)
+                        b.store(kb.fma(p, sc, b.load(accs[r][t])), accs[r][t])
+        else:
+            x = self.xf if s.prologue else self.x
+            with kb.loop(0, s.K, vw) as k:
+                ws = [kb.load_floats(s.wdtype, self.w, b.add(b.mul(r, kb.i64(s.K)), k), vw) for r in rows]
+                for t in range(tt):
+                    xv = kb.load(vec(F32, vw), x, b.mul(kb.idx((t0, s.K), (t, s.K), (k, 1)), kb.i64(4)))
+                    for r, wv in enumerate(ws):
+                        b.store(kb.fma(wv, xv, b.load(accs[r][t])), accs[r][t])
+        return [[kb.hsum(b.load(accs[r][t])) for t in range(tt)] for r in range(len(rows))]
+
+    def unit(self, u: ir.Value, t0: ir.Value, tt: int) -> None:
+        s, kb = self.s, self.kb
+        b = kb.b
+        out_f32 = lambda val, t, n, width: kb.store(val, self.out, b.mul(kb.idx((t0, width), (t, width), (n, 1)), kb.i64(4)))  # noqa: E731
+        if s.epilogue in (None, "add"):
+            r = self._rows_per_tile(s.N, 4)
+            n0 = b.mul(u, kb.i64(r))
+            rows = [b.add(n0, kb.i64(j)) for j in range(r)]
+            ys = self.tile(rows, t0, tt)
+            for j in range(r):
+                for t in range(tt):
+                    y = ys[j][t]
+                    if s.epilogue == "add":
+                        res = kb.load(F32, self.extra[0], b.mul(kb.idx((t0, s.N), (t, s.N), (rows[j], 1)), kb.i64(4)))
+                        y = b.fadd(res, y)
+                    out_f32(y, t, rows[j], s.N)
+        elif s.epilogue == "silu_mul":
+            f = s.N // 2
+            r = self._rows_per_tile(f, 2)
+            n0 = b.mul(u, kb.i64(r))
+            feats = [b.add(n0, kb.i64(j)) for j in range(r)]
+            ys = self.tile(feats + [b.add(n, kb.i64(f)) for n in feats], t0, tt)
+            for j in range(r):
+                for t in range(tt):
+                    out_f32(b.fmul(kb.silu(ys[j][t]), ys[r + j][t]), t, feats[j], f)
+        else:
+            self.rope_unit(u, t0, tt)
+
+    @property
+    def out(self) -> ir.Value:
+        # output buffer follows the inputs: x, w, [norm_w], extra..., then outputs
+        return self.extra[self._n_extra_inputs()]
+
+    def _n_extra_inputs(self) -> int:
+        return {None: 0, "add": 1, "silu_mul": 0, "rope_kv_store": 3}[self.s.epilogue]
+
+    # rope_kv_store: one unit is one head of the stacked [q; k; v] rows
+    def rope_unit(self, head: ir.Value, t0: ir.Value, tt: int) -> None:
+        s, kb = self.s, self.kb
+        b, vw, hd = kb.b, kb.vw, s.head_dim
+        inv_freq, k_cache, v_cache = self.extra[0], self.extra[1], self.extra[2]
+        buf = kb.var(F32, count=tt * hd)                                # f32[tt, hd]
+        with kb.loop(0, hd, 4) as j0:
+            base = b.add(b.mul(head, kb.i64(hd)), j0)
+            ys = self.tile([b.add(base, kb.i64(j)) for j in range(4)], t0, tt)
+            for j in range(4):
+                for t in range(tt):
+                    kb.store(ys[j][t], buf, b.mul(b.add(b.add(j0, kb.i64(j)), kb.i64(t * hd)), kb.i64(4)))
+        h, kvh = s.n_heads, s.n_kv_heads
+        is_q = b.icmp_signed("<", head, kb.i64(h))
+        is_v = b.icmp_signed(">=", head, kb.i64(h + kvh))
+        for t in range(tt):
+            row = kb.at(buf, t * hd * 4)
+            pos = b.add(b.add(kb.start_pos, t0), kb.i64(t))
+            with b.if_then(b.not_(is_v)):
+                rope_row(kb, row, row, pos, inv_freq, s.inv_freq_dtype, hd)
+            slot = b.add(b.add(kb.n_past, t0), kb.i64(t))
+            with b.if_else(is_q) as (then, other):
+                with then:
+                    q_off = b.mul(kb.idx((t0, h * hd), (t, h * hd), (head, hd)), kb.i64(4))
+                    copy_row(kb, row, kb.at(self.out, q_off), hd)
+                with other:
+                    kh = b.select(is_v, b.sub(head, kb.i64(h + kvh)), b.sub(head, kb.i64(h)))
+                    cache = b.select(is_v, v_cache, k_cache)
+                    store_cache_row(kb, row, cache, slot, kh, kvh, hd, s.cache_dtype)
+
+
+def copy_row(kb: KernelBuilder, src: ir.Value, dst: ir.Value, n: int) -> None:
+    b = kb.b
+    with kb.loop(0, n, kb.vw) as j:
+        off = b.mul(j, kb.i64(4))
+        kb.store(kb.load(vec(F32, kb.vw), src, off), dst, off)
+
+
+def rope_row(kb: KernelBuilder, src: ir.Value, dst: ir.Value, pos: ir.Value, inv_freq: ir.Value,
+             inv_dtype: str, hd: int) -> None:
+    """HF rotate_half on one head row: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), angle pos * inv_freq."""
+    b, vw = kb.b, kb.vw
+    half = hd // 2
+    n = vw if half % vw == 0 else 4 if half % 4 == 0 else 1
+    posf = kb.splat(b.sitofp(pos, F32), n)
+    with kb.loop(0, half, n) as j:
+        ang = b.fmul(posf, kb.load_floats(inv_dtype, inv_freq, j, n))
+        c, s = kb.call_math("cos", ang), kb.call_math("sin", ang)
+        o1, o2 = b.mul(j, kb.i64(4)), b.mul(b.add(j, kb.i64(half)), kb.i64(4))
+        x1, x2 = kb.load(vec(F32, n), src, o1), kb.load(vec(F32, n), src, o2)
+        kb.store(b.fsub(b.fmul(x1, c), b.fmul(x2, s)), dst, o1)
+        kb.store(b.fadd(b.fmul(x2, c), b.fmul(x1, s)), dst, o2)
+
+
+def cache_row_bytes(dtype: str, hd: int) -> int:
+    return {"f32": hd * 4, "f16": hd * 2, "q8_0": hd // QK * 34}[dtype]
+
+
+def store_cache_row(kb: KernelBuilder, row: ir.Value, cache: ir.Value, slot: ir.Value, kh: ir.Value,
+                    kvh: int, hd: int, dtype: str) -> None:
+    """cache[slot, kh, :] = row (f32[hd]), converted to the cache dtype."""
+    b, vw = kb.b, kb.vw
+    rb = cache_row_bytes(dtype, hd)
+    base = kb.idx((slot, kvh * rb), (kh, rb))
+    if dtype in ("f32", "f16"):
+        with kb.loop(0, hd, vw) as j:
+            v = kb.load(vec(F32, vw), row, b.mul(j, kb.i64(4)))
+            kb.store_floats(dtype, v, kb.at(cache, base), j)
+        return
+    if dtype != "q8_0":
+        raise ValueError(f"KV cache dtype {dtype} has no CPU kernel (f32, f16, q8_0)")
+    with kb.loop(0, hd // QK) as blk:
+        vals = [kb.load(vec(F32, vw), row, b.mul(b.add(b.mul(blk, kb.i64(QK)), kb.i64(j)), kb.i64(4)))
+                for j in range(0, QK, vw)]
+        d, q = quantize_block(kb, vals)
+        off = b.add(base, b.mul(blk, kb.i64(34)))
+        kb.store_f16(d, cache, off)
+        kb.store(q, cache, b.add(off, kb.i64(2)))
+
+
+def emit_matmul(kb: KernelBuilder, spec: MatmulSpec) -> None:
+    MatmulEmitter(kb, spec).emit()
+    kb.finish()
+
+
+def emit_block_dot_probe(kb: KernelBuilder, wdtype: str, K: int, N: int) -> None:
+    """Diagnostic kernel (w[N,K] blocks, xq i8[K] -> isum i32[N, K/32]): each block's integer dot
+    product through the same instructions the matmul uses, so tests can check them exactly."""
+    w, xq, out = kb.bufs
+    b, nb = kb.b, K // QK
+    row_bytes = nb * BLOCK_BYTES[wdtype]
+    lo, hi = kb.split(N)
+    with kb.loop(lo, hi) as n:
+        with kb.loop(0, nb) as blk:
+            _, wq = load_weight_block(kb, wdtype, w, n, blk, row_bytes)
+            x = kb.load(vec(I8, 32), xq, b.mul(blk, kb.i64(QK)))
+            kb.store(kb.hsum(dot_i8x32(kb, wq, x)), out, b.mul(kb.idx((n, nb), (blk, 1)), kb.i64(4)))
+    kb.finish()
+
+
+__all__ = ["MatmulSpec", "emit_matmul", "check_matmul", "dot_i8x32", "load_weight_block",
+           "quantize_block", "rope_row", "store_cache_row", "cache_row_bytes", "emit_block_dot_probe"]

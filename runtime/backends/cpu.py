@@ -1,0 +1,147 @@
+"""CPU back end: runs a plan's LLVM step functions on a team of threads.
+
+Memory, allocated once at load: the arena (activations, the plan's layout), the KV region, the
+per-thread scratch, a barrier word, and a table of weight addresses into the mmapped plan. A step
+is one ctypes call per thread (ctypes releases the GIL), so Python does no per-kernel work.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from ...compiler.ir import Graph
+from .cpu_native import NativeCode, NativeCodeError, host_triple
+
+_STEP_ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5
+
+
+class CpuBackendError(ValueError):
+    """Bad input to a step or a plan this machine cannot run; one line, says what to do."""
+
+
+def physical_cores() -> int:
+    """Distinct (package, core) pairs in /proc/cpuinfo; os.cpu_count() where that is unavailable."""
+    try:
+        cores, phys = set(), "0"
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                key, val = key.strip(), val.strip()
+                if key == "physical id":
+                    phys = val
+                elif key == "core id":
+                    cores.add((phys, val))
+        return len(cores) or os.cpu_count() or 1
+    except OSError:
+        return os.cpu_count() or 1
+
+
+def _weight_names(graphs: dict[str, Graph]) -> list[str]:
+    # the order compiler/codegen/llvm.py's weight table uses
+    names = set()
+    for g in graphs.values():
+        for op in g.ops:
+            names.update(i for i in op.inputs if g.values[i].kind in ("param", "const"))
+    return sorted(names)
+
+
+def _aligned_zeros(nbytes: int, align: int = 64) -> np.ndarray:
+    raw = np.zeros(nbytes + align, dtype=np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start:start + nbytes]
+
+
+def load_code(plan) -> NativeCode:
+    """The plan's object code for this host, or its LLVM IR JIT-compiled (said on stderr)."""
+    triple = host_triple()
+    obj = _section(plan, f"llvm.{triple}")
+    if obj is not None:
+        return NativeCode(obj=bytes(obj))
+    ir_text = _section(plan, "llvm-ir")
+    if ir_text is None:
+        raise CpuBackendError(f"plan has no CPU code for {triple} and no LLVM IR; "
+                              f"recompile it with --triple {triple}")
+    text = bytes(ir_text).decode()
+    arch = triple.split("-")[0]
+    if f'target triple = "{arch}' not in text:
+        raise CpuBackendError(f"plan's LLVM IR was generated for another architecture than {triple}; "
+                              f"recompile it with --triple {triple}")
+    print(f"llmrs: plan has no object code for {triple}; JIT-compiling its LLVM IR", file=sys.stderr)
+    return NativeCode(ir_text=text)
+
+
+def _section(plan, name: str):
+    try:
+        return plan.section(name)
+    except (KeyError, ValueError, LookupError):
+        return None
+
+
+class CpuBackend:
+    """run(phase, tokens, n_past, start_pos) -> float32 logits [rows, vocab]; reset() clears the KV cache."""
+
+    def __init__(self, plan, threads: int | None = None, code: NativeCode | None = None):
+        threads = physical_cores() if threads is None else threads
+        if threads < 1:
+            raise CpuBackendError(f"--threads {threads}: need at least 1 thread")
+        self.plan = plan
+        self.threads = threads
+        self.graphs: dict[str, Graph] = plan.graphs()
+        self.code = code or load_code(plan)
+        self.layouts = {name: g.meta["layout"] for name, g in self.graphs.items()}
+        self.arena = _aligned_zeros(max(l["arena_bytes"] for l in self.layouts.values()))
+        self.kv = _aligned_zeros(max(max(l["kv_bytes"] for l in self.layouts.values()), 64))
+        scratch_fn = ctypes.CFUNCTYPE(ctypes.c_int64)(self.code.address("llmrs_scratch_bytes"))
+        self.scratch = _aligned_zeros(scratch_fn() * threads)
+        self.barrier = _aligned_zeros(128)
+        self._weights = [plan.weight(n) for n in _weight_names(self.graphs)]  # keeps the maps alive
+        self.weight_table = np.array([w.ctypes.data for w in self._weights] or [0], dtype=np.uint64)
+        self._steps = {name: ctypes.CFUNCTYPE(None, *_STEP_ARGS)(self.code.address(f"llmrs_{name}"))
+                       for name in self.graphs}
+        self._pool = ThreadPoolExecutor(max_workers=threads - 1) if threads > 1 else None
+        self._bases = [a.ctypes.data for a in (self.arena, self.weight_table, self.kv, self.scratch,
+                                               self.barrier)]
+
+    def reset(self) -> None:
+        self.kv[:] = 0
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    def run(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
+        g = self.graphs.get(phase)
+        if g is None:
+            raise CpuBackendError(f"plan has no {phase!r} graph (has {', '.join(self.graphs)})")
+        tokens = np.asarray(tokens, dtype=np.int32).reshape(-1)
+        n = len(tokens)
+        if not 1 <= n <= g.T:
+            raise CpuBackendError(f"{phase} takes 1..{g.T} tokens per step, got {n}")
+        vocab = next(g.values[op.inputs[0]].shape[0] for op in g.ops if op.kind == "embedding")
+        if tokens.min() < 0 or tokens.max() >= vocab:
+            raise CpuBackendError(f"token id out of range 0..{vocab - 1}")
+        seq = min((g.values[s].shape[0] for s in g.state), default=n_past + n)
+        if n_past + n > seq:
+            raise CpuBackendError(f"KV cache holds {seq} tokens; {n_past} + {n} do not fit")
+        lay = self.layouts[phase]
+        tok_off = lay["arena"][g.inputs[0]]
+        self.arena[tok_off:tok_off + 4 * n].view(np.int32)[:] = tokens
+        step = self._steps[phase]
+        args = (*self._bases, n, n_past, start_pos)
+        futures = [self._pool.submit(step, *args, t, self.threads) for t in range(1, self.threads)] \
+            if self._pool else []
+        step(*args, 0, self.threads)
+        for f in futures:
+            f.result()
+        out = g.values[g.outputs[0]]
+        rows = n if out.shape[0] == g.T and g.T > 1 else out.shape[0]
+        off = lay["arena"][out.name]
+        return self.arena[off:off + rows * out.shape[1] * 4].view(np.float32).reshape(rows, -1).copy()
+
+
+__all__ = ["CpuBackend", "CpuBackendError", "NativeCodeError", "physical_cores", "load_code"]

@@ -1,0 +1,144 @@
+"""Every LLVM kernel, JIT-compiled for this host, against the interpreter / numpy on random data."""
+from __future__ import annotations
+
+import ctypes
+
+import llvmlite.ir as ir
+import numpy as np
+import pytest
+
+from llmrs.compiler import quant
+from llmrs.compiler.codegen.llvm_builder import KernelBuilder
+from llmrs.compiler.codegen.llvm_kernels import emit_op, op_scratch_bytes
+from llmrs.compiler.codegen.llvm_matmul import _align, emit_block_dot_probe
+from llmrs.compiler.codegen.llvm_target import Target, TargetError, emit, host_target
+from llmrs.runtime.backends.cpu_native import NativeCode
+
+from .kernel_cases import (SIMPLE_KINDS, Case, attention_case, embedding_case, matmul_case,
+                           simple_case)
+
+TARGETS = {"host": host_target()}
+if TARGETS["host"].int8_dot == "vnni":  # the AVX2 path too, on a machine that has VNNI
+    TARGETS["avx2"] = Target(TARGETS["host"].triple, "haswell", "+avx2,+fma,+f16c")
+
+
+def run_case(case: Case, target: Target, nth: int = 2) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Runs the case's kernel once per thread id (kernels have no barrier inside); returns the
+    buffers after the call and thread 0's scratch."""
+    module = ir.Module("t")
+    module.triple = target.triple
+    emit_op(module, target, case.graph, case.op, "kernel")
+    code = NativeCode(str(module))
+    arrays = {k: np.ascontiguousarray(v.copy()) for k, v in case.arrays.items()}
+    names = case.buffers()
+    ptrs = [arrays[case.graph.values[n].alias or n].ctypes.data for n in names]
+    stride = _align(max(op_scratch_bytes(case.graph, case.op), 64))
+    scratch = np.zeros(stride * nth, np.uint8)
+    fn = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * len(names) + [ctypes.c_int64] * 5 + [ctypes.c_void_p]))(
+        code.address("kernel"))
+    st = case.step
+    for tid in range(nth):
+        fn(*ptrs, st.n_tokens, st.n_past, st.start_pos, tid, nth, scratch.ctypes.data + tid * stride)
+    return arrays, scratch[:stride]
+
+
+def as_float(case: Case, name: str, arr: np.ndarray) -> np.ndarray:
+    v = case.graph.values[name]
+    dtype = case.graph.values[v.alias].dtype if v.alias else v.dtype
+    if dtype in quant.BLOCK_BYTES:
+        return quant.dequantize(arr, dtype)
+    return np.asarray(arr, np.float32)
+
+
+def check(case: Case, arrays: dict[str, np.ndarray]) -> None:
+    want, got = case.expected(), case.actual(arrays)
+    for name in case.op.outputs:
+        w, g = as_float(case, name, want[name]), as_float(case, name, got[name])
+        cache_q8 = case.graph.values[name].alias and case.graph.values[case.graph.values[name].alias].dtype == "q8_0"
+        # a q8_0 cache may round one value differently where the float inputs differ in the last bit
+        atol = 0.02 * float(np.abs(w).max()) if cache_q8 else 1e-5 * float(np.abs(w).max() + 1)
+        np.testing.assert_allclose(g, w, rtol=case.rtol, atol=atol, err_msg=f"{case.name}: {name}")
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("wdtype", ["q4_0", "q8_0", "f16", "f32"])
+@pytest.mark.parametrize("T,n_tokens", [(1, 1), (9, 9), (9, 6)])
+def test_matmul_matches_interpreter_for_each_weight_format(target, wdtype, T, n_tokens):
+    case = matmul_case(wdtype, T, n_tokens, prologue=False, epilogue=None)
+    check(case, run_case(case, TARGETS[target], nth=3)[0])
+
+
+@pytest.mark.parametrize("wdtype", ["q4_0", "q8_0", "f16", "f32"])
+@pytest.mark.parametrize("prologue,epilogue", [(True, None), (False, "add"), (True, "silu_mul"),
+                                               (True, "rope_kv_store")])
+@pytest.mark.parametrize("T,n_tokens", [(1, 1), (6, 5)])
+def test_fused_matmul_prologue_and_epilogues_match_interpreter(wdtype, prologue, epilogue, T, n_tokens):
+    case = matmul_case(wdtype, T, n_tokens, prologue, epilogue)
+    check(case, run_case(case, TARGETS["host"], nth=2)[0])
+
+
+@pytest.mark.parametrize("cache_dtype", ["f16", "q8_0"])
+def test_rope_kv_store_epilogue_writes_f16_and_q8_0_caches(cache_dtype):
+    case = matmul_case("q8_0", 5, 5, True, "rope_kv_store", cache_dtype=cache_dtype)
+    check(case, run_case(case, TARGETS["host"], nth=2)[0])
+
+
+@pytest.mark.parametrize("wdtype", ["q4_0", "q8_0"])
+def test_activation_quantization_is_ggml_reference_bit_for_bit(wdtype):
+    case = matmul_case(wdtype, 6, 6, prologue=False, epilogue=None)
+    _, scratch = run_case(case, TARGETS["host"], nth=1)
+    x = case.arrays["x"]
+    t, k = x.shape
+    want_d, want_q = quant.quantize_rows_q8_0(x)
+    got_q = scratch[:t * k].view(np.int8).reshape(t, k // 32, 32)
+    got_d = scratch[_align(t * k):_align(t * k) + t * k // 32 * 4].view(np.float32).reshape(t, k // 32)
+    np.testing.assert_array_equal(got_q, want_q)
+    np.testing.assert_array_equal(got_d, want_d)
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("wdtype", ["q4_0", "q8_0"])
+def test_int8_block_dot_products_are_ggml_integer_sums_exactly(target, wdtype):
+    rng = np.random.default_rng(5)
+    n, k = 7, 128
+    w = quant.quantize(rng.standard_normal((n, k)).astype(np.float32), wdtype)
+    x = rng.standard_normal((1, k)).astype(np.float32) * 3
+    x[0, :32] = 127.0 / np.arange(1, 33)           # a block that uses the full int8 range
+    _, xq = quant.quantize_rows_q8_0(x)
+    _, wq = quant.split_blocks(w, wdtype)
+    want = np.einsum("nbk,bk->nb", wq.astype(np.int32), xq[0].astype(np.int32))
+    target_ = TARGETS[target]
+    module = ir.Module("t")
+    module.triple = target_.triple
+    emit_block_dot_probe(KernelBuilder(module, target_, "probe", 3), wdtype, k, n)
+    code = NativeCode(str(module))
+    got = np.zeros((n, k // 32), np.int32)
+    xq_flat = np.ascontiguousarray(xq[0].reshape(-1))
+    fn = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_void_p]))(
+        code.address("probe"))
+    fn(w.ctypes.data, xq_flat.ctypes.data, got.ctypes.data, 1, 0, 0, 0, 1, None)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("T,n_tokens", [(1, 1), (7, 7), (7, 4)])
+def test_attention_causal_gqa_matches_interpreter(kv_dtype, T, n_tokens):
+    case = attention_case(T, n_tokens, kv_dtype)
+    check(case, run_case(case, TARGETS["host"], nth=3)[0])
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q4_0", "q8_0"])
+def test_embedding_rows_match_dequantized_table_exactly(dtype):
+    case = embedding_case(dtype)
+    check(case, run_case(case, TARGETS["host"], nth=2)[0])
+
+
+@pytest.mark.parametrize("kind", SIMPLE_KINDS)
+def test_norm_elementwise_argmax_rope_and_kv_store_match_interpreter(kind):
+    case = simple_case(kind)
+    check(case, run_case(case, TARGETS["host"], nth=2)[0])
+
+
+def test_bad_target_is_an_error_not_a_crash():
+    with pytest.raises(TargetError, match="no-such-arch"):
+        emit("define void @f() {\n  ret void\n}\n", Target("no-such-arch-linux-gnu"))

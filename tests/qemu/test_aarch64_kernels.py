@@ -1,0 +1,136 @@
+"""LLVM kernels cross-compiled for aarch64 (NEON, with and without +dotprod), linked with a small C
+driver and run under qemu-aarch64, against the interpreter. Needs tests/qemu/setup.sh's packages."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import llvmlite.ir as ir
+import numpy as np
+import pytest
+
+from llmrs.compiler.codegen.llvm_builder import KernelBuilder
+from llmrs.compiler.codegen.llvm_kernels import emit_op, op_scratch_bytes
+from llmrs.compiler.codegen.llvm_matmul import _align, emit_block_dot_probe
+from llmrs.compiler.codegen.llvm_target import aarch64_target, emit
+from llmrs.compiler import quant
+
+from ..compiler.kernel_cases import attention_case, embedding_case, matmul_case, simple_case
+from ..compiler.test_llvm_kernels import check
+
+QEMU, GCC = shutil.which("qemu-aarch64"), shutil.which("aarch64-linux-gnu-gcc")
+pytestmark = pytest.mark.skipif(not (QEMU and GCC), reason="qemu-aarch64 / aarch64-linux-gnu-gcc absent: run tests/qemu/setup.sh")
+
+CASES = [matmul_case("q4_0", 6, 5, True, "rope_kv_store", cache_dtype="q8_0"),
+         matmul_case("q8_0", 1, 1, True, "silu_mul"),
+         matmul_case("f16", 6, 6, False, "add"),
+         matmul_case("f32", 1, 1, True, None),
+         attention_case(7, 4, "f16"),
+         embedding_case("q4_0"),
+         simple_case("rms_norm")]
+PROBE_K, PROBE_N = 128, 5
+
+DRIVER = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+typedef long long i64;
+%(decls)s
+static void *load(const char *path, long *size) {
+  FILE *f = fopen(path, "rb"); fseek(f, 0, SEEK_END); *size = ftell(f); fseek(f, 0, SEEK_SET);
+  void *p = aligned_alloc(64, (*size + 63) / 64 * 64); fread(p, 1, *size, f); fclose(f); return p;
+}
+int main(int argc, char **argv) {
+  /* kernel n_tokens n_past start_pos nth scratch_bytes buffer-files... (rewritten in place) */
+  int k = atoi(argv[1]); i64 nt = atoll(argv[2]), np_ = atoll(argv[3]), sp = atoll(argv[4]);
+  i64 nth = atoll(argv[5]), sb = atoll(argv[6]);
+  void *b[16]; long sz[16]; int nb = argc - 7;
+  for (int i = 0; i < nb; i++) {  /* one file named twice (a cache and its alias) is one buffer */
+    b[i] = 0;
+    for (int j = 0; j < i; j++) if (!strcmp(argv[7 + i], argv[7 + j])) { b[i] = b[j]; sz[i] = sz[j]; }
+    if (!b[i]) b[i] = load(argv[7 + i], &sz[i]);
+  }
+  char *scratch = aligned_alloc(64, sb * nth + 64);
+  for (i64 t = 0; t < nth; t++) {
+    void *s = scratch + t * sb;
+    switch (k) {
+%(cases)s
+    }
+  }
+  for (int i = 0; i < nb; i++) { FILE *f = fopen(argv[7 + i], "wb"); fwrite(b[i], 1, sz[i], f); fclose(f); }
+  return 0;
+}
+"""
+
+
+def _build(tmp: Path, dotprod: bool) -> Path:
+    target = aarch64_target(dotprod)
+    module = ir.Module("aarch64")
+    module.triple = target.triple
+    decls, cases = [], []
+    for i, case in enumerate(CASES):
+        emit_op(module, target, case.graph, case.op, f"kernel{i}")
+        n = len(case.buffers())
+        decls.append(f"void kernel{i}({', '.join(['void*'] * n)}, i64, i64, i64, i64, i64, void*);")
+        cases.append(f"case {i}: kernel{i}({', '.join(f'b[{j}]' for j in range(n))}, nt, np_, sp, t, nth, s); break;")
+    emit_block_dot_probe(KernelBuilder(module, target, "probe_q4_0", 3), "q4_0", PROBE_K, PROBE_N)
+    emit_block_dot_probe(KernelBuilder(module, target, "probe_q8_0", 3), "q8_0", PROBE_K, PROBE_N)
+    decls += ["void probe_q4_0(void*, void*, void*, i64, i64, i64, i64, i64, void*);",
+              "void probe_q8_0(void*, void*, void*, i64, i64, i64, i64, i64, void*);"]
+    cases += ["case 100: probe_q4_0(b[0], b[1], b[2], nt, np_, sp, t, nth, s); break;",
+              "case 101: probe_q8_0(b[0], b[1], b[2], nt, np_, sp, t, nth, s); break;"]
+    (tmp / "kernels.o").write_bytes(emit(str(module), target))
+    (tmp / "driver.c").write_text(DRIVER % {"decls": "\n".join(decls), "cases": "\n".join(cases)})
+    exe = tmp / "driver"
+    subprocess.run([GCC, "-O1", "-static", "-o", str(exe), str(tmp / "driver.c"), str(tmp / "kernels.o"), "-lm"],
+                   check=True, capture_output=True)
+    return exe
+
+
+def _run(exe: Path, tmp: Path, kernel: int, arrays: list[np.ndarray], scalars: tuple[int, ...], nth: int,
+         scratch: int) -> list[np.ndarray]:
+    paths = []
+    for j, a in enumerate(arrays):
+        first = next(i for i, b in enumerate(arrays) if b is a)
+        p = tmp / f"buf{first}.bin"
+        if first == j:
+            p.write_bytes(np.ascontiguousarray(a).tobytes())
+        paths.append(str(p))
+    subprocess.run([QEMU, "-L", "/usr/aarch64-linux-gnu", str(exe), str(kernel), *map(str, scalars), str(nth),
+                    str(scratch), *paths], check=True, capture_output=True, timeout=60)
+    return [np.frombuffer(Path(p).read_bytes(), a.dtype).reshape(a.shape) for p, a in zip(paths, arrays)]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["neon", "neon+dotprod"])
+def driver(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dotprod" if request.param else "neon")
+    return _build(tmp, request.param), tmp
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[c.name for c in CASES])
+def test_aarch64_kernel_matches_interpreter_under_qemu(driver, index):
+    exe, tmp = driver
+    case = CASES[index]
+    names = case.buffers()
+    arrays = {k: v.copy() for k, v in case.arrays.items()}
+    bufs = [arrays[case.graph.values[n].alias or n] for n in names]
+    st = case.step
+    out = _run(exe, tmp, index, bufs, (st.n_tokens, st.n_past, st.start_pos), 2,
+               _align(max(op_scratch_bytes(case.graph, case.op), 64)))
+    for n, a in zip(names, out):
+        arrays[case.graph.values[n].alias or n] = a
+    check(case, arrays)
+
+
+@pytest.mark.parametrize("wdtype", ["q4_0", "q8_0"])
+def test_aarch64_int8_block_dots_are_exact_under_qemu(driver, wdtype):
+    exe, tmp = driver
+    rng = np.random.default_rng(7)
+    w = quant.quantize(rng.standard_normal((PROBE_N, PROBE_K)).astype(np.float32), wdtype)
+    _, xq = quant.quantize_rows_q8_0(rng.standard_normal((1, PROBE_K)).astype(np.float32))
+    _, wq = quant.split_blocks(w, wdtype)
+    want = np.einsum("nbk,bk->nb", wq.astype(np.int32), xq[0].astype(np.int32))
+    out = _run(exe, tmp, 100 if wdtype == "q4_0" else 101,
+               [w, xq[0].reshape(-1).copy(), np.zeros((PROBE_N, PROBE_K // 32), np.int32)], (1, 0, 0), 1, 64)
+    np.testing.assert_array_equal(out[2], want)

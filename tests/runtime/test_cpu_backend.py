@@ -1,0 +1,120 @@
+"""The CPU back end end to end: whole-step LLVM functions on a thread team, on the golden models."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llmrs.compiler import quant
+from llmrs.compiler.codegen.llvm import build_module, naive_layout
+from llmrs.compiler.codegen.llvm_target import host_target
+from llmrs.compiler.interpret import Interpreter
+from llmrs.compiler.ir import Graph, LazyTensor
+from llmrs.models.llama import build_graphs, load_model
+from llmrs.runtime.backends.cpu import CpuBackend, CpuBackendError
+from llmrs.runtime.backends.cpu_native import NativeCode
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+CHUNK = 16
+
+
+class GraphPlan:
+    """What CpuBackend reads from a plan (graphs, weights, code sections), held in memory."""
+
+    def __init__(self, graphs: dict[str, Graph], sections: dict[str, bytes] | None = None):
+        self._graphs, self._sections = graphs, sections or {}
+
+    def graphs(self) -> dict[str, Graph]:
+        return self._graphs
+
+    def weight(self, name: str) -> np.ndarray:
+        return np.ascontiguousarray(next(g.weights[name] for g in self._graphs.values()).load())
+
+    def section(self, name: str) -> memoryview:
+        return memoryview(self._sections[name])
+
+
+def quantized(graphs: list[Graph], dtype: str) -> list[Graph]:
+    """Every 2-D weight stored as dtype, as the quantize pass does for --weights dtype."""
+    if dtype == "f32":
+        return graphs
+    out = []
+    for g in graphs:
+        g = g.copy()
+        for name, v in g.values.items():
+            if v.kind == "param" and len(v.shape) == 2:
+                f = Interpreter(g).weight(name)
+                raw = quant.quantize(f, dtype) if dtype in quant.BLOCK_BYTES else f.astype(np.float16)
+                g.weights[name] = LazyTensor.of(raw, dtype)
+                v.dtype = dtype
+        out.append(g)
+    return out
+
+
+def backend(model: str, wdtype: str, threads: int = 2, kv_dtype: str = "f32") -> CpuBackend:
+    p, d = quantized(list(build_graphs(load_model(DATA / model), CHUNK, 64, kv_dtype=kv_dtype)), wdtype)
+    naive_layout([p, d])
+    ir_text = str(build_module([p, d], host_target()))
+    return CpuBackend(GraphPlan({"prefill": p, "decode": d}, {"llvm-ir": ir_text.encode()}), threads=threads)
+
+
+def prefill(be: CpuBackend, tokens: np.ndarray) -> np.ndarray:
+    rows = [be.run("prefill", tokens[s:s + CHUNK], s, s) for s in range(0, len(tokens), CHUNK)]
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("model", ["golden-a", "golden-b"])
+def test_f32_plan_logits_match_transformers_golden_data(model):
+    gold = np.load(DATA / f"{model}.npz")
+    be = backend(model, "f32")
+    prompt = gold["prompt_tokens"]
+    logits = prefill(be, prompt)
+    ref = gold["prefill_logits"]
+    assert np.abs(logits - ref).max() <= 1e-4 * np.abs(ref).max()
+    n = len(prompt)
+    dec = np.stack([be.run("decode", np.array([t]), n + i, n + i)[0] for i, t in enumerate(gold["generated"][:-1])])
+    ref = gold["decode_logits"]
+    assert np.abs(dec - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("wdtype,kv_dtype", [("q4_0", "f32"), ("q8_0", "f16"), ("f16", "f16"), ("f32", "f32")])
+def test_greedy_tokens_match_interpreter_for_each_weight_format(wdtype, kv_dtype):
+    p, d = quantized(list(build_graphs(load_model(DATA / "golden-a"), CHUNK, 64, kv_dtype=kv_dtype)), wdtype)
+    naive_layout([p, d])
+    be = CpuBackend(GraphPlan({"prefill": p, "decode": d}), threads=2, code=NativeCode(str(build_module([p, d], host_target()))))
+    prompt = np.load(DATA / "golden-a.npz")["prompt_tokens"][:20]
+    ip, idc = Interpreter(p), Interpreter(d)
+    state = ip.new_state()
+    ref_tokens, got_tokens = [], []
+    ref_last = np.concatenate([ip.run({"tokens": prompt[s:s + CHUNK]}, state, s)["logits"]
+                               for s in range(0, len(prompt), CHUNK)])[-1]
+    got_last = prefill(be, prompt)[-1]
+    for i in range(6):
+        ref_tokens.append(int(np.argmax(ref_last)))
+        got_tokens.append(int(np.argmax(got_last)))
+        pos = len(prompt) + i
+        ref_last = idc.run({"tokens": np.array([ref_tokens[-1]])}, state, pos)["logits"][0]
+        got_last = be.run("decode", np.array([got_tokens[-1]]), pos, pos)[0]
+    assert got_tokens == ref_tokens
+
+
+def test_one_thread_and_three_threads_give_the_same_logits():
+    prompt = np.load(DATA / "golden-a.npz")["prompt_tokens"][:10]
+    one, three = backend("golden-a", "q4_0", threads=1), backend("golden-a", "q4_0", threads=3)
+    np.testing.assert_array_equal(prefill(one, prompt), prefill(three, prompt))
+    np.testing.assert_array_equal(one.run("decode", np.array([5]), 10, 10), three.run("decode", np.array([5]), 10, 10))
+
+
+def test_bad_steps_are_one_line_errors():
+    be = backend("golden-a", "f32", threads=1)
+    with pytest.raises(CpuBackendError, match="1..16 tokens"):
+        be.run("prefill", np.zeros(17, np.int32), 0, 0)
+    with pytest.raises(CpuBackendError, match="out of range"):
+        be.run("decode", np.array([10_000]), 0, 0)
+    with pytest.raises(CpuBackendError, match="do not fit"):
+        be.run("decode", np.array([1]), 64, 64)
+    with pytest.raises(CpuBackendError, match="--threads 0"):
+        CpuBackend(GraphPlan({}), threads=0)
+    with pytest.raises(CpuBackendError, match="no CPU code"):
+        CpuBackend(GraphPlan(be.graphs), threads=1)
