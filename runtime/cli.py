@@ -82,8 +82,8 @@ def make_backend(name: str, plan: Plan, args: argparse.Namespace):
 class TextStream:
     """Prints text as tokens arrive; holds back a partial UTF-8 character until it completes."""
 
-    def __init__(self, tokenizer, out=sys.stdout):
-        self.tok, self.out, self.ids, self.shown = tokenizer, out, [], ""
+    def __init__(self, tokenizer, out=None):
+        self.tok, self.out, self.ids, self.shown = tokenizer, out or sys.stdout, [], ""
 
     def __call__(self, token: int) -> None:
         self.ids.append(token)

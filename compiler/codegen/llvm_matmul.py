@@ -54,7 +54,8 @@ class MatmulSpec:
             cache_dtype = v[cache.alias].dtype if cache.alias else cache.dtype
             kw.update(n_heads=a["n_heads"], n_kv_heads=a["n_kv_heads"], head_dim=a["head_dim"],
                       inv_freq_dtype=v[op.inputs[n_extra]].dtype, cache_dtype=cache_dtype)
-        return MatmulSpec(graph.T, x.shape[1], w.shape[0], w.dtype, pro, epilogue=epi, **kw)
+        # rows of x, not the graph's T: a prefill's last_token_logits matmul takes one row
+        return MatmulSpec(x.shape[0], x.shape[1], w.shape[0], w.dtype, pro, epilogue=epi, **kw)
 
     @property
     def quantized(self) -> bool:
@@ -222,7 +223,7 @@ class MatmulEmitter:
         b = kb.b
         if not s.quantized and not s.prologue:
             return
-        with kb.loop(0, kb.n_tokens) as t:
+        with kb.loop(0, kb.n_tokens if s.T > 1 else kb.i64(1)) as t:
             row_off = b.mul(t, kb.i64(s.K * 4))
             den = rms_scale_row(kb, self.x, row_off, s.K, s.eps) if s.prologue else None
             if not s.quantized:
