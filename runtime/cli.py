@@ -94,6 +94,12 @@ class TextStream:
         self.out.flush()
         self.shown = text
 
+    def close(self) -> None:
+        """Whatever was held back (bytes that never formed a character) goes out as is."""
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        self.out.write(text[len(self.shown):] + "\n")
+        self.out.flush()
+
 
 def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
@@ -115,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     stream = TextStream(tokenizer)
     gen = engine.generate(prompt, args.max_new_tokens, sampler, on_token=stream,
                           keep_logits=args.dump_logits is not None)
-    sys.stdout.write("\n")
+    stream.close()
     gen.stats.load_s = load_s
     if args.dump_logits:
         logits = np.stack(gen.logits) if gen.logits else np.zeros((0, m["model"]["vocab_size"]), np.float32)
