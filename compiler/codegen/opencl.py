@@ -1,0 +1,276 @@
+"""OpenCL C for a plan: template sources plus, per graph, a launch table of kernels.
+
+Kernels are never pasted together here: each kernel family is one file of
+templates/opencl/ (prefixed with common.cl) and is specialised with -D build options.
+Sizes that only change the loop bounds are plain int arguments, so a model needs a handful of
+builds (one per weight dtype x fused variant), not one per layer.
+
+generate(graphs) returns a JSON-able dict, stored as the plan's "opencl" section:
+
+    {"format": 1,
+     "sources": {family: source text},
+     "graphs": {graph name: [launch, ...]}}             # launches in schedule order
+
+    launch = {"op": op name, "family": str, "kernel": str, "options": [str],
+              "args": [arg, ...],        # after the step buffer every kernel takes first
+              "local": int,              # work-group size along dim 0
+              "groups": int,             # groups along dim 0
+              "rows": int,               # static row count M of the op's activation
+              "row_tile": int}           # rows per group along dim 1: dim-1 groups are
+                                         # ceil(min(rows, n_tokens) / row_tile)
+    arg = {"value": name}                # a tensor: buffer + byte offset (two kernel args)
+        | {"none": true}                 # an unused tensor slot: any buffer, offset 0
+        | {"int": n} | {"float": x}
+
+Work-group sizes are fixed per kernel (reqd_work_group_size); the runtime checks them against
+the device limits at bind time.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from typing import Any
+
+from ..ir import Graph, IRError, Op
+
+FORMAT = 1
+FAMILIES = ("matvec", "matmul", "attention", "norm", "rope", "embedding", "elementwise", "reduce")
+_PRELUDE = {"matvec": ("common", "matmul_common"), "matmul": ("common", "matmul_common")}
+KV_TYPES = ("f32", "f16")
+FLOAT_TYPES = ("f32", "f16", "bf16")
+WEIGHT_TYPES = ("f32", "f16", "bf16", "q4_0", "q8_0")
+
+MV_WG, MV_ROWS = 64, 4        # matvec: threads per group, weight rows per group
+MV_ROWS_WIDE, MV_WIDE_N = 16, 8192   # wide matvecs (N >= MV_WIDE_N) have groups to spare: more
+                                     # rows per group share its RMS and Q8_0 work (H200: 1.5-2x)
+TILE_M, TILE_N = 64, 64       # matmul_tiled: tokens x rows per group (fixed in matmul.cl)
+ATT_WG, ATT_BQ = 128, 32      # attention_rows threads; attention_tiled query rows per group
+NORM_WG, RED_WG, ELT_WG = 64, 256, 64
+
+
+class CodegenError(IRError):
+    """An op the OpenCL back end cannot lower; the message names the op and what to change."""
+
+
+@dataclass
+class Launch:
+    op: str
+    family: str
+    kernel: str
+    options: list[str]
+    args: list[dict[str, Any]]
+    local: int
+    groups: int
+    rows: int
+    row_tile: int = 1
+
+
+@dataclass
+class _Ctx:
+    graph: Graph
+    launches: list[Launch] = field(default_factory=list)
+
+    def dtype(self, name: str) -> str:
+        v = self.graph.values[name]
+        return self.graph.values[v.alias].dtype if v.alias else v.dtype
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.graph.values[name].shape
+
+
+def template_source(family: str) -> str:
+    """common.cl (and shared parts) followed by the family's template: the text one build compiles."""
+    root = resources.files("llmrs.templates").joinpath("opencl")
+    parts = _PRELUDE.get(family, ("common",)) + (family,)
+    return "\n".join(root.joinpath(f"{p}.cl").read_text() for p in parts)
+
+
+def _v(name: str) -> dict[str, Any]:
+    return {"value": name}
+
+
+_NONE: dict[str, Any] = {"none": True}
+
+
+def _need(cond: bool, op: Op, msg: str) -> None:
+    if not cond:
+        raise CodegenError(f"op {op.name} ({op.kind}): {msg}")
+
+
+def _float_type(ctx: _Ctx, op: Op, name: str, what: str) -> str:
+    dt = ctx.dtype(name)
+    _need(dt in FLOAT_TYPES, op, f"{what} {name!r} is {dt}; the OpenCL kernels read {', '.join(FLOAT_TYPES)}")
+    return dt
+
+
+def _kv_type(ctx: _Ctx, op: Op, name: str) -> str:
+    dt = ctx.dtype(name)
+    _need(dt in KV_TYPES, op, f"KV cache {name!r} is {dt}; the OpenCL back end stores "
+          f"{' or '.join(KV_TYPES)} caches (compile with --kv-dtype f32 or f16)")
+    return dt
+
+
+def _row_groups(epilogue: str | None, rw: int, n: int, a: dict[str, Any]) -> int:
+    """Groups along dim 0 of a matmul launch, by the slot rule of matmul.cl's slot_row()."""
+    if epilogue == "silu_mul":
+        return math.ceil(n // 2 / (rw // 2))
+    if epilogue == "rope_kv_store":
+        h, kvh, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
+        return math.ceil((h + kvh) * hd // 2 / (rw // 2)) + math.ceil(kvh * hd / rw)
+    return math.ceil(n / rw)
+
+
+def _matmul(ctx: _Ctx, op: Op) -> None:
+    a = op.attrs if op.kind == "fused_matmul" else {}
+    x, w, extra = op.inputs[0], op.inputs[1], list(op.inputs[2:])
+    m, k = ctx.shape(x)
+    n = ctx.shape(w)[0]
+    wt = ctx.dtype(w)
+    _need(wt in WEIGHT_TYPES, op, f"weight {w!r} is {wt}; expected one of {', '.join(WEIGHT_TYPES)}")
+    _need(k % 32 == 0, op, f"K = {k} is not a multiple of 32, which the OpenCL matmul kernels need")
+    options = [f"-DW_T={wt}", f"-DW_{wt.upper()}"]
+    nw = _NONE
+    if a.get("prologue") == "rms_norm":
+        nw_name = extra.pop(0)
+        options += ["-DPROLOGUE_RMS", f"-DNORM_T={_float_type(ctx, op, nw_name, 'norm weight')}"]
+        nw = _v(nw_name)
+    e = [_NONE, _NONE, _NONE]
+    epi = a.get("epilogue")
+    heads = (0, 0, 0)
+    if epi == "add":
+        options.append("-DEPI_ADD")
+        e[0] = _v(extra[0])
+    elif epi == "silu_mul":
+        options.append("-DEPI_SILU_MUL")
+    elif epi == "rope_kv_store":
+        kv = _kv_type(ctx, op, extra[1])
+        _need(ctx.dtype(extra[2]) == kv, op, "k and v caches must share one dtype")
+        options += ["-DEPI_ROPE_KV", f"-DKV_T={kv}"]
+        e = [_v(extra[0]), _v(extra[1]), _v(extra[2])]
+        heads = (a["n_heads"], a["n_kv_heads"], a["head_dim"])
+    elif epi is not None:
+        raise CodegenError(f"op {op.name} (fused_matmul): epilogue {epi!r} has no OpenCL kernel")
+    tiled = m > 1
+    mv_rows = MV_ROWS_WIDE if n >= MV_WIDE_N else MV_ROWS
+    rw = TILE_N if tiled else mv_rows
+    if not tiled:
+        options += [f"-DMV_WG={MV_WG}", f"-DMV_ROWS={mv_rows}"]
+    args = [_v(x), _v(w), nw, *e, _v(op.outputs[0]),
+            {"int": m}, {"int": k}, {"int": n}, {"float": float(a.get("eps", 0.0))},
+            {"int": heads[0]}, {"int": heads[1]}, {"int": heads[2]}]
+    ctx.launches.append(Launch(op.name, "matmul" if tiled else "matvec", "matmul_tiled" if tiled else "matvec",
+                               options, args,
+                               local=256 if tiled else MV_WG, groups=_row_groups(epi, rw, n, a),
+                               rows=m, row_tile=TILE_M if tiled else 1))
+
+
+def _attention(ctx: _Ctx, op: Op) -> None:
+    a = op.attrs
+    q, k, v = op.inputs
+    m = ctx.shape(q)[0]
+    hd = a["head_dim"]
+    kv = _kv_type(ctx, op, k)
+    _need(ctx.dtype(v) == kv, op, "k and v caches must share one dtype")
+    _need(ATT_WG % hd == 0, op, f"head_dim {hd} must divide {ATT_WG} for the OpenCL attention kernel")
+    options = [f"-DHEAD_DIM={hd}", f"-DKV_T={kv}", f"-DATT_WG={ATT_WG}"]
+    args = [_v(q), _v(k), _v(v), _v(op.outputs[0]),
+            {"int": a["n_heads"]}, {"int": a["n_kv_heads"]}, {"float": float(a["scale"])}]
+    if m > 1:
+        ctx.launches.append(Launch(op.name, "attention", "attention_tiled", options, args + [{"int": m}],
+                                   local=ATT_BQ, groups=a["n_heads"], rows=m, row_tile=ATT_BQ))
+    else:
+        ctx.launches.append(Launch(op.name, "attention", "attention_rows", options, args,
+                                   local=ATT_WG, groups=a["n_heads"], rows=m))
+
+
+def _rms_norm(ctx: _Ctx, op: Op) -> None:
+    x, w = op.inputs
+    m, d = ctx.shape(x)
+    options = [f"-DNORM_T={_float_type(ctx, op, w, 'norm weight')}", f"-DNORM_WG={NORM_WG}"]
+    ctx.launches.append(Launch(op.name, "norm", "rms_norm", options,
+                               [_v(x), _v(w), _v(op.outputs[0]), {"int": d}, {"float": float(op.attrs["eps"])}],
+                               local=NORM_WG, groups=1, rows=m))
+
+
+def _rope(ctx: _Ctx, op: Op) -> None:
+    a = op.attrs
+    _need(len(op.inputs) == 2, op, "needs the folded inv_freq constant as its second input "
+          "(run the fold pass before OpenCL codegen)")
+    m = ctx.shape(op.inputs[0])[0]
+    pairs = a["n_heads"] * a["head_dim"] // 2
+    ctx.launches.append(Launch(op.name, "rope", "rope", ["-DKV_T=f32"],
+                               [_v(op.inputs[0]), _v(op.inputs[1]), _v(op.outputs[0]),
+                                {"int": a["n_heads"]}, {"int": a["head_dim"]}],
+                               local=ELT_WG, groups=math.ceil(pairs / ELT_WG), rows=m))
+
+
+def _kv_store(ctx: _Ctx, op: Op) -> None:
+    src, cache = op.inputs
+    m, width = ctx.shape(src)
+    ctx.launches.append(Launch(op.name, "rope", "kv_store", [f"-DKV_T={_kv_type(ctx, op, cache)}"],
+                               [_v(src), _v(cache), {"int": width}],
+                               local=ELT_WG, groups=math.ceil(width / ELT_WG), rows=m))
+
+
+def _embedding(ctx: _Ctx, op: Op) -> None:
+    table, tokens = op.inputs
+    d = ctx.shape(table)[1]
+    tt = ctx.dtype(table)
+    _need(tt in WEIGHT_TYPES, op, f"table {table!r} is {tt}")
+    ctx.launches.append(Launch(op.name, "embedding", "embedding", [f"-DTABLE_T={tt}"],
+                               [_v(table), _v(tokens), _v(op.outputs[0]), {"int": d}],
+                               local=ELT_WG, groups=math.ceil(d / ELT_WG), rows=ctx.shape(tokens)[0]))
+
+
+def _elementwise(ctx: _Ctx, op: Op) -> None:
+    m, d = ctx.shape(op.inputs[0])
+    if op.kind == "silu":
+        kernel, args = "silu_mul", [_v(op.inputs[0]), _NONE, _v(op.outputs[0]), {"int": d}, {"int": 0}]
+    elif op.kind == "silu_mul":
+        kernel, args = "silu_mul", [_v(op.inputs[0]), _v(op.inputs[1]), _v(op.outputs[0]), {"int": d}, {"int": 1}]
+    else:
+        kernel, args = op.kind, [_v(op.inputs[0]), _v(op.inputs[1]), _v(op.outputs[0]), {"int": d}]
+    ctx.launches.append(Launch(op.name, "elementwise", kernel, [], args,
+                               local=ELT_WG, groups=math.ceil(d / ELT_WG), rows=m))
+
+
+def _slice(ctx: _Ctx, op: Op) -> None:
+    d = ctx.shape(op.inputs[0])[1]
+    ctx.launches.append(Launch(op.name, "elementwise", "last_row", [],
+                               [_v(op.inputs[0]), _v(op.outputs[0]), {"int": d}],
+                               local=ELT_WG, groups=math.ceil(d / ELT_WG), rows=1))
+
+
+def _reduce(ctx: _Ctx, op: Op) -> None:
+    m, d = ctx.shape(op.inputs[0])
+    ctx.launches.append(Launch(op.name, "reduce", op.kind, [f"-DRED_WG={RED_WG}"],
+                               [_v(op.inputs[0]), _v(op.outputs[0]), {"int": d}],
+                               local=RED_WG, groups=1, rows=m))
+
+
+LOWER = {
+    "matmul": _matmul, "fused_matmul": _matmul, "attention": _attention, "rms_norm": _rms_norm,
+    "rope": _rope, "kv_store": _kv_store, "embedding": _embedding, "add": _elementwise,
+    "mul": _elementwise, "silu": _elementwise, "silu_mul": _elementwise, "slice": _slice,
+    "softmax": _reduce, "argmax": _reduce,
+}
+
+
+def lower_graph(graph: Graph) -> list[Launch]:
+    """One launch per op, in the graph's (scheduled) order."""
+    ctx = _Ctx(graph)
+    for op in graph.ops:
+        if op.kind not in LOWER:
+            raise CodegenError(f"op {op.name}: kind {op.kind!r} has no OpenCL kernel")
+        LOWER[op.kind](ctx, op)
+    return ctx.launches
+
+
+def generate(graphs: dict[str, Graph] | list[Graph] | tuple[Graph, ...]) -> dict[str, Any]:
+    """The plan's "opencl" section: template sources and each graph's launch table."""
+    if not isinstance(graphs, dict):
+        graphs = {g.name: g for g in graphs}
+    tables = {name: [asdict(launch) for launch in lower_graph(g)] for name, g in graphs.items()}
+    used = sorted({launch["family"] for table in tables.values() for launch in table})
+    return {"format": FORMAT, "sources": {f: template_source(f) for f in used}, "graphs": tables}

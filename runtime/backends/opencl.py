@@ -1,0 +1,420 @@
+"""Run a plan's graphs with OpenCL: one arena buffer, weights uploaded once, kernels bound once.
+
+Memory (all planned at compile time, graph.meta["layout"]):
+    arena    one buffer, CL_MEM_ALLOC_HOST_PTR (the host maps it without copies): every
+             activation and input, prefill and decode sharing it
+    weights  the plan's weights section, read-only, uploaded once
+    kv       the KV caches, persistent across steps
+    step     int32[4]: n_tokens, n_past, start_pos, written once per step
+A region larger than CL_DEVICE_MAX_MEM_ALLOC_SIZE is split over several buffers at tensor
+boundaries. Every kernel's arguments are set at load; a step writes `step` and the tokens,
+enqueues the launch table and reads the logits back.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from ...compiler.ir import Graph, IRError, storage_shape
+
+ALIGN = 64
+
+
+class OpenCLError(RuntimeError):
+    """A device-side failure; str() is one line naming the device and what to do."""
+
+
+def _cl():
+    try:
+        import pyopencl as cl
+    except ImportError as e:
+        raise OpenCLError(f"pyopencl is not installed ({e}); pip install pyopencl "
+                          "pocl-binary-distribution") from None
+    return cl
+
+
+# -- device choice ----------------------------------------------------------------------------
+
+def list_devices() -> list[tuple[str, Any]]:
+    """("platform: device", cl.Device) for every device of every platform, GPUs first."""
+    cl = _cl()
+    try:
+        platforms = cl.get_platforms()
+    except cl.Error as e:
+        raise OpenCLError(f"no OpenCL platform found ({e}); install a GPU driver's ICD or "
+                          "pip install pocl-binary-distribution") from None
+    found = []
+    for p in platforms:
+        try:
+            devs = p.get_devices()
+        except cl.Error:
+            continue
+        found += [(f"{p.name.strip()}: {d.name.strip()}", d) for d in devs]
+    found.sort(key=lambda nd: 0 if nd[1].type & cl.device_type.GPU else 1)
+    if not found:
+        raise OpenCLError("no OpenCL device found on any platform; install a GPU driver's ICD or "
+                          "pip install pocl-binary-distribution")
+    return found
+
+
+def pick_device(device: int | str | None = None) -> Any:
+    """A device by index or name substring (else $LLMRS_OPENCL_DEVICE, else the first GPU)."""
+    cl = _cl()
+    found = list_devices()
+    want = device if device is not None else os.environ.get("LLMRS_OPENCL_DEVICE")
+    if want is None or want == "":
+        name, dev = found[0]
+        if not dev.type & cl.device_type.GPU:
+            print(f"llmrs: no OpenCL GPU found; running on {name}", file=sys.stderr)
+        return dev
+    if isinstance(want, int) or str(want).isdigit():
+        i = int(want)
+        if not 0 <= i < len(found):
+            raise OpenCLError(f"OpenCL device index {i} is out of range; devices: "
+                              + "; ".join(f"{j}: {n}" for j, (n, _) in enumerate(found)))
+        return found[i][1]
+    hits = [d for n, d in found if str(want).lower() in n.lower()]
+    if not hits:
+        raise OpenCLError(f"no OpenCL device matches {want!r}; devices: "
+                          + "; ".join(f"{j}: {n}" for j, (n, _) in enumerate(found)))
+    return hits[0]
+
+
+# -- memory regions ---------------------------------------------------------------------------
+
+@dataclass
+class Region:
+    """A planned region held in one or more device buffers: chunks[i] = (start, end, buffer)."""
+    name: str
+    chunks: list[tuple[int, int, Any]]
+
+    def locate(self, offset: int, nbytes: int, what: str) -> tuple[Any, int]:
+        for start, end, buf in self.chunks:
+            if start <= offset and offset + nbytes <= end:
+                return buf, offset - start
+        raise OpenCLError(f"{what} at {self.name} offset {offset} (+{nbytes} B) lies in no buffer of the region")
+
+
+def split_region(intervals: Iterable[tuple[int, int]], max_bytes: int, what: str) -> list[tuple[int, int]]:
+    """Chunks [start, end) covering the intervals, each <= max_bytes, no interval cut in two.
+    Overlapping intervals (reused arena storage) form one cluster that cannot be cut."""
+    clusters: list[list[int]] = []
+    for s, e in sorted(intervals):
+        if clusters and s < clusters[-1][1]:
+            clusters[-1][1] = max(clusters[-1][1], e)
+        else:
+            clusters.append([s, e])
+    chunks: list[tuple[int, int]] = []
+    for s, e in clusters:
+        if e - s > max_bytes:
+            raise OpenCLError(f"{what}: {e - s} bytes at offset {s} must sit in one buffer but the device "
+                              f"allows {max_bytes} per allocation; use a smaller prefill chunk or weights dtype")
+        if chunks and e - chunks[-1][0] <= max_bytes:
+            chunks[-1] = (chunks[-1][0], e)
+        else:
+            chunks.append((s, e))
+    return chunks
+
+
+def naive_layout(graphs: dict[str, Graph]) -> dict[str, dict[str, Any]]:
+    """A layout in plan_memory's format with no reuse at all: for graphs that were not planned."""
+    kv: dict[str, int] = {}
+    kv_bytes = 0
+    for g in graphs.values():
+        for name in g.state:
+            if name not in kv:
+                kv[name] = kv_bytes
+                kv_bytes += -(-g.values[name].nbytes // ALIGN) * ALIGN
+    out = {}
+    for phase, g in graphs.items():
+        arena, off = {}, 0
+        for v in g.values.values():
+            if v.kind in ("input", "act") and v.alias is None:
+                arena[v.name] = off
+                off += -(-v.nbytes // ALIGN) * ALIGN
+        out[phase] = {"alignment": ALIGN, "arena_bytes": off, "arena": arena, "kv_bytes": kv_bytes, "kv": kv}
+    return out
+
+
+# -- program builds ---------------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LLMRS_CACHE_DIR") or Path.home() / ".cache" / "llmrs") / "opencl"
+
+
+def device_options(dev: Any) -> list[str]:
+    """Build options chosen for the device at bind time."""
+    cl = _cl()
+    opts = []
+    if dev.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT:
+        opts.append("-cl-fp32-correctly-rounded-divide-sqrt")  # Q8_0 scales round as numpy's
+    return opts
+
+
+def _device_key(dev: Any) -> str:
+    return f"{dev.platform.name}|{dev.name}|{dev.driver_version}|{dev.version}"
+
+
+def build_program(ctx: Any, dev: Any, source: str, options: list[str], label: str) -> Any:
+    """A built program, from the on-disk cache (source hash + device) when it holds one."""
+    cl = _cl()
+    opts = " ".join(options)
+    key = hashlib.sha256("\0".join([source, opts, _device_key(dev)]).encode()).hexdigest()[:32]
+    path = cache_dir() / f"{key}.bin"
+    if path.exists():
+        try:
+            prg = cl.Program(ctx, [dev], [path.read_bytes()])
+            return prg.build(options=opts)
+        except (cl.Error, OSError):
+            pass  # a stale or foreign binary: build from source below
+    try:
+        prg = cl.Program(ctx, source).build(options=opts, devices=[dev])
+    except cl.Error as e:
+        log = " ".join(str(e).split())
+        raise OpenCLError(f"OpenCL build of {label} ({opts}) failed on {dev.name.strip()}: {log[:400]}") from None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(prg.get_info(cl.program_info.BINARIES)[0])
+        tmp.replace(path)
+    except OSError:
+        pass  # the cache is an optimisation; a read-only home still runs
+    return prg
+
+
+# -- the back end -----------------------------------------------------------------------------
+
+@dataclass
+class _Bound:
+    op: str
+    kernel: Any
+    local: int
+    groups: int
+    rows: int
+    row_tile: int
+    variant: str = ""   # the fused prologue/epilogue switches, for profiles
+
+    def global_size(self, n_tokens: int) -> tuple[int, int]:
+        return self.groups * self.local, math.ceil(min(self.rows, n_tokens) / self.row_tile)
+
+
+class OpenCLBackend:
+    """Runs the plan's prefill and decode graphs on one OpenCL device."""
+
+    def __init__(self, plan: Any, device: int | str | None = None):
+        try:
+            program = json.loads(bytes(plan.section("opencl")).decode())
+        except (KeyError, ValueError) as e:
+            raise OpenCLError(f"{getattr(plan, 'path', 'plan')}: no usable 'opencl' section ({e}); "
+                              "recompile with the opencl target") from None
+        tensors = {n: (t.offset, t.nbytes) for n, t in plan.tensors.items()}
+        self._setup(plan.graphs(), program, plan.weights_region(), tensors, device)
+
+    @classmethod
+    def from_graphs(cls, graphs: dict[str, Graph] | Iterable[Graph], program: dict[str, Any] | None = None,
+                    device: int | str | None = None) -> "OpenCLBackend":
+        """A back end for graphs held in memory (tests, llmrs-check): weights are packed here,
+        graphs without a memory plan get naive_layout()."""
+        if not isinstance(graphs, dict):
+            graphs = {g.name: g for g in graphs}
+        if program is None:
+            from ...compiler.codegen.opencl import generate  # tests only: a plan carries its program
+            program = generate(graphs)
+        tensors: dict[str, tuple[int, int]] = {}
+        blobs: dict[str, np.ndarray] = {}
+        off = 0
+        for g in graphs.values():
+            for name in g.by_kind("param") + g.by_kind("const"):
+                if name not in tensors:
+                    blobs[name] = np.ascontiguousarray(g.weights[name].load()).view(np.uint8).reshape(-1)
+                    tensors[name] = (off, blobs[name].nbytes)
+                    off += -(-blobs[name].nbytes // ALIGN) * ALIGN
+        region = np.zeros(max(off, ALIGN), np.uint8)
+        for name, (o, n) in tensors.items():
+            region[o:o + n] = blobs[name]
+        self = cls.__new__(cls)
+        self._setup(graphs, program, region, tensors, device)
+        return self
+
+    # -- load ---------------------------------------------------------------------------------
+    def _setup(self, graphs: dict[str, Graph], program: dict[str, Any], region: np.ndarray,
+               tensors: dict[str, tuple[int, int]], device: int | str | None) -> None:
+        cl = _cl()
+        if program.get("format") != 1:
+            raise OpenCLError(f"opencl section format {program.get('format')!r} is not 1; recompile the plan")
+        self.graphs = graphs
+        self.device = pick_device(device)
+        self.device_name = self.device.name.strip()
+        try:
+            self.ctx = cl.Context([self.device])
+            self.queue = cl.CommandQueue(self.ctx)
+        except cl.Error as e:
+            raise OpenCLError(f"cannot open OpenCL device {self.device_name}: {e}") from None
+        self.layouts = {p: g.meta["layout"] for p, g in graphs.items() if "layout" in g.meta}
+        if len(self.layouts) != len(graphs):
+            self.layouts = naive_layout(graphs)
+        self.max_alloc = int(os.environ.get("LLMRS_OPENCL_MAX_ALLOC") or self.device.max_mem_alloc_size)
+        try:
+            self._alloc(region, tensors)
+            self._bind(program)
+        except cl.MemoryError as e:
+            raise OpenCLError(f"out of memory on OpenCL device {self.device_name} ({e}); "
+                              "use smaller weights (--weights q4_0) or a shorter --max-seq-len") from None
+        except cl.Error as e:
+            raise OpenCLError(f"OpenCL device {self.device_name} failed while loading the plan: {e}") from None
+
+    def _alloc(self, region: np.ndarray, tensors: dict[str, tuple[int, int]]) -> None:
+        cl = _cl()
+        mf = cl.mem_flags
+        used = {n for g in self.graphs.values() for n in g.by_kind("param") + g.by_kind("const")}
+        for n in used:
+            if n not in tensors:
+                raise OpenCLError(f"tensor {n!r} is used by the graphs but missing from the plan's weights")
+        w_chunks = split_region([(tensors[n][0], tensors[n][0] + tensors[n][1]) for n in used],
+                                self.max_alloc, "weights") or [(0, ALIGN)]
+        self.weights = Region("weights", [
+            (s, e, cl.Buffer(self.ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=np.asarray(region[s:e])))
+            for s, e in w_chunks])
+        self.tensors = tensors
+        kv = next(iter(self.layouts.values()))["kv"]
+        kv_sizes = {n: g.values[n].nbytes for g in self.graphs.values() for n in g.state}
+        kv_chunks = split_region([(kv[n], kv[n] + kv_sizes[n]) for n in kv_sizes], self.max_alloc, "KV cache")
+        self.kv = Region("kv", [(s, e, cl.Buffer(self.ctx, mf.READ_WRITE, e - s)) for s, e in kv_chunks])
+        self.kv_offsets = kv
+        spans = []
+        for phase, g in self.graphs.items():
+            for n, o in self.layouts[phase]["arena"].items():
+                if n in g.values:
+                    spans.append((o, o + g.values[n].nbytes))
+        a_chunks = split_region(spans, self.max_alloc, "activation arena")
+        self.arena = Region("arena", [(s, e, cl.Buffer(self.ctx, mf.READ_WRITE | mf.ALLOC_HOST_PTR, e - s))
+                                      for s, e in a_chunks])
+        self.step_buf = cl.Buffer(self.ctx, mf.READ_ONLY, 16)
+        self._in_flight: list[np.ndarray] = []
+        self.reset()
+
+    def locate(self, phase: str, name: str) -> tuple[Any, int]:
+        """(buffer, byte offset) holding value `name` of graph `phase`."""
+        v = self.graphs[phase].values[name]
+        if v.kind in ("param", "const"):
+            off, n = self.tensors[name]
+            return self.weights.locate(off, n, f"tensor {name!r}")
+        if v.kind == "state" or v.alias:
+            state = v.alias or name
+            return self.kv.locate(self.kv_offsets[state], v.nbytes, f"cache {state!r}")
+        arena = self.layouts[phase]["arena"]
+        if name not in arena:
+            raise OpenCLError(f"graph {phase}: value {name!r} has no arena offset in the memory plan")
+        return self.arena.locate(arena[name], v.nbytes, f"value {name!r}")
+
+    def _bind(self, program: dict[str, Any]) -> None:
+        cl = _cl()
+        extra = device_options(self.device)
+        built: dict[tuple[str, tuple[str, ...]], Any] = {}
+        self.launches: dict[str, list[_Bound]] = {}
+        self.kernel_table = program["graphs"]
+        max_wg = self.device.max_work_group_size
+        for phase, table in program["graphs"].items():
+            if phase not in self.graphs:
+                continue
+            bound = []
+            for entry in table:
+                key = (entry["family"], tuple(entry["options"]))
+                if key not in built:
+                    built[key] = build_program(self.ctx, self.device, program["sources"][entry["family"]],
+                                               list(entry["options"]) + extra, entry["family"])
+                if entry["local"] > max_wg:
+                    raise OpenCLError(f"kernel {entry['kernel']} of op {entry['op']} needs {entry['local']} "
+                                      f"threads per group; {self.device_name} allows {max_wg}")
+                kern = cl.Kernel(built[key], entry["kernel"])
+                args: list[Any] = [self.step_buf]
+                for a in entry["args"]:
+                    if "value" in a:
+                        buf, off = self.locate(phase, a["value"])
+                        args += [buf, np.uint64(off)]
+                    elif "none" in a:
+                        args += [self.arena.chunks[0][2], np.uint64(0)]
+                    elif "int" in a:
+                        args.append(np.int32(a["int"]))
+                    else:
+                        args.append(np.float32(a["float"]))
+                kern.set_args(*args)
+                variant = "+".join(o[2:].split("=")[0].lower() for o in entry["options"]
+                                   if o.startswith(("-DEPI_", "-DPROLOGUE_")))
+                bound.append(_Bound(entry["op"], kern, entry["local"], entry["groups"], entry["rows"],
+                                    entry["row_tile"], variant))
+            self.launches[phase] = bound
+
+    # -- steps --------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Empty the KV cache (zero bytes, so stale slots never hold NaNs)."""
+        cl = _cl()
+        for s, e, buf in self.kv.chunks:
+            cl.enqueue_fill_buffer(self.queue, buf, np.uint8(0), 0, e - s)
+        self.queue.finish()
+
+    def write_value(self, phase: str, name: str, arr: np.ndarray) -> None:
+        """Copy host data into a value's storage (inputs of single-kernel checks, caches)."""
+        cl = _cl()
+        buf, off = self.locate(phase, name)
+        cl.enqueue_copy(self.queue, buf, np.ascontiguousarray(arr), dst_offset=off, is_blocking=True)
+
+    def read_value(self, phase: str, name: str, rows: int | None = None) -> np.ndarray:
+        """A value's current contents in its storage dtype; `rows` limits the first axis."""
+        cl = _cl()
+        v = self.graphs[phase].values[name]
+        shape, np_dtype = storage_shape(v.shape, v.dtype)
+        if rows is not None:
+            shape = (min(rows, shape[0]), *shape[1:])
+        out = np.empty(shape, np_dtype)
+        buf, off = self.locate(phase, name)
+        cl.enqueue_copy(self.queue, out, buf, src_offset=off, is_blocking=True)
+        return out
+
+    def enqueue(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> None:
+        """Write the step's tokens and scalars and enqueue every kernel of the phase; returns
+        without waiting (the arena's token slot may be reused within a step, so every step
+        writes its tokens again)."""
+        cl = _cl()
+        g = self.graphs[phase]
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)
+        n_tokens = len(tokens)
+        if not 1 <= n_tokens <= g.T:
+            raise IRError(f"graph {phase} takes 1..{g.T} tokens per step, got {n_tokens}")
+        for name in g.state:
+            s = g.values[name].shape[0]
+            if n_past + n_tokens > s:
+                raise IRError(f"KV cache {name!r} holds {s} tokens; {n_past} + {n_tokens} do not fit")
+        for op in g.ops:
+            vocab = g.values[op.inputs[0]].shape[0] if op.kind == "embedding" else None
+            if vocab is not None and (tokens.min() < 0 or tokens.max() >= vocab):
+                raise IRError(f"op {op.name}: token id out of range 0..{vocab - 1}")
+        # fills copy their pattern when enqueued, so no host array must outlive the call
+        step = np.array([n_tokens, n_past, start_pos, 0], np.int32)
+        cl.enqueue_fill_buffer(self.queue, self.step_buf, step, 0, step.nbytes)
+        if g.inputs:
+            buf, off = self.locate(phase, g.inputs[0])
+            if n_tokens == 1:
+                cl.enqueue_fill_buffer(self.queue, buf, tokens, off, 4)
+            else:
+                self._in_flight.append(tokens)   # released by the next blocking read
+                cl.enqueue_copy(self.queue, buf, tokens, dst_offset=off, is_blocking=False)
+        for b in self.launches[phase]:
+            cl.enqueue_nd_range_kernel(self.queue, b.kernel, b.global_size(n_tokens), (b.local, 1))
+
+    def run(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int | None = None) -> np.ndarray:
+        """One step: logits float32 [rows, vocab] of the graph's output."""
+        g = self.graphs[phase]
+        tokens = np.asarray(tokens).reshape(-1)
+        self.enqueue(phase, tokens, n_past, n_past if start_pos is None else start_pos)
+        out = self.read_value(phase, g.outputs[0], rows=len(tokens)).astype(np.float32, copy=False)
+        self._in_flight.clear()
+        return out

@@ -1,0 +1,98 @@
+// Shared by every kernel family (prepended by compiler/codegen/opencl.py).
+// Buffers are byte-addressed: each tensor argument is a buffer plus a byte offset, because
+// sub-buffers need CL_DEVICE_MEM_BASE_ADDR_ALIGN, which some mobile drivers report unusably.
+// The step scalars live in a small int buffer every kernel reads, so a step sets no arguments:
+//   step[0] = n_tokens, step[1] = n_past, step[2] = start_pos
+// Element-type tokens passed with -D: f32 f16 bf16 q4_0 q8_0 (W_T, NORM_T, TABLE_T, KV_T).
+
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+
+#define STEP_N_TOKENS(s) ((s)[0])
+#define STEP_N_PAST(s) ((s)[1])
+#define STEP_START_POS(s) ((s)[2])
+
+typedef __global const uchar* gin;   // read-only tensor bytes
+typedef __global uchar* gout;        // written tensor bytes
+
+// -- scalar element loads by flat index; quantized rows are whole 32-value blocks ------------
+inline float ld_f32(gin p, size_t i) { return ((__global const float*)p)[i]; }
+inline float ld_f16(gin p, size_t i) { return vload_half(i, (__global const half*)p); }
+inline float ld_bf16(gin p, size_t i) { return as_float(((uint)((__global const ushort*)p)[i]) << 16); }
+inline float ld_q4_0(gin p, size_t i) {
+    gin blk = p + (i >> 5) * 18;  // 18 B: f16 d, 16 B of nibbles (low = j, high = j + 16)
+    uint k = (uint)(i & 31);
+    uchar q = blk[2 + (k & 15)];
+    int nib = k < 16 ? (q & 15) : (q >> 4);
+    return (float)(nib - 8) * vload_half(0, (__global const half*)blk);
+}
+inline float ld_q8_0(gin p, size_t i) {
+    gin blk = p + (i >> 5) * 34;  // 34 B: f16 d, 32 int8
+    return (float)((__global const char*)blk)[2 + (i & 31)] * vload_half(0, (__global const half*)blk);
+}
+
+// -- 16 consecutive float elements, index counted in 16s -------------------------------------
+inline float16 ld16_f32(gin p, size_t i16) { return vload16(i16, (__global const float*)p); }
+inline float16 ld16_f16(gin p, size_t i16) { return vload_half16(i16, (__global const half*)p); }
+inline float16 ld16_bf16(gin p, size_t i16) {
+    return as_float16(convert_uint16(vload16(i16, (__global const ushort*)p)) << 16);
+}
+
+// -- stores (KV caches) ----------------------------------------------------------------------
+inline void st_f32(gout p, size_t i, float v) { ((__global float*)p)[i] = v; }
+inline void st_f16(gout p, size_t i, float v) { vstore_half_rte(v, i, (__global half*)p); }
+
+// f32 -> nearest f16 -> f32, as numpy's astype(float16) does to a Q8_0 block scale
+inline float round_to_half(float v) {
+    ushort h;
+    vstore_half_rte(v, 0, (__private half*)&h);
+    return vload_half(0, (__private const half*)&h);
+}
+
+inline float hsum16(float16 v) {
+    float4 s = v.s0123 + v.s4567 + v.s89ab + v.scdef;
+    return (s.x + s.y) + (s.z + s.w);
+}
+
+inline float hmax16(float16 v) {
+    float8 a = fmax(v.lo, v.hi);
+    float4 b = fmax(a.lo, a.hi);
+    float2 c = fmax(b.lo, b.hi);
+    return fmax(c.x, c.y);
+}
+
+// Q8_0 activation block, as ggml's quantize_row_q8_0_ref: d = amax/127 (kept as f16),
+// q = round(x / d) half away from zero. x0 = values 0..15, x1 = 16..31 become the ints.
+inline float quantize_q8_block(float16* x0, float16* x1) {
+    float amax = fmax(hmax16(fabs(*x0)), hmax16(fabs(*x1)));
+    float d = amax / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    *x0 = round(*x0 * id);
+    *x1 = round(*x1 * id);
+    return round_to_half(d);
+}
+
+// Work-group reductions over a __local scratch of get_local_size(0) floats.
+inline float wg_sum(float v, __local float* red) {
+    int lid = get_local_id(0), n = get_local_size(0);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    red[lid] = v;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int s = n >> 1; s > 0; s >>= 1) {
+        if (lid < s) red[lid] += red[lid + s];
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    return red[0];
+}
+
+inline float wg_max(float v, __local float* red) {
+    int lid = get_local_id(0), n = get_local_size(0);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    red[lid] = v;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int s = n >> 1; s > 0; s >>= 1) {
+        if (lid < s) red[lid] = fmax(red[lid], red[lid + s]);
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    return red[0];
+}

@@ -1,0 +1,261 @@
+"""Every OpenCL kernel family against the numpy interpreter, on PoCL, on random non-zero data.
+
+Each test builds a one-op graph, runs it through OpenCLBackend.from_graphs (the same codegen,
+build and binding path a plan takes) and compares with interpret.OPS for that op.
+Tolerances: f32/f16/bf16 weights 1e-4 relative to the output's scale; q4_0/q8_0 weights the
+same, since the kernels quantize activations to Q8_0 exactly as the interpreter does (a
+rounding tie resolved differently moves one block by one step: covered by 2e-3).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from llmrs.compiler import quant
+from llmrs.compiler.interpret import OPS, Interpreter, Step
+from llmrs.compiler.ir import Graph, LazyTensor
+from llmrs.models.rope import rope_inv_freq
+
+cl = pytest.importorskip("pyopencl")
+from llmrs.runtime.backends.opencl import OpenCLBackend  # noqa: E402
+
+WEIGHT_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+# The epilogues are shared by every weight dtype (only the block loads differ, covered by the
+# plain matmul tests), so fused variants run on one quantized and one float dtype: each variant
+# is a PoCL compile of a few seconds on a cold cache.
+EPILOGUE_DTYPES = ("q4_0", "f16")
+
+
+def _storage(arr: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype in ("q4_0", "q8_0"):
+        return quant.quantize(arr, dtype)
+    if dtype == "bf16":
+        return (arr.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    return arr.astype({"f32": np.float32, "f16": np.float16, "i32": np.int32}[dtype])
+
+
+class OneOp:
+    """A graph of one op; `acts` are written to the device, `params` stored as weights."""
+
+    def __init__(self, T: int, name: str = "decode"):
+        self.g = Graph(name, T, meta={})
+        self.data: dict[str, np.ndarray] = {}
+
+    def act(self, name: str, arr: np.ndarray, dtype: str = "f32") -> str:
+        self.g.add_value(name, arr.shape, dtype, kind="input")
+        self.data[name] = arr.astype(np.int32 if dtype == "i32" else np.float32)
+        return name
+
+    def param(self, name: str, arr: np.ndarray, dtype: str, kind: str = "param") -> str:
+        raw = _storage(arr, dtype)
+        self.g.add_value(name, arr.shape, dtype, kind=kind)
+        self.g.weights[name] = LazyTensor.of(raw, dtype)
+        return name
+
+    def state(self, name: str, arr: np.ndarray, dtype: str) -> str:
+        self.g.add_value(name, arr.shape, dtype, kind="state")
+        self.data[name] = _storage(arr, dtype)
+        return name
+
+    def out(self, name: str, shape, dtype: str = "f32", alias: str | None = None) -> str:
+        return self.g.add_value(name, shape, dtype, alias=alias)
+
+    def run(self, kind: str, inputs: list[str], outputs: list[str], n_tokens: int, n_past: int = 0,
+            start_pos: int | None = None, **attrs) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """(opencl outputs, interpreter outputs), each trimmed to the step's rows."""
+        g = self.g
+        op = g.add_op(kind, inputs, outputs, **attrs)
+        g.inputs = []   # acts are written below; enqueue() then writes no tokens
+        g.outputs = list(outputs)
+        g.verify()
+        start_pos = n_past if start_pos is None else start_pos
+        be = OpenCLBackend.from_graphs({g.name: g})
+        for name, arr in self.data.items():
+            be.write_value(g.name, name, arr)
+        be.enqueue(g.name, np.zeros(n_tokens, np.int32), n_past, start_pos)
+        be.queue.finish()
+        it = Interpreter(g)
+        args = []
+        for name in inputs:
+            v = g.values[name]
+            if v.kind in ("param", "const"):
+                args.append(it.raw(name))
+            else:  # the interpreter holds only the step's rows of an activation
+                rows = n_tokens if v.kind == "input" and v.shape[0] == g.T else None
+                args.append(self.data[name][:rows].copy())
+        want = OPS[kind](it, op, Step(n_tokens, n_past, start_pos), *args)
+        got = []
+        for name, w in zip(outputs, want):
+            v = g.values[name]
+            rows = None if v.alias or v.shape[0] == 1 else n_tokens
+            got.append(be.read_value(g.name, name, rows=rows))
+        return got, want
+
+
+def _close(got: np.ndarray, want: np.ndarray, rtol: float) -> None:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape
+    scale = np.max(np.abs(want)) + 1e-30
+    err = np.max(np.abs(got - want)) / scale
+    assert err <= rtol, f"max error {err:.2e} of the output's scale (tolerance {rtol:.0e})"
+
+
+def _rand(rng, *shape, scale=1.0):
+    x = rng.standard_normal(shape).astype(np.float32) * scale
+    x[x == 0] = 0.5
+    return x
+
+
+def _tol(dtype: str) -> float:
+    return 2e-3 if dtype in ("q4_0", "q8_0") else 1e-4
+
+
+@pytest.mark.parametrize("wdt", WEIGHT_DTYPES)
+@pytest.mark.parametrize("rows,n_tokens,n", [(1, 1, 136), (70, 67, 136), (1, 1, 8200)])
+def test_matmul_matches_interpreter(wdt, rows, n_tokens, n):
+    rng = np.random.default_rng(1)
+    k = 96
+    b = OneOp(rows)
+    x = b.act("x", _rand(rng, rows, k))
+    w = b.param("w", _rand(rng, n, k), wdt)
+    y = b.out("y", (rows, n))
+    got, want = b.run("matmul", [x, w], [y], n_tokens)
+    _close(got[0], want[0], _tol(wdt))
+
+
+@pytest.mark.parametrize("wdt", EPILOGUE_DTYPES)
+@pytest.mark.parametrize("rows,n_tokens", [(1, 1), (9, 9)])
+def test_fused_rms_silu_mul_matches_interpreter(wdt, rows, n_tokens):
+    rng = np.random.default_rng(2)
+    k, f = 64, 96
+    b = OneOp(rows)
+    x = b.act("x", _rand(rng, rows, k, scale=3.0))
+    w = b.param("w", _rand(rng, 2 * f, k), wdt)
+    nw = b.param("nw", _rand(rng, k), "f32")
+    y = b.out("y", (rows, f))
+    got, want = b.run("fused_matmul", [x, w, nw], [y], n_tokens, prologue="rms_norm", epilogue="silu_mul", eps=1e-5)
+    _close(got[0], want[0], _tol(wdt))
+
+
+@pytest.mark.parametrize("wdt", EPILOGUE_DTYPES)
+@pytest.mark.parametrize("rows,n_tokens", [(1, 1), (66, 65)])
+def test_fused_add_epilogue_matches_interpreter(wdt, rows, n_tokens):
+    rng = np.random.default_rng(3)
+    k, n = 128, 64
+    b = OneOp(rows)
+    x = b.act("x", _rand(rng, rows, k))
+    res = b.act("res", _rand(rng, rows, n))
+    w = b.param("w", _rand(rng, n, k), wdt)
+    y = b.out("y", (rows, n))
+    got, want = b.run("fused_matmul", [x, w, res], [y], n_tokens, prologue=None, epilogue="add")
+    _close(got[0], want[0], _tol(wdt))
+
+
+@pytest.mark.parametrize("wdt,kv_dtype", [("q4_0", "f16"), ("f16", "f32")])
+@pytest.mark.parametrize("rows,n_tokens,n_past,start_pos", [(1, 1, 5, 9), (12, 7, 3, 3)])
+def test_fused_qkv_rope_kv_store_matches_interpreter(wdt, kv_dtype, rows, n_tokens, n_past, start_pos):
+    rng = np.random.default_rng(4)
+    h, kvh, hd, d, s = 4, 2, 16, 64, 24
+    b = OneOp(rows)
+    x = b.act("x", _rand(rng, rows, d))
+    w = b.param("w", _rand(rng, (h + 2 * kvh) * hd, d), wdt)
+    nw = b.param("nw", _rand(rng, d), "f16")
+    inv = b.param("inv_freq", rope_inv_freq(hd, 10000.0, None), "f32", kind="const")
+    kc = b.state("kc", _rand(rng, s, kvh, hd), kv_dtype)
+    vc = b.state("vc", _rand(rng, s, kvh, hd), kv_dtype)
+    q = b.out("q", (rows, h * hd))
+    kc2 = b.out("kc2", (s, kvh, hd), kv_dtype, alias="kc")
+    vc2 = b.out("vc2", (s, kvh, hd), kv_dtype, alias="vc")
+    got, want = b.run("fused_matmul", [x, w, nw, inv, kc, vc], [q, kc2, vc2], n_tokens, n_past, start_pos,
+                      prologue="rms_norm", epilogue="rope_kv_store", eps=1e-5, n_heads=h, n_kv_heads=kvh,
+                      head_dim=hd, theta=10000.0, scaling=None)
+    tol = max(_tol(wdt), 1e-3 if kv_dtype == "f16" else 0)
+    for gt, wt in zip(got, want):
+        _close(gt.astype(np.float32), wt.astype(np.float32), tol)
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+@pytest.mark.parametrize("rows,n_tokens,n_past", [(1, 1, 0), (1, 1, 600), (40, 37, 5)])
+def test_attention_matches_interpreter(kv_dtype, rows, n_tokens, n_past):
+    rng = np.random.default_rng(5)
+    h, kvh, hd, s = 8, 2, 16, 640
+    b = OneOp(rows)
+    q = b.act("q", _rand(rng, rows, h * hd))
+    kc = b.state("kc", _rand(rng, s, kvh, hd), kv_dtype)
+    vc = b.state("vc", _rand(rng, s, kvh, hd), kv_dtype)
+    o = b.out("o", (rows, h * hd))
+    got, want = b.run("attention", [q, kc, vc], [o], n_tokens, n_past, n_heads=h, n_kv_heads=kvh,
+                      head_dim=hd, scale=1.0 / math.sqrt(hd))
+    _close(got[0], want[0], 1e-4)
+
+
+@pytest.mark.parametrize("ndt", ["f32", "bf16"])
+def test_rms_norm_matches_interpreter(ndt):
+    rng = np.random.default_rng(6)
+    b = OneOp(5)
+    x = b.act("x", _rand(rng, 5, 96, scale=4.0))
+    w = b.param("w", _rand(rng, 96), ndt)
+    y = b.out("y", (5, 96))
+    got, want = b.run("rms_norm", [x, w], [y], 4, eps=1e-5)
+    _close(got[0], want[0], 1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+def test_rope_and_kv_store_match_interpreter(kv_dtype):
+    rng = np.random.default_rng(7)
+    h, hd, s = 3, 16, 20
+    b = OneOp(6)
+    x = b.act("x", _rand(rng, 6, h * hd))
+    inv = b.param("inv_freq", rope_inv_freq(hd, 500000.0, {"factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), "f32", kind="const")
+    y = b.out("y", (6, h * hd))
+    got, want = b.run("rope", [x, inv], [y], 5, 2, 1000, n_heads=h, head_dim=hd, theta=500000.0, scaling=None)
+    _close(got[0], want[0], 1e-4)
+
+    b = OneOp(6)
+    src = b.act("src", _rand(rng, 6, h * hd))
+    cache = b.state("cache", _rand(rng, s, h, hd), kv_dtype)
+    c2 = b.out("cache2", (s, h, hd), kv_dtype, alias="cache")
+    got, want = b.run("kv_store", [src, cache], [c2], 5, 11)
+    _close(got[0].astype(np.float32), want[0].astype(np.float32), 0)
+
+
+@pytest.mark.parametrize("tdt", WEIGHT_DTYPES)
+def test_embedding_matches_interpreter(tdt):
+    rng = np.random.default_rng(8)
+    b = OneOp(7)
+    table = b.param("table", _rand(rng, 50, 64), tdt)
+    tokens = b.act("tokens", rng.integers(0, 50, 7), "i32")
+    y = b.out("y", (7, 64))
+    got, want = b.run("embedding", [table, tokens], [y], 6)
+    _close(got[0], want[0], 0)
+
+
+@pytest.mark.parametrize("kind", ["add", "mul", "silu_mul", "silu"])
+def test_elementwise_matches_interpreter(kind):
+    rng = np.random.default_rng(9)
+    b = OneOp(4)
+    a = b.act("a", _rand(rng, 4, 100, scale=3.0))
+    ins = [a] if kind == "silu" else [a, b.act("b", _rand(rng, 4, 100))]
+    y = b.out("y", (4, 100))
+    got, want = b.run(kind, ins, [y], 3)
+    _close(got[0], want[0], 1e-6)
+
+
+def test_softmax_argmax_and_last_row_match_interpreter():
+    rng = np.random.default_rng(10)
+    x = _rand(rng, 5, 1000, scale=5.0)
+    x[1, 7] = x[1, 900] = 99.0            # a tie: the first index wins, as numpy's argmax
+    for kind, shape, dtype in (("softmax", (5, 1000), "f32"), ("argmax", (5,), "i32"),
+                               ("slice", (1, 1000), "f32")):
+        b = OneOp(5)
+        xv = b.act("x", x)
+        y = b.out("y", shape, dtype)
+        attrs = {"rows": "last"} if kind == "slice" else {}
+        got, want = b.run(kind, [xv], [y], 4, **attrs)
+        if dtype == "i32":
+            assert got[0].tolist() == want[0].tolist()
+        else:
+            _close(got[0], want[0], 1e-6)

@@ -1,0 +1,101 @@
+"""The OpenCL back end end to end on PoCL: golden tiny models compiled to plan.bin, run on the
+device, logits and greedy tokens against the interpreter running the same compiled graphs."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pyopencl")
+
+from llmrs.compiler.codegen.opencl import generate  # noqa: E402
+from llmrs.compiler.interpret import Interpreter  # noqa: E402
+from llmrs.compiler.pipeline import CompileOptions, compile_graphs  # noqa: E402
+from llmrs.compiler.plan import write_graph_plan  # noqa: E402
+from llmrs.runtime.backends.opencl import OpenCLBackend, OpenCLError, pick_device, split_region  # noqa: E402
+from llmrs.runtime.plan import Plan  # noqa: E402
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+PROMPT = np.array([3, 17, 250, 9, 42, 7, 101, 64, 5], np.int32)
+
+
+def _plan(tmp_path: Path, model: str, weights: str, kv: str) -> Plan:
+    p, d = compile_graphs(DATA / model, CompileOptions(weights=weights, kv_type=kv, prefill_chunk=8, max_seq_len=32))
+    graphs = {"prefill": p, "decode": d}
+    path = tmp_path / f"{model}-{weights}.bin"
+    write_graph_plan(path, graphs, sections={"opencl": json.dumps(generate(graphs))})
+    return Plan.open(path)
+
+
+def _rel(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+@pytest.mark.parametrize("model,weights,kv,tol", [
+    ("golden-a", "f32", "f32", 1e-4),
+    ("golden-b", "q4_0", "f16", 1e-4),
+])
+def test_golden_model_matches_interpreter_with_same_greedy_tokens(tmp_path, model, weights, kv, tol):
+    plan = _plan(tmp_path, model, weights, kv)
+    be = OpenCLBackend(plan)
+    graphs = plan.graphs()
+    pre, dec = Interpreter(graphs["prefill"]), Interpreter(graphs["decode"])
+    state = pre.new_state()
+    # a 9-token prompt is two prefill chunks (8 + 1): the second runs with n_past = 8
+    n = 0
+    for chunk in (PROMPT[:8], PROMPT[8:]):
+        got = be.run("prefill", chunk, n, n)
+        want = pre.run({"tokens": chunk}, state, n)[graphs["prefill"].outputs[0]]
+        assert got.shape == want.shape
+        assert _rel(got, want) <= tol
+        n += len(chunk)
+    tokens_cl, tokens_ref = [], []
+    tok_cl, tok_ref = int(np.argmax(got[-1])), int(np.argmax(want[-1]))
+    for _ in range(6):
+        tokens_cl.append(tok_cl)
+        tokens_ref.append(tok_ref)
+        got = be.run("decode", np.array([tok_cl], np.int32), n, n)
+        want = dec.run({"tokens": np.array([tok_ref], np.int32)}, state, n)[graphs["decode"].outputs[0]]
+        assert _rel(got, want) <= tol
+        tok_cl, tok_ref = int(np.argmax(got[-1])), int(np.argmax(want[-1]))
+        n += 1
+    assert tokens_cl == tokens_ref
+
+
+def test_reset_empties_the_kv_cache_so_a_rerun_repeats_its_logits(tmp_path):
+    be = OpenCLBackend(_plan(tmp_path, "golden-a", "q8_0", "f32"))
+    first = be.run("prefill", PROMPT[:5], 0, 0)
+    be.run("decode", np.array([1], np.int32), 5, 5)
+    be.reset()
+    again = be.run("prefill", PROMPT[:5], 0, 0)
+    np.testing.assert_array_equal(first, again)
+
+
+def test_step_past_the_kv_cache_is_refused_in_one_line(tmp_path):
+    be = OpenCLBackend(_plan(tmp_path, "golden-a", "q8_0", "f32"))
+    with pytest.raises(ValueError, match="KV cache .* holds 32 tokens"):
+        be.run("decode", np.array([1], np.int32), 32, 32)
+
+
+def test_unknown_device_name_is_one_line_listing_the_devices():
+    with pytest.raises(OpenCLError) as e:
+        pick_device("no-such-device-xyz")
+    assert "no OpenCL device matches 'no-such-device-xyz'" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_regions_split_at_tensor_boundaries_and_keep_overlaps_together():
+    chunks = split_region([(0, 40), (64, 100), (100, 180), (150, 200), (256, 300)], 128, "t")
+    assert chunks == [(0, 100), (100, 200), (256, 300)]
+    with pytest.raises(OpenCLError, match="must sit in one buffer"):
+        split_region([(0, 100), (50, 300)], 128, "t")
+
+
+def test_weights_split_over_several_buffers_give_the_same_logits(tmp_path, monkeypatch):
+    plan = _plan(tmp_path, "golden-a", "f32", "f32")
+    whole = OpenCLBackend(plan).run("prefill", PROMPT[:6], 0, 0)
+    monkeypatch.setenv("LLMRS_OPENCL_MAX_ALLOC", str(128 * 1024))   # golden-a's biggest tensor is 96 KiB
+    split = OpenCLBackend(plan)
+    assert len(split.weights.chunks) > 1
+    np.testing.assert_array_equal(split.run("prefill", PROMPT[:6], 0, 0), whole)

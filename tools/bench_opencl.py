@@ -1,0 +1,187 @@
+"""Benchmark the OpenCL back end: decode and prefill tok/s with the ceilings measured in the same run.
+
+    python tools/bench_opencl.py MODEL_DIR --weights q4_0,f16 --prefill 512 --out bench.json
+
+For each weights dtype: compile the model (pipeline + OpenCL codegen) into a plan, load it with
+OpenCLBackend, then measure
+    launch_us         one empty kernel launch through pyopencl (mean of many, queue drained)
+    copy_gbps         device buffer-to-buffer copy, (read + written bytes) / time
+    decode            kernels per step, weight bytes read per step, tok/s (logits read back each
+                      step, as sampling needs), and the floor max(launches x launch, bytes / copy bw)
+    prefill           tok/s of one prompt of --prefill tokens (one chunk)
+and writes one JSON object per dtype (a list) to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from llmrs.compiler.codegen import opencl as codegen
+from llmrs.compiler.codegen.opencl import generate
+from llmrs.compiler.pipeline import CompileOptions, compile_graphs
+from llmrs.compiler.plan import write_graph_plan
+from llmrs.runtime.backends.opencl import OpenCLBackend
+from llmrs.runtime.plan import Plan
+
+EMPTY_KERNEL = "__kernel void empty(__global int* p) { }"
+
+
+def launch_cost_us(be: OpenCLBackend, n: int = 2000) -> float:
+    import pyopencl as cl
+    prg = cl.Program(be.ctx, EMPTY_KERNEL).build()
+    k = cl.Kernel(prg, "empty")
+    k.set_args(be.step_buf)
+    for _ in range(100):
+        cl.enqueue_nd_range_kernel(be.queue, k, (64,), (64,))
+    be.queue.finish()
+    t = time.perf_counter()
+    for _ in range(n):
+        cl.enqueue_nd_range_kernel(be.queue, k, (64,), (64,))
+    be.queue.finish()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def copy_gbps(be: OpenCLBackend, nbytes: int = 1 << 30, reps: int = 10) -> float:
+    import pyopencl as cl
+    nbytes = min(nbytes, be.device.max_mem_alloc_size // 2)
+    a = cl.Buffer(be.ctx, cl.mem_flags.READ_WRITE, nbytes)
+    b = cl.Buffer(be.ctx, cl.mem_flags.READ_WRITE, nbytes)
+    cl.enqueue_fill_buffer(be.queue, a, np.uint8(1), 0, nbytes)
+    cl.enqueue_copy(be.queue, b, a)
+    be.queue.finish()
+    t = time.perf_counter()
+    for _ in range(reps):
+        cl.enqueue_copy(be.queue, b, a)
+    be.queue.finish()
+    dt = time.perf_counter() - t
+    a.release()
+    b.release()
+    return 2 * nbytes * reps / dt / 1e9
+
+
+def kernel_profile(be: OpenCLBackend, phase: str, tokens: np.ndarray, n_past: int) -> dict[str, float]:
+    """Device time per kernel of one step, summed by kernel and variant (profiling events)."""
+    import pyopencl as cl
+    queue = be.queue
+    be.queue = cl.CommandQueue(be.ctx, properties=cl.command_queue_properties.PROFILING_ENABLE)
+    launches = be.launches[phase]
+    be.launches[phase] = []          # write tokens and scalars only
+    be.enqueue(phase, tokens, n_past, n_past)
+    be.launches[phase] = launches
+    events = [(b, cl.enqueue_nd_range_kernel(be.queue, b.kernel, b.global_size(len(tokens)), (b.local, 1)))
+              for b in launches]
+    be.queue.finish()
+    out: dict[str, float] = {}
+    for b, ev in events:
+        key = b.kernel.function_name + (f"[{b.variant}]" if b.variant else "")
+        out[key] = out.get(key, 0.0) + (ev.profile.end - ev.profile.start) / 1e3
+    be.queue = queue
+    return {k: round(v, 1) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+
+
+def decode_weight_bytes(graph) -> int:
+    """Weight bytes one decode step reads: every weight input, the embedding table one row."""
+    total = 0
+    for op in graph.ops:
+        for i, name in enumerate(op.inputs):
+            v = graph.values[name]
+            if v.kind not in ("param", "const"):
+                continue
+            total += v.nbytes // v.shape[0] if op.kind == "embedding" and i == 0 else v.nbytes
+    return total
+
+
+def bench(model: Path, weights: str, prefill: int, steps: int, max_seq: int, kv: str, workdir: Path) -> dict:
+    t0 = time.perf_counter()
+    p, d = compile_graphs(model, CompileOptions(weights=weights, kv_type=kv, prefill_chunk=prefill,
+                                                max_seq_len=max_seq))
+    graphs = {"prefill": p, "decode": d}
+    path = workdir / f"plan-{weights}.bin"
+    write_graph_plan(path, graphs, sections={"opencl": json.dumps(generate(graphs))})
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    be = OpenCLBackend(Plan.open(path))
+    load_s = time.perf_counter() - t0
+    vocab = p.values[p.outputs[0]].shape[1]
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, vocab, prefill).astype(np.int32)
+
+    be.run("prefill", prompt, 0, 0)   # warm-up: first launches, lazy driver work
+    be.reset()
+    be.queue.finish()
+    t = time.perf_counter()
+    logits = be.run("prefill", prompt, 0, 0)
+    prefill_s = time.perf_counter() - t
+
+    n = prefill
+    tok = np.array([int(np.argmax(logits[-1]))], np.int32)
+    for _ in range(3):
+        be.run("decode", tok, n, n)
+        n += 1
+    t = time.perf_counter()
+    for _ in range(steps):
+        logits = be.run("decode", tok, n, n)
+        tok[0] = int(np.argmax(logits[-1]))
+        n += 1
+    decode_s = (time.perf_counter() - t) / steps
+    t = time.perf_counter()   # enqueue only, one drain at the end: the device-side rate
+    for _ in range(steps):
+        be.enqueue("decode", tok, n - steps, n - steps)
+    be.queue.finish()
+    decode_enqueue_s = (time.perf_counter() - t) / steps
+
+    profile = {"decode": kernel_profile(be, "decode", tok, n), "prefill": kernel_profile(be, "prefill", prompt, 0)}
+    launch_us = launch_cost_us(be)
+    bw = copy_gbps(be)
+    launches = len(be.launches["decode"])
+    wbytes = decode_weight_bytes(d)
+    floor_s = max(launches * launch_us * 1e-6, wbytes / (bw * 1e9))
+    return {
+        "device": be.device_name, "model": str(model), "weights": weights, "kv": kv,
+        "compile_s": round(compile_s, 1), "load_s": round(load_s, 1),
+        "launch_us": round(launch_us, 2), "copy_gbps": round(bw, 1),
+        "decode": {"kernels_per_step": launches, "weight_bytes": wbytes,
+                   "ms_per_token": round(decode_s * 1e3, 3), "tok_s": round(1 / decode_s, 1),
+                   "ms_per_token_enqueue_only": round(decode_enqueue_s * 1e3, 3),
+                   "weight_read_gbps": round(wbytes / decode_s / 1e9, 1),
+                   "weight_read_of_copy_bw": round(wbytes / decode_s / 1e9 / bw, 3),
+                   "floor_ms": round(floor_s * 1e3, 3), "over_floor": round(decode_s / floor_s, 2),
+                   "context_at_end": n},
+        "profile_us": profile,
+        "prefill": {"tokens": prefill, "ms": round(prefill_s * 1e3, 2), "tok_s": round(prefill / prefill_s, 1),
+                    "kernels": len(be.launches["prefill"])},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--weights", default="q4_0,f16", help="comma-separated weights dtypes")
+    ap.add_argument("--kv", default="f16", help="KV cache dtype (f32 | f16)")
+    ap.add_argument("--prefill", type=int, default=512, help="prompt tokens (one prefill chunk)")
+    ap.add_argument("--steps", type=int, default=64, help="timed decode steps")
+    ap.add_argument("--max-seq-len", type=int, default=1024)
+    ap.add_argument("--mv-rows", type=int, help="override codegen's matvec rows per work-group (experiments)")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    if args.mv_rows:
+        codegen.MV_ROWS = codegen.MV_ROWS_WIDE = args.mv_rows
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for w in args.weights.split(","):
+            r = bench(args.model, w, args.prefill, args.steps, args.max_seq_len, args.kv, Path(tmp))
+            print(json.dumps(r), flush=True)
+            results.append(r)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
