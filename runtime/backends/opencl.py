@@ -65,6 +65,25 @@ def list_devices() -> list[tuple[str, Any]]:
     return found
 
 
+def _compiles(dev: Any) -> bool:
+    """Whether the device's compiler builds a trivial kernel: PoCL's LLVM cannot name CPUs newer
+    than itself (the PyPI PoCL on a Zen 5 asks clang for target CPU 'generic' and fails)."""
+    cl = _cl()
+    try:
+        cl.Program(cl.Context([dev]), "__kernel void probe(__global int *x) { x[0] = 1; }").build()
+        return True
+    except cl.Error:
+        return False
+
+
+def _first_working_cpu(found: list[tuple[str, Any]]) -> tuple[str, Any]:
+    for name, dev in found:
+        if _compiles(dev):
+            return name, dev
+    raise OpenCLError("no OpenCL device here can build kernels (" + "; ".join(n for n, _ in found)
+                      + "); on a CPU newer than PoCL's LLVM install Debian's pocl-opencl-icd")
+
+
 def pick_device(device: int | str | None = None) -> Any:
     """A device by index or name substring (else $LLMRS_OPENCL_DEVICE, else the first GPU)."""
     cl = _cl()
@@ -73,6 +92,7 @@ def pick_device(device: int | str | None = None) -> Any:
     if want is None or want == "":
         name, dev = found[0]
         if not dev.type & cl.device_type.GPU:
+            name, dev = _first_working_cpu(found)
             print(f"llmrs: no OpenCL GPU found; running on {name}", file=sys.stderr)
         return dev
     if isinstance(want, int) or str(want).isdigit():
