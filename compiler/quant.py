@@ -9,18 +9,26 @@ quantize_row_q8_0_ref), which is what llama.cpp's quantize tool writes:
   q4_0: m = the first value of largest magnitude, d = m / -8, id = 1/d (in f32, before d is
         rounded to f16), q = min(15, trunc(x*id + 8.5))
   q8_0: d = amax / 127, id = 1/d, q = roundf(x*id) (half away from zero)
+and matches them at the edges too: an all-zero block gets d = -0.0 (q4_0) / +0.0 (q8_0); a
+block of subnormals, whose id overflows to inf, gets all-zero codes (x86 ggml's behaviour); a
+scale beyond f16's range is stored as inf. tests/compiler/test_quant.py checks all of this
+against bytes written by ggml itself (tools/make_ggml_quant_ref.sh).
 """
 from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 QK = 32
 BLOCK_BYTES = {"q4_0": 18, "q8_0": 34}
-_CHUNK_BLOCKS = 1 << 20  # bounds the f32 temporaries of a large tensor to ~128 MB
+_CHUNK_BLOCKS = 1 << 13  # 256K values per chunk: the f32 temporaries (1 MB each) stay in cache
 
 
 def _blocks(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float32)
+    """x[..., K] -> [n_blocks, 32] in x's own dtype; chunks are converted to f32 one at a time."""
+    x = np.asarray(x)
     if x.ndim == 0 or x.shape[-1] % QK:
         raise ValueError(f"cannot quantize shape {list(x.shape)}: last axis must be a multiple of {QK}")
     return x.reshape(-1, QK)
@@ -28,33 +36,87 @@ def _blocks(x: np.ndarray) -> np.ndarray:
 
 def _chunked(blocks: np.ndarray, bytes_per_block: int, fn) -> np.ndarray:
     out = np.empty((blocks.shape[0], bytes_per_block), dtype=np.uint8)
-    for s in range(0, blocks.shape[0], _CHUNK_BLOCKS):
-        out[s:s + _CHUNK_BLOCKS] = fn(blocks[s:s + _CHUNK_BLOCKS])
+    starts = range(0, blocks.shape[0], _CHUNK_BLOCKS)
+
+    def one(s: int) -> None:
+        out[s:s + _CHUNK_BLOCKS] = fn(np.asarray(blocks[s:s + _CHUNK_BLOCKS], dtype=np.float32))
+
+    if len(starts) < 4:
+        for s in starts:
+            one(s)
+    else:  # numpy drops the GIL inside ufuncs, so chunks run in parallel
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            list(pool.map(one, starts))
     return out
+
+
+def _reciprocal(d: np.ndarray) -> np.ndarray:
+    # C: id = d ? 1.0f/d : 0.0f; overflows to inf when |d| < 2^-128 (blocks of subnormals)
+    with np.errstate(divide="ignore", over="ignore"):
+        return np.where(d != 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
+
+
+def _f16(d: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):  # GGML stores inf when a scale exceeds f16's range
+        return d.astype(np.float16)
+
+
+def _signed_absmax(b: np.ndarray) -> np.ndarray:
+    """The first value of largest magnitude in each block, as quantize_row_q4_0_ref finds it."""
+    hi, lo = b.max(axis=1), b.min(axis=1)
+    m = np.where(hi >= -lo, hi, lo)
+    tie = (hi == -lo) & (hi != 0)        # +a and -a both present: the earlier one wins
+    if tie.any():
+        rows = np.nonzero(tie)[0]
+        m[rows] = b[rows, np.argmax(np.abs(b[rows]), axis=1)]
+    # C starts from max = 0.0f and keeps it for an all-zero block: -0.0 never gets through
+    return m + np.float32(0.0)
+
+
+def _zero_overflowed_rows(q: np.ndarray, inv: np.ndarray) -> None:
+    # an inf id makes x*id inf or NaN; C's float->int8 conversion of those is x86's
+    # "integer indefinite" 0x80000000, whose low byte is 0
+    rows = np.isinf(inv)
+    if rows.any():
+        q[rows] = 0
 
 
 def _q4_0_blocks(b: np.ndarray) -> np.ndarray:
-    idx = np.argmax(np.abs(b), axis=1)                       # first occurrence, as the C loop
-    m = b[np.arange(b.shape[0]), idx]
-    d = (m / np.float32(-8.0)).astype(np.float32)
-    with np.errstate(divide="ignore"):
-        inv = np.where(d != 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
-    v = (b * inv[:, None]).astype(np.float32) + np.float32(8.5)
-    q = np.minimum(15, np.trunc(v)).astype(np.uint8)
+    d = _signed_absmax(b) / np.float32(-8.0)
+    inv = _reciprocal(d)
+    with np.errstate(invalid="ignore"):                     # NaN rows are zeroed below
+        v = b * inv[:, None]
+        v += np.float32(8.5)
+        np.trunc(v, out=v)
+        np.minimum(v, np.float32(15.0), out=v)              # C: MIN(15, (int8_t)(x*id + 8.5f))
+    _zero_overflowed_rows(v, inv)
+    q = v.astype(np.uint8)
     out = np.empty((b.shape[0], 18), dtype=np.uint8)
-    out[:, :2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
-    out[:, 2:] = q[:, :16] | (q[:, 16:] << 4)
+    out[:, :2] = _f16(d).view(np.uint8).reshape(-1, 2)
+    np.left_shift(q[:, 16:], 4, out=out[:, 2:])
+    out[:, 2:] |= q[:, :16]
     return out
 
 
+def _round_half_away(v: np.ndarray) -> np.ndarray:
+    """C roundf, in place, with float ops only: f = v - trunc(v) is exact and |f| < 1, so
+    trunc(2f) is sign(v) exactly when |f| >= 0.5."""
+    t = np.trunc(v)
+    v -= t
+    v += v
+    np.trunc(v, out=v)
+    v += t
+    return v
+
+
 def _q8_0_parts(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    amax = np.max(np.abs(b), axis=1)
-    d = (amax / np.float32(127.0)).astype(np.float32)
-    with np.errstate(divide="ignore"):
-        inv = np.where(d != 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
-    v = (b * inv[:, None]).astype(np.float32).astype(np.float64)  # exact; round in f64
-    q = (np.sign(v) * np.floor(np.abs(v) + 0.5)).astype(np.int8)
-    return d.astype(np.float16), q
+    amax = np.maximum(b.max(axis=1), -b.min(axis=1)) + np.float32(0.0)  # +0.0: no -0.0 scale
+    d = amax / np.float32(127.0)
+    inv = _reciprocal(d)
+    with np.errstate(invalid="ignore"):                     # NaN rows are zeroed below
+        v = _round_half_away(b * inv[:, None])
+    _zero_overflowed_rows(v, inv)
+    return _f16(d), v.astype(np.int8)
 
 
 def _q8_0_blocks(b: np.ndarray) -> np.ndarray:
@@ -67,6 +129,8 @@ def _q8_0_blocks(b: np.ndarray) -> np.ndarray:
 
 def quantize(x: np.ndarray, dtype: str) -> np.ndarray:
     """x[..., K] float -> uint8[..., K/32*bytes] of GGML blocks."""
+    if dtype not in BLOCK_BYTES:
+        raise ValueError(f"quantize: unknown block type {dtype!r}; use one of {sorted(BLOCK_BYTES)}")
     b = _blocks(x)
     fn = {"q4_0": _q4_0_blocks, "q8_0": _q8_0_blocks}[dtype]
     out = _chunked(b, BLOCK_BYTES[dtype], fn)
@@ -89,15 +153,23 @@ def split_blocks(data: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
 def dequantize(data: np.ndarray, dtype: str) -> np.ndarray:
     """uint8 GGML blocks -> float32[..., K]."""
     d, q = split_blocks(data, dtype)
-    x = q.astype(np.float32) * d.astype(np.float32)[..., None]
+    with np.errstate(invalid="ignore"):  # code 0 times an inf scale is NaN, as in ggml
+        x = q.astype(np.float32) * d.astype(np.float32)[..., None]
     return x.reshape(*x.shape[:-2], -1)
 
 
 def quantize_rows_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Activations x[T, K] -> (d f32[T, K/32], q int8[T, K/32, 32]), as kernels quantize them."""
     t, k = x.shape
-    d, q = _q8_0_parts(_blocks(x))
+    d, q = _q8_0_parts(np.asarray(_blocks(x), dtype=np.float32))
     return d.astype(np.float32).reshape(t, k // QK), q.reshape(t, k // QK, QK)
+
+
+def block_sums(xq: np.ndarray, wq: np.ndarray) -> np.ndarray:
+    """Integer dot product of every activation block with every weight block, as GGML's
+    vec_dot kernels form it before scaling: xq int8[T, nb, 32], wq int8[N, nb, 32] ->
+    int32[T, N, nb]; exact (|sum| <= 32 * 127 * 128)."""
+    return np.einsum("tbk,nbk->tnb", xq.astype(np.int32), wq.astype(np.int32), optimize=True)
 
 
 def matmul_quantized(x: np.ndarray, w_data: np.ndarray, w_dtype: str) -> np.ndarray:
@@ -105,7 +177,6 @@ def matmul_quantized(x: np.ndarray, w_data: np.ndarray, w_dtype: str) -> np.ndar
     integer dot product is exact, then scaled by both block scales (GGML's arithmetic)."""
     xd, xq = quantize_rows_q8_0(np.asarray(x, dtype=np.float32))
     wd, wq = split_blocks(w_data, w_dtype)                  # [N, nb], [N, nb, 32]
-    # integer block sums: [T, N, nb]; exact in int32 (|sum| <= 32 * 127 * 128)
-    isum = np.einsum("tbk,nbk->tnb", xq.astype(np.int32), wq.astype(np.int32), optimize=True)
+    isum = block_sums(xq, wq)                               # [T, N, nb]
     scale = xd[:, None, :] * wd.astype(np.float32)[None, :, :]
     return np.einsum("tnb,tnb->tn", isum.astype(np.float64), scale.astype(np.float64))
