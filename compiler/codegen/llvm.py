@@ -83,32 +83,76 @@ def _kernel_key(g: Graph, op: Op) -> str:
                        sorted((k, repr(a)) for k, a in op.attrs.items())])
 
 
+SPINS = 2000             # pause-spins before a waiting thread sleeps on the futex
+FUTEX_SYSCALL = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}
+FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 128, 129
+
+
 def _barrier(module: ir.Module, target: Target) -> ir.Function:
-    """Centralised barrier: count arrivals; the last one resets the count and bumps the generation."""
+    """Centralised barrier: count arrivals; the last one resets the count and bumps the generation.
+    Waiters spin a little (kernels are a few microseconds apart), then sleep on a futex, so a peer
+    that the OS has descheduled gets the core back instead of racing a spinning thread.
+
+    barrier u32[32]: count at byte 0, generation at byte 64, sleepers at byte 96."""
     fn = ir.Function(module, ir.FunctionType(VOID, [PTR, I64]), "llmrs_barrier")
     fn.linkage = "internal"
     bar, nth = fn.args
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    count = bar                                                      # u32 at byte 0
-    gen_ptr = b.gep(bar, [ir.Constant(I64, 64)], source_etype=ir.IntType(8))  # u32 at byte 64
+    at = lambda off: b.gep(bar, [ir.Constant(I64, off)], source_etype=ir.IntType(8))  # noqa: E731
+    count, gen_ptr, sleepers = bar, at(64), at(96)
+    futex_nr = FUTEX_SYSCALL.get(target.arch)
+    syscall = ir.Function(module, ir.FunctionType(I64, [I64], var_arg=True), "syscall") if futex_nr else None
     gen = b.load_atomic(gen_ptr, "acquire", 4, typ=I32)
     old = b.atomic_rmw("add", count, ir.Constant(I32, 1), "acq_rel")
     last = b.icmp_unsigned("==", b.zext(old, I64), b.sub(nth, ir.Constant(I64, 1)))
+    entry = b.block
     spin = fn.append_basic_block("spin")
+    pause = fn.append_basic_block("pause")
+    sleep = fn.append_basic_block("sleep")
     done = fn.append_basic_block("done")
     release = fn.append_basic_block("release")
     b.cbranch(last, release, spin)
+
     b.position_at_end(release)
     b.atomic_rmw("xchg", count, ir.Constant(I32, 0), "monotonic")
-    b.atomic_rmw("add", gen_ptr, ir.Constant(I32, 1), "release")
+    b.atomic_rmw("add", gen_ptr, ir.Constant(I32, 1), "seq_cst")
+    if syscall is not None:
+        n_sleep = b.load_atomic(sleepers, "seq_cst", 4, typ=I32)
+        with b.if_then(b.icmp_unsigned("!=", n_sleep, ir.Constant(I32, 0))):
+            b.call(syscall, [ir.Constant(I64, futex_nr), gen_ptr, ir.Constant(I32, FUTEX_WAKE_PRIVATE),
+                             ir.Constant(I32, 0x7FFFFFFF)])
     b.branch(done)
+
     b.position_at_end(spin)
+    i = b.phi(I32)
+    i.add_incoming(ir.Constant(I32, 0), entry)
+    now = b.load_atomic(gen_ptr, "acquire", 4, typ=I32)
+    moved = b.icmp_unsigned("!=", now, gen)
+    b.cbranch(moved, done, pause)
+
+    b.position_at_end(pause)
     if target.is_x86:
         b.call(ir.Function(module, ir.FunctionType(VOID, []), "llvm.x86.sse2.pause"), [])
     elif target.is_aarch64:
         b.call(ir.Function(module, ir.FunctionType(VOID, [I32]), "llvm.aarch64.hint"), [ir.Constant(I32, 1)])
-    now = b.load_atomic(gen_ptr, "acquire", 4, typ=I32)
-    b.cbranch(b.icmp_unsigned("==", now, gen), spin, done)
+    nxt = b.add(i, ir.Constant(I32, 1))
+    i.add_incoming(nxt, pause)
+    if syscall is None:
+        b.branch(spin)
+    else:
+        b.cbranch(b.icmp_unsigned("<", i, ir.Constant(I32, SPINS)), spin, sleep)
+        b.position_at_end(sleep)
+        # announce the sleep before the last look at gen (seq_cst, as release's order is): a bump
+        # after that look finds sleepers > 0 and wakes us; one before it ends the wait at once
+        b.atomic_rmw("add", sleepers, ir.Constant(I32, 1), "seq_cst")
+        still = b.icmp_unsigned("==", b.load_atomic(gen_ptr, "seq_cst", 4, typ=I32), gen)
+        with b.if_then(still):
+            b.call(syscall, [ir.Constant(I64, futex_nr), gen_ptr, ir.Constant(I32, FUTEX_WAIT_PRIVATE),
+                             gen, ir.Constant(PTR, None)])
+        b.atomic_rmw("sub", sleepers, ir.Constant(I32, 1), "seq_cst")
+        i.add_incoming(ir.Constant(I32, 0), b.block)
+        b.branch(spin)
+
     b.position_at_end(done)
     b.ret_void()
     return fn

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 import llvmlite.ir as ir
 
 from ..ir import QK, Graph, Op
-from .llvm_builder import F32, I8, I32, KernelBuilder, vec
+from .llvm_builder import F16, F32, I8, I16, I32, KernelBuilder, vec
+from .llvm_target import Target
 
 BLOCK_BYTES = {"q4_0": 18, "q8_0": 34}
 TOKEN_TILE = 4     # tokens per tile in prefill
 TOKEN_CHUNK = 64   # tokens whose quantized rows are walked per pass over a thread's weight rows
+PREFETCH_BYTES = 1024  # weight rows stream from DRAM: ask for them this far ahead
 FLOAT_WEIGHTS = ("f32", "f16", "bf16")
 
 
@@ -70,7 +72,10 @@ class MatmulSpec:
     def scratch_bytes(self) -> int:
         """Per-thread scratch: Q8_0 activations (quantized weights) or normalised f32 rows."""
         if self.quantized:
-            return _align(self.T * self.K) + _align(self.T * self.K // QK * 4)
+            q8 = _align(self.T * self.K) + _align(self.T * self.K // QK * 4)
+            # q4_0 also keeps the grouped layout of q4_group_dot: xg i8[T,K], bias i32[T,K/8],
+            # dx f32[T,K/8]
+            return q8 + (3 * _align(self.T * self.K) if self.wdtype == "q4_0" else 0)
         return self.T * self.K * 4 if self.prologue else 0
 
 
@@ -85,6 +90,82 @@ def check_matmul(spec: MatmulSpec, where: str) -> None:
         raise ValueError(f"{where}: weight dtype {spec.wdtype} has no CPU matmul kernel")
     if spec.epilogue == "rope_kv_store" and spec.head_dim % 8:
         raise ValueError(f"{where}: head_dim {spec.head_dim} must be a multiple of 8")
+
+
+def prefetch(kb: KernelBuilder, ptr: ir.Value, byte_offset: ir.Value) -> None:
+    """Read hint for ptr + byte_offset; past the end of a buffer it is harmless (never faults)."""
+    fn = kb.intrinsic("llvm.prefetch.p0", ir.VoidType(), [ir.PointerType(), I32, I32, I32])
+    addr = kb.b.gep(ptr, [byte_offset], source_etype=I8)   # not inbounds: may point past the end
+    kb.b.call(fn, [addr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+
+
+# -- q4_0 x Q8_0 in groups of 4 blocks (AVX-512 VNNI) -------------------------------------------
+#
+# Four q4_0 blocks (72 bytes) are one step: their 64 nibble bytes are unpacked to unsigned 0..15 in
+# two <64 x i8> (low nibbles = values 0..15 of each block, high nibbles = values 16..31), and the
+# activations are kept in the matching order, so two vpdpbusd give 16 i32 lanes, 4 per block. The
+# -8 offset of q4_0 is folded into the accumulator's start value, bias = -8 * (the lane's 8 x
+# values), so every lane is an exact integer sum of (w - 8) * x and the block's integer dot product
+# is the sum of its 4 lanes, as GGML's.
+
+GROUP = 4 * QK          # values per step
+GROUP_BYTES = 4 * 18
+
+
+def q4_group_ok(target: Target, wdtype: str, K: int) -> bool:
+    return (wdtype == "q4_0" and K % GROUP == 0 and target.is_x86
+            and all(target.has(f) for f in ("avx512f", "avx512bw", "avx512vnni")))
+
+
+def _qs_mask() -> list[int]:
+    # byte j of block k's quants is at 18k+2+j of the group; loads A = bytes [0,64), B = [8,72)
+    out = []
+    for k in range(4):
+        for j in range(16):
+            src = 18 * k + 2 + j
+            out.append(src if src < 64 else 64 + src - 8)
+    return out
+
+
+def load_q4_group(kb: KernelBuilder, w: ir.Value, off: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
+    """(low nibbles <64 x u8>, high nibbles <64 x u8>, d <16 x f32> = each block's d 4 times)."""
+    b = kb.b
+    v64 = vec(I8, 64)
+    a = kb.load(v64, w, off)
+    c = kb.load(v64, w, b.add(off, kb.i64(8)))
+    qs = kb.shuffle(a, c, _qs_mask())
+    lo = b.and_(qs, ir.Constant(v64, [0x0F] * 64))
+    hi = b.lshr(qs, ir.Constant(v64, [4] * 64))
+    dbytes = kb.shuffle(a, None, [18 * (lane // 4) + byte for lane in range(16) for byte in (0, 1)])
+    d = b.fpext(b.bitcast(b.bitcast(dbytes, vec(I16, 16)), vec(F16, 16)), vec(F32, 16))
+    return lo, hi, d
+
+
+def q4_group_dot(kb: KernelBuilder, bias: ir.Value, lo: ir.Value, hi: ir.Value, xlo: ir.Value,
+                 xhi: ir.Value) -> ir.Value:
+    """<16 x i32>: lane 4k+j = exact sum over lane j's 8 values of block k of (w - 8) * x."""
+    v64 = vec(I8, 64)
+    fn = kb.intrinsic("llvm.x86.avx512.vpdpbusd.512", vec(I32, 16), [vec(I32, 16), v64, v64])
+    return kb.b.call(fn, [kb.b.call(fn, [bias, lo, xlo]), hi, xhi])
+
+
+def store_q4_group_activation(kb: KernelBuilder, q: ir.Value, d: ir.Value, blk: ir.Value, t: ir.Value,
+                              K: int, xg: ir.Value, bias: ir.Value, dx: ir.Value) -> None:
+    """Block blk of activation row t (q <32 x i8>, d its f16-rounded scale) in the grouped layout:
+    xg i8[T,K] (per group: 4 x 16 low values, then 4 x 16 high values), bias i32[T,K/8], dx f32[T,K/8]."""
+    b = kb.b
+    g, k = b.udiv(blk, kb.i64(4)), b.urem(blk, kb.i64(4))
+    xo = kb.idx((t, K), (g, GROUP), (k, 16))
+    kb.store(kb.shuffle(q, None, range(16)), xg, xo)
+    kb.store(kb.shuffle(q, None, range(16, 32)), xg, b.add(xo, kb.i64(64)))
+    wide = b.sext(q, vec(I32, 32))
+    s16 = b.add(kb.shuffle(wide, None, range(16)), kb.shuffle(wide, None, range(16, 32)))
+    s4 = kb.shuffle(s16, None, range(0, 16, 4))
+    for j in (1, 2, 3):
+        s4 = b.add(s4, kb.shuffle(s16, None, range(j, 16, 4)))
+    lane = kb.idx((t, K // 8), (g, 16), (k, 4))
+    kb.store(b.mul(s4, ir.Constant(vec(I32, 4), [-8] * 4)), bias, b.mul(lane, kb.i64(4)))
+    kb.store(kb.splat(d, 4), dx, b.mul(lane, kb.i64(4)))
 
 
 # -- int8 block dot products ------------------------------------------------------------------
@@ -183,6 +264,11 @@ class MatmulEmitter:
         self.xq = kb.scratch                                           # i8[T, K]
         self.xd = kb.at(kb.scratch, _align(spec.T * spec.K))           # f32[T, K/32]
         self.xf = kb.scratch                                           # f32[T, K] (float weights)
+        self.grouped = q4_group_ok(kb.target, spec.wdtype, spec.K)
+        q8 = _align(spec.T * spec.K) + _align(spec.T * spec.K // QK * 4)
+        self.xg = kb.at(kb.scratch, q8)                                # i8[T, K] grouped order
+        self.gbias = kb.at(kb.scratch, q8 + _align(spec.T * spec.K))   # i32[T, K/8]
+        self.gdx = kb.at(kb.scratch, q8 + 2 * _align(spec.T * spec.K))  # f32[T, K/8]
 
     def emit(self) -> None:
         self.prepare()
@@ -237,17 +323,25 @@ class MatmulEmitter:
                             for j in range(0, QK, kb.vw)]
                     d, q = quantize_block(kb, vals)
                     i = kb.idx((t, self.nb), (blk, 1))
-                    kb.store(kb.to_f16_and_back(d), self.xd, b.mul(i, kb.i64(4)))
+                    d16 = kb.to_f16_and_back(d)
+                    kb.store(d16, self.xd, b.mul(i, kb.i64(4)))
                     kb.store(q, self.xq, b.mul(i, kb.i64(QK)))
+                    if self.grouped:
+                        store_q4_group_activation(kb, q, d16, blk, t, s.K, self.xg, self.gbias, self.gdx)
 
-    def tile(self, rows: list[ir.Value], t0: ir.Value, tt: int) -> list[list[ir.Value]]:
-        """y[t0+t, rows[r]] for r < R, t < tt, as f32 scalars."""
+    def tile(self, rows: list[ir.Value], t0: ir.Value, tt: int, run: int) -> list[list[ir.Value]]:
+        """y[t0+t, rows[r]] for r < R, t < tt, as f32 scalars; rows come in runs of `run`
+        consecutive rows, and the next unit's rows are `run` rows on."""
         s, kb = self.s, self.kb
+        if self.grouped:
+            return self.tile_q4_groups(rows, t0, tt, run)
         b, vw = kb.b, kb.vw
         zero = ir.Constant(vec(F32, vw), [0.0] * vw)
         accs = [[kb.var(vec(F32, vw), zero) for _ in range(tt)] for _ in rows]
         if s.quantized:
             with kb.loop(0, self.nb) as blk:
+                for r in rows:
+                    prefetch(kb, self.w, kb.idx((r, s.row_bytes), (blk, BLOCK_BYTES[s.wdtype]), (PREFETCH_BYTES, 1)))
                 ws = [load_weight_block(kb, s.wdtype, self.w, r, blk, s.row_bytes) for r in rows]
                 for t in range(tt):
                     i = kb.idx((t0, self.nb), (t, self.nb), (blk, 1))
@@ -267,6 +361,37 @@ class MatmulEmitter:
                         b.store(kb.fma(wv, xv, b.load(accs[r][t])), accs[r][t])
         return [[kb.hsum(b.load(accs[r][t])) for t in range(tt)] for r in range(len(rows))]
 
+    def tile_q4_groups(self, rows: list[ir.Value], t0: ir.Value, tt: int, run: int) -> list[list[ir.Value]]:
+        """tile() for q4_0 on AVX-512 VNNI: each group of 4 weight blocks of a row is unpacked once
+        and used for tt tokens; accumulators are <16 x f32> per (row, token). The next unit's rows
+        are `run` rows on from these."""
+        s, kb = self.s, self.kb
+        b = kb.b
+        zero = ir.Constant(vec(F32, 16), [0.0] * 16)
+        accs = [[kb.var(vec(F32, 16), zero) for _ in range(tt)] for _ in rows]
+        with kb.loop(0, s.K // GROUP) as g:
+            ws = []
+            for r in rows:
+                off = kb.idx((r, s.row_bytes), (g, GROUP_BYTES))
+                # the same group of the row `run` rows on: the next unit's, so rows stream without
+                # a stall where a unit starts (a unit's rows are short: 1152 bytes at K=2048)
+                ahead = b.add(off, kb.i64(run * s.row_bytes))
+                prefetch(kb, self.w, ahead)
+                prefetch(kb, self.w, b.add(ahead, kb.i64(GROUP_BYTES - 1)))
+                ws.append(load_q4_group(kb, self.w, off))
+            for t in range(tt):
+                row = b.add(t0, kb.i64(t))
+                xo = kb.idx((row, s.K), (g, GROUP))
+                xlo = kb.load(vec(I8, 64), self.xg, xo)
+                xhi = kb.load(vec(I8, 64), self.xg, b.add(xo, kb.i64(64)))
+                lane = b.mul(kb.idx((row, s.K // 8), (g, 16)), kb.i64(4))
+                bias = kb.load(vec(I32, 16), self.gbias, lane)
+                dx = kb.load(vec(F32, 16), self.gdx, lane)
+                for r, (lo, hi, d) in enumerate(ws):
+                    isum = b.sitofp(q4_group_dot(kb, bias, lo, hi, xlo, xhi), vec(F32, 16))
+                    b.store(kb.fma(isum, b.fmul(d, dx), b.load(accs[r][t])), accs[r][t])
+        return [[kb.hsum(b.load(accs[r][t])) for t in range(tt)] for r in range(len(rows))]
+
     def unit(self, u: ir.Value, t0: ir.Value, tt: int) -> None:
         s, kb = self.s, self.kb
         b = kb.b
@@ -275,7 +400,7 @@ class MatmulEmitter:
             r = self._rows_per_tile(s.N, 4)
             n0 = b.mul(u, kb.i64(r))
             rows = [b.add(n0, kb.i64(j)) for j in range(r)]
-            ys = self.tile(rows, t0, tt)
+            ys = self.tile(rows, t0, tt, r)
             for j in range(r):
                 for t in range(tt):
                     y = ys[j][t]
@@ -288,7 +413,7 @@ class MatmulEmitter:
             r = self._rows_per_tile(f, 2)
             n0 = b.mul(u, kb.i64(r))
             feats = [b.add(n0, kb.i64(j)) for j in range(r)]
-            ys = self.tile(feats + [b.add(n, kb.i64(f)) for n in feats], t0, tt)
+            ys = self.tile(feats + [b.add(n, kb.i64(f)) for n in feats], t0, tt, r)
             for j in range(r):
                 for t in range(tt):
                     out_f32(b.fmul(kb.silu(ys[j][t]), ys[r + j][t]), t, feats[j], f)
@@ -311,7 +436,7 @@ class MatmulEmitter:
         buf = kb.var(F32, count=tt * hd)                                # f32[tt, hd]
         with kb.loop(0, hd, 4) as j0:
             base = b.add(b.mul(head, kb.i64(hd)), j0)
-            ys = self.tile([b.add(base, kb.i64(j)) for j in range(4)], t0, tt)
+            ys = self.tile([b.add(base, kb.i64(j)) for j in range(4)], t0, tt, 4)
             for j in range(4):
                 for t in range(tt):
                     kb.store(ys[j][t], buf, b.mul(b.add(b.add(j0, kb.i64(j)), kb.i64(t * hd)), kb.i64(4)))
@@ -403,5 +528,31 @@ def emit_block_dot_probe(kb: KernelBuilder, wdtype: str, K: int, N: int) -> None
     kb.finish()
 
 
+def emit_q4_group_probe(kb: KernelBuilder, K: int, N: int) -> None:
+    """Diagnostic kernel (w q4_0[N,K], xq i8[K] -> isum i32[N, K/32]): each block's integer dot
+    product through the grouped path (layout, bias, vpdpbusd), so tests can check them exactly."""
+    w, xq, out = kb.bufs
+    b, nb = kb.b, K // QK
+    xg = kb.var(I8, count=K)                       # i8[K] grouped order
+    bias = kb.var(I32, count=K // 8)               # i32[K/8]
+    dx = kb.var(F32, count=K // 8)                 # f32[K/8] (unused here)
+    with kb.loop(0, nb) as blk:
+        q = kb.load(vec(I8, 32), xq, b.mul(blk, kb.i64(QK)))
+        store_q4_group_activation(kb, q, kb.f32(1.0), blk, kb.i64(0), K, xg, bias, dx)
+    lo_n, hi_n = kb.split(N)
+    with kb.loop(lo_n, hi_n) as n:
+        with kb.loop(0, K // GROUP) as g:
+            lo, hi, _ = load_q4_group(kb, w, kb.idx((n, nb * 18), (g, GROUP_BYTES)))
+            xo = b.mul(g, kb.i64(GROUP))
+            lanes = q4_group_dot(kb, kb.load(vec(I32, 16), bias, b.mul(g, kb.i64(64))), lo, hi,
+                                 kb.load(vec(I8, 64), xg, xo), kb.load(vec(I8, 64), xg, b.add(xo, kb.i64(64))))
+            for blk4 in range(4):
+                s = kb.hsum(kb.shuffle(lanes, None, range(4 * blk4, 4 * blk4 + 4)))
+                kb.store(s, out, b.mul(kb.idx((n, nb), (g, 4), (blk4, 1)), kb.i64(4)))
+    kb.finish()
+
+
 __all__ = ["MatmulSpec", "emit_matmul", "check_matmul", "dot_i8x32", "load_weight_block",
-           "quantize_block", "rope_row", "store_cache_row", "cache_row_bytes", "emit_block_dot_probe"]
+           "quantize_block", "rope_row", "store_cache_row", "cache_row_bytes", "emit_block_dot_probe",
+           "q4_group_ok", "load_q4_group", "q4_group_dot", "store_q4_group_activation",
+           "emit_q4_group_probe"]

@@ -10,7 +10,8 @@ import pytest
 from llmrs.compiler import quant
 from llmrs.compiler.codegen.llvm_builder import KernelBuilder
 from llmrs.compiler.codegen.llvm_kernels import emit_op, op_scratch_bytes
-from llmrs.compiler.codegen.llvm_matmul import _align, emit_block_dot_probe
+from llmrs.compiler.codegen.llvm_matmul import (_align, emit_block_dot_probe, emit_q4_group_probe,
+                                                 q4_group_ok)
 from llmrs.compiler.codegen.llvm_target import Target, TargetError, emit, host_target
 from llmrs.runtime.backends.cpu_native import NativeCode
 
@@ -142,3 +143,38 @@ def test_norm_elementwise_argmax_rope_and_kv_store_match_interpreter(kind):
 def test_bad_target_is_an_error_not_a_crash():
     with pytest.raises(TargetError, match="no-such-arch"):
         emit("define void @f() {\n  ret void\n}\n", Target("no-such-arch-linux-gnu"))
+
+
+GROUPED = q4_group_ok(TARGETS["host"], "q4_0", 256)
+
+
+@pytest.mark.skipif(not GROUPED, reason="host CPU has no AVX-512 VNNI (the grouped q4_0 path)")
+@pytest.mark.parametrize("prologue,epilogue", [(False, None), (True, None), (False, "add"),
+                                               (True, "silu_mul"), (True, "rope_kv_store")])
+@pytest.mark.parametrize("T,n_tokens", [(1, 1), (11, 11), (11, 6)])
+def test_grouped_q4_0_matmul_matches_interpreter(prologue, epilogue, T, n_tokens):
+    case = matmul_case("q4_0", T, n_tokens, prologue, epilogue, K=256, N=48)
+    check(case, run_case(case, TARGETS["host"], nth=3)[0])
+
+
+@pytest.mark.skipif(not GROUPED, reason="host CPU has no AVX-512 VNNI (the grouped q4_0 path)")
+def test_grouped_q4_0_block_sums_are_ggml_integer_sums_exactly():
+    rng = np.random.default_rng(6)
+    n, k = 5, 256
+    w = quant.quantize(rng.standard_normal((n, k)).astype(np.float32), "q4_0")
+    x = rng.standard_normal((1, k)).astype(np.float32) * 3
+    x[0, :32] = 127.0 / np.arange(1, 33)           # a block that uses the full int8 range
+    w[0, 2:18] = 0xFF                               # a block of 15s: the largest u8 x s8 products
+    _, xq = quant.quantize_rows_q8_0(x)
+    _, wq = quant.split_blocks(w, "q4_0")
+    want = np.einsum("nbk,bk->nb", wq.astype(np.int32), xq[0].astype(np.int32))
+    module = ir.Module("t")
+    module.triple = TARGETS["host"].triple
+    emit_q4_group_probe(KernelBuilder(module, TARGETS["host"], "probe", 3), k, n)
+    code = NativeCode(str(module))
+    got = np.zeros((n, k // 32), np.int32)
+    xq_flat = np.ascontiguousarray(xq[0].reshape(-1))
+    fn = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_void_p]))(
+        code.address("probe"))
+    fn(w.ctypes.data, xq_flat.ctypes.data, got.ctypes.data, 1, 0, 0, 0, 1, None)
+    np.testing.assert_array_equal(got, want)

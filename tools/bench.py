@@ -1,0 +1,260 @@
+"""Benchmark a plan: prefill and decode speed, each beside this machine's ceiling measured in the
+same process (the machine may be shared and noisy: compare figures within one run only).
+
+    python tools/bench.py PLAN [--backend cpu] [--threads N] [--repeats R] [--json FILE]
+
+Ceilings, measured before and after the speeds (the best of both counts): memory read bandwidth (a
+generated, vectorised streaming-read kernel run by all threads over a 1 GiB buffer, best of several
+passes) and numpy's f32 GEMM GFLOP/s. Speeds: prefill tok/s
+for 128- and 512-token prompts, decode tok/s over 128 tokens after a 512-token prompt (medians of
+--repeats runs). Decode is shown as weight bytes per token x tok/s against the bandwidth; prefill
+as 2 x matmul params x tok/s against the GEMM rate. A new back end is one `make_<name>` function
+in BACKENDS.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import llvmlite.ir as ir
+import numpy as np
+
+from llmrs.compiler.codegen.llvm_target import host_target
+from llmrs.runtime.backends.cpu import CpuBackend, physical_cores
+from llmrs.runtime.backends.cpu_native import NativeCode
+from llmrs.runtime.engine import Engine
+from llmrs.runtime.plan import Plan
+
+PROMPTS = (128, 512)
+DECODE_TOKENS = 128
+READ_BYTES = 1 << 30
+
+
+@dataclass
+class Result:
+    plan: str
+    backend: str
+    threads: int
+    repeats: int
+    bandwidth_gbs: float            # streaming read, all threads, 1 GiB anonymous buffer
+    weights_read_gbs: float         # the same kernel over the plan's mmapped weights
+    gemm_gflops: float              # numpy f32 matmul
+    weight_bytes_per_token: int     # bytes a decode step reads from the weights
+    matmul_params: int              # weights of all matmuls (2 x this = ops per prefill token)
+    prefill_tok_s_128: float
+    prefill_tok_s_512: float
+    decode_tok_s: float
+    decode_fraction_of_bandwidth: float
+    prefill_512_gops: float
+    prefill_512_over_gemm: float
+    machine: str
+    date: str
+
+
+# -- ceilings ---------------------------------------------------------------------------------
+
+def _read_kernel() -> tuple[NativeCode, Callable[[int, int], int]]:
+    """i64 read_sum(ptr p, i64 nbytes): sums nbytes (a multiple of 4 vectors) as wide vectors,
+    4 independent accumulators so the loads are not serialised."""
+    target = host_target()
+    lanes = 8 if target.has("avx512f") else 4            # i64 lanes of a 512/256-bit vector
+    i64, vty, unroll = ir.IntType(64), ir.VectorType(ir.IntType(64), lanes), 4
+    module = ir.Module("read_probe")
+    module.triple = target.triple
+    fn = ir.Function(module, ir.FunctionType(i64, [ir.PointerType(), i64]), "read_sum")
+    p, n = fn.args
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    entry, loop, done = b.block, fn.append_basic_block("loop"), fn.append_basic_block("done")
+    b.branch(loop)
+    b.position_at_end(loop)
+    i = b.phi(i64)
+    i.add_incoming(ir.Constant(i64, 0), entry)
+    accs = [b.phi(vty) for _ in range(unroll)]        # phis first: LLVM wants them at the top
+    news = []
+    for u, acc in enumerate(accs):
+        acc.add_incoming(ir.Constant(vty, None), entry)
+        off = b.add(i, ir.Constant(i64, u * lanes * 8))
+        news.append(b.add(acc, b.load(b.gep(p, [off], source_etype=ir.IntType(8)), typ=vty, align=64)))
+    nxt = b.add(i, ir.Constant(i64, unroll * lanes * 8))
+    i.add_incoming(nxt, loop)
+    for acc, new in zip(accs, news):
+        acc.add_incoming(new, loop)
+    b.cbranch(b.icmp_unsigned("<", nxt, n), loop, done)
+    b.position_at_end(done)
+    total = news[0]
+    for new in news[1:]:
+        total = b.add(total, new)
+    b.ret(b.extract_element(total, ir.Constant(ir.IntType(32), 0)))
+    code = NativeCode(str(module))
+    return code, ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64)(code.address("read_sum"))
+
+
+def read_bandwidth(base: int, nbytes: int, threads: int, passes: int = 5) -> float:
+    """GB/s of `threads` threads each streaming its slice of [base, base + nbytes); best pass."""
+    _code, read_sum = _read_kernel()
+    share = nbytes // threads // 4096 * 4096
+    best = 0.0
+    for _ in range(passes):
+        team = [threading.Thread(target=read_sum, args=(base + k * share, share)) for k in range(threads)]
+        t0 = time.perf_counter()
+        for t in team:
+            t.start()
+        for t in team:
+            t.join()
+        best = max(best, share * threads / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def gemm_gflops(n: int = 2048, passes: int = 5) -> float:
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((n, n)).astype(np.float32) for _ in range(2))
+    best = float("inf")
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best / 1e9
+
+
+# -- the plan ---------------------------------------------------------------------------------
+
+def decode_weight_bytes(plan: Plan) -> tuple[int, int]:
+    """(bytes of weights one decode step reads, params of all its matmuls). An embedding table
+    counts one row unless a matmul (tied lm_head) reads it whole."""
+    g = plan.graphs()["decode"]
+    whole, rows, params = set(), {}, 0
+    for op in g.ops:
+        for name in op.inputs:
+            v = g.values[name]
+            if v.kind not in ("param", "const"):
+                continue
+            if op.kind == "embedding":
+                rows[name] = v.nbytes // v.shape[0]
+            else:
+                whole.add(name)
+        if op.kind in ("matmul", "fused_matmul"):
+            w = g.values[op.inputs[1]]
+            params += int(np.prod(w.shape))
+    total = sum(g.values[n].nbytes for n in whole) + sum(b for n, b in rows.items() if n not in whole)
+    return total, params
+
+
+def measure_ceilings(weights: np.ndarray, threads: int, say: Callable[[str], None]) -> tuple[float, float, float]:
+    """(read GB/s over 1 GiB of anonymous memory, read GB/s over the mmapped weights, GEMM GFLOP/s)."""
+    say(f"bench: ceilings ({threads} threads)")
+    buf = np.ones(READ_BYTES // 8, np.int64)                   # touched: every page is resident
+    bw = read_bandwidth(buf.ctypes.data, buf.nbytes, threads)
+    del buf
+    return bw, read_bandwidth(weights.ctypes.data, len(weights), threads), gemm_gflops()
+
+
+def make_cpu(plan: Plan, threads: int):
+    return CpuBackend(plan, threads=threads)
+
+
+BACKENDS: dict[str, Callable] = {"cpu": make_cpu}
+
+
+def time_prefill(engine: Engine, n: int, rng: np.random.Generator, vocab: int) -> float:
+    engine.reset()
+    prompt = rng.integers(0, vocab, n).tolist()
+    t0 = time.perf_counter()
+    engine.prefill(prompt)
+    return n / (time.perf_counter() - t0)
+
+
+def time_decode(engine: Engine, prompt_len: int, n: int, rng: np.random.Generator, vocab: int) -> float:
+    engine.reset()
+    logits = engine.prefill(rng.integers(0, vocab, prompt_len).tolist())
+    t0 = time.perf_counter()
+    for _ in range(n):
+        logits = engine.decode_one_token(int(np.argmax(logits)))
+    return n / (time.perf_counter() - t0)
+
+
+def machine() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = "unknown CPU"
+    return f"{model}, {physical_cores()} cores"
+
+
+def bench(plan_path: str, backend: str, threads: int, repeats: int) -> Result:
+    plan = Plan.open(plan_path)
+    m = plan.manifest
+    prefill_T, max_seq = int(m["prefill_chunk"]), int(m["max_seq_len"])
+    if max_seq < max(PROMPTS) + DECODE_TOKENS:
+        sys.exit(f"bench: {plan_path} holds {max_seq} tokens; recompile with --max-seq-len "
+                 f"{max(PROMPTS) + DECODE_TOKENS} or more")
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    weights = plan.weights_region()
+    ceil = [measure_ceilings(weights, threads, say)]
+    wbytes, params = decode_weight_bytes(plan)
+    engine = Engine(BACKENDS[backend](plan, threads), prefill_T, max_seq)
+    vocab = next(plan.graphs()["decode"].values[op.inputs[0]].shape[0]
+                 for op in plan.graphs()["decode"].ops if op.kind == "embedding")
+    rng = np.random.default_rng(0)
+    time_prefill(engine, 16, rng, vocab)                          # warm: page in weights, code
+    pre = {n: [] for n in PROMPTS}
+    dec = []
+    for r in range(repeats):
+        say(f"bench: repeat {r + 1}/{repeats}")
+        for n in PROMPTS:
+            pre[n].append(time_prefill(engine, n, rng, vocab))
+        dec.append(time_decode(engine, max(PROMPTS), DECODE_TOKENS, rng, vocab))
+    ceil.append(measure_ceilings(weights, threads, say))
+    # best of before and after: the machine may be shared, and a low ceiling would flatter us
+    bw, wbw, gemm = (max(c[i] for c in ceil) for i in range(3))
+    p128, p512, d = (statistics.median(pre[128]), statistics.median(pre[512]), statistics.median(dec))
+    gops = 2 * params * p512 / 1e9
+    return Result(plan_path, backend, threads, repeats, round(bw, 2), round(wbw, 2), round(gemm, 1), wbytes,
+                  params, round(p128, 2), round(p512, 2), round(d, 2), round(wbytes * d / 1e9 / bw, 3),
+                  round(gops, 1), round(gops / gemm, 3), machine(), time.strftime("%Y-%m-%d %H:%M"))
+
+
+def report(r: Result) -> str:
+    return "\n".join([
+        f"plan {r.plan}  backend {r.backend}  threads {r.threads}  repeats {r.repeats}  ({r.machine})",
+        f"ceilings: read bandwidth {r.bandwidth_gbs:.1f} GB/s (plan weights mmapped: "
+        f"{r.weights_read_gbs:.1f} GB/s), numpy f32 GEMM {r.gemm_gflops:.1f} GFLOP/s",
+        f"decode      {r.decode_tok_s:7.2f} tok/s  x {r.weight_bytes_per_token / 1e6:.1f} MB/token = "
+        f"{r.decode_tok_s * r.weight_bytes_per_token / 1e9:.1f} GB/s = "
+        f"{r.decode_fraction_of_bandwidth:.2f} of read bandwidth",
+        f"prefill 128 {r.prefill_tok_s_128:7.2f} tok/s",
+        f"prefill 512 {r.prefill_tok_s_512:7.2f} tok/s  = {r.prefill_512_gops:.1f} G op/s = "
+        f"{r.prefill_512_over_gemm:.2f} x numpy f32 GEMM",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("plan")
+    ap.add_argument("--backend", choices=sorted(BACKENDS), default="cpu")
+    ap.add_argument("--threads", type=int, default=physical_cores())
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", metavar="FILE", help="write the figures as JSON here (default: stdout)")
+    a = ap.parse_args(argv)
+    if a.threads < 1 or a.repeats < 1:
+        ap.error("--threads and --repeats must be at least 1")
+    r = bench(a.plan, a.backend, a.threads, a.repeats)
+    print(report(r), file=sys.stderr if a.json is None else sys.stdout)
+    text = json.dumps(asdict(r), indent=1)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
