@@ -6,8 +6,9 @@ For each weights dtype: compile the model (pipeline + OpenCL codegen) into a pla
 OpenCLBackend, then measure
     launch_us         one empty kernel launch through pyopencl (mean of many, queue drained)
     copy_gbps         device buffer-to-buffer copy, (read + written bytes) / time
-    decode            kernels per step, weight bytes read per step, tok/s (logits read back each
-                      step, as sampling needs), and the floor max(launches x launch, bytes / copy bw)
+    decode            kernels per step, weight bytes read per step, tok/s of greedy steps (argmax
+                      on the device, 4 bytes read back) and of sampling steps (logits read back),
+                      and the floor max(launches x launch, bytes / copy bw)
     prefill           tok/s of one prompt of --prefill tokens (one chunk)
 and writes one JSON object per dtype (a list) to --out.
 """
@@ -75,7 +76,7 @@ def kernel_profile(be: OpenCLBackend, phase: str, tokens: np.ndarray, n_past: in
     be.enqueue(phase, tokens, n_past, n_past)
     be.launches[phase] = launches
     events = [(b, cl.enqueue_nd_range_kernel(be.queue, b.kernel, b.global_size(len(tokens)), (b.local, 1)))
-              for b in launches]
+              for b in launches + [be.greedy[phase]]]
     be.queue.finish()
     out: dict[str, float] = {}
     for b, ev in events:
@@ -125,11 +126,16 @@ def bench(model: Path, weights: str, prefill: int, steps: int, max_seq: int, kv:
         be.run("decode", tok, n, n)
         n += 1
     t = time.perf_counter()
-    for _ in range(steps):
+    for _ in range(steps):      # greedy: the argmax comes from the device
+        tok[0] = be.run("decode", tok, n, n, want="argmax")[0]
+        n += 1
+    decode_s = (time.perf_counter() - t) / steps
+    t = time.perf_counter()
+    for _ in range(steps):      # sampling: the logits come back every step
         logits = be.run("decode", tok, n, n)
         tok[0] = int(np.argmax(logits[-1]))
         n += 1
-    decode_s = (time.perf_counter() - t) / steps
+    decode_logits_s = (time.perf_counter() - t) / steps
     t = time.perf_counter()   # enqueue only, one drain at the end: the device-side rate
     for _ in range(steps):
         be.enqueue("decode", tok, n - steps, n - steps)
@@ -139,7 +145,7 @@ def bench(model: Path, weights: str, prefill: int, steps: int, max_seq: int, kv:
     profile = {"decode": kernel_profile(be, "decode", tok, n), "prefill": kernel_profile(be, "prefill", prompt, 0)}
     launch_us = launch_cost_us(be)
     bw = copy_gbps(be)
-    launches = len(be.launches["decode"])
+    launches = len(be.launches["decode"]) + 1     # + the greedy argmax
     wbytes = decode_weight_bytes(d)
     floor_s = max(launches * launch_us * 1e-6, wbytes / (bw * 1e9))
     return {
@@ -148,6 +154,7 @@ def bench(model: Path, weights: str, prefill: int, steps: int, max_seq: int, kv:
         "launch_us": round(launch_us, 2), "copy_gbps": round(bw, 1),
         "decode": {"kernels_per_step": launches, "weight_bytes": wbytes,
                    "ms_per_token": round(decode_s * 1e3, 3), "tok_s": round(1 / decode_s, 1),
+                   "ms_per_token_logits_read": round(decode_logits_s * 1e3, 3),
                    "ms_per_token_enqueue_only": round(decode_enqueue_s * 1e3, 3),
                    "weight_read_gbps": round(wbytes / decode_s / 1e9, 1),
                    "weight_read_of_copy_bw": round(wbytes / decode_s / 1e9 / bw, 3),
@@ -163,23 +170,25 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", type=Path)
     ap.add_argument("--weights", default="q4_0,f16", help="comma-separated weights dtypes")
-    ap.add_argument("--kv", default="f16", help="KV cache dtype (f32 | f16)")
+    ap.add_argument("--kv", default="f16", help="KV cache dtype (f32 | f16 | q8_0)")
     ap.add_argument("--prefill", type=int, default=512, help="prompt tokens (one prefill chunk)")
     ap.add_argument("--steps", type=int, default=64, help="timed decode steps")
     ap.add_argument("--max-seq-len", type=int, default=1024)
-    ap.add_argument("--mv-rows", type=int, help="override codegen's matvec rows per work-group (experiments)")
+    ap.add_argument("--mv-threads", type=int, help="override codegen's matvec threads per launch (experiments)")
+    ap.add_argument("--kv-list", help="comma-separated KV dtypes to run each weights dtype with (overrides --kv)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    if args.mv_rows:
-        codegen.MV_ROWS = codegen.MV_ROWS_WIDE = args.mv_rows
+    if args.mv_threads:
+        codegen.MV_THREADS = args.mv_threads
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for w in args.weights.split(","):
-            r = bench(args.model, w, args.prefill, args.steps, args.max_seq_len, args.kv, Path(tmp))
-            print(json.dumps(r), flush=True)
-            results.append(r)
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
+            for kv in (args.kv_list or args.kv).split(","):
+                r = bench(args.model, w, args.prefill, args.steps, args.max_seq_len, kv, Path(tmp))
+                print(json.dumps(r), flush=True)
+                results.append(r)
+                if args.out:   # after each run, so a later failure keeps what was measured
+                    args.out.write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 

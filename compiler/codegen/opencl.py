@@ -9,7 +9,8 @@ generate(graphs) returns a JSON-able dict, stored as the plan's "opencl" section
 
     {"format": 1,
      "sources": {family: source text},
-     "graphs": {graph name: [launch, ...]}}             # launches in schedule order
+     "graphs": {graph name: [launch, ...]},             # launches in schedule order
+     "greedy": {graph name: launch}}                    # device-side argmax of the output
 
     launch = {"op": op name, "family": str, "kernel": str, "options": [str],
               "args": [arg, ...],        # after the step buffer every kernel takes first
@@ -20,7 +21,14 @@ generate(graphs) returns a JSON-able dict, stored as the plan's "opencl" section
                                          # ceil(min(rows, n_tokens) / row_tile)
     arg = {"value": name}                # a tensor: buffer + byte offset (two kernel args)
         | {"none": true}                 # an unused tensor slot: any buffer, offset 0
+        | {"scratch": nbytes}            # nbytes of the back end's scratch buffer, a slice of
+                                         # its own per launch, zero-filled at load; kernels
+                                         # leave their ticket counters at 0: buffer + offset
+        | {"result": nbytes}             # the back end's small result buffer (greedy tokens)
         | {"int": n} | {"float": x}
+
+Quantized weights are read in the split layout common.cl describes (the back end converts
+GGML blocks at upload).
 
 Work-group sizes are fixed per kernel (reqd_work_group_size); the runtime checks them against
 the device limits at bind time.
@@ -37,16 +45,19 @@ from ..ir import Graph, IRError, Op
 FORMAT = 1
 FAMILIES = ("matvec", "matmul", "attention", "norm", "rope", "embedding", "elementwise", "reduce")
 _PRELUDE = {"matvec": ("common", "matmul_common"), "matmul": ("common", "matmul_common")}
-KV_TYPES = ("f32", "f16")
+KV_TYPES = ("f32", "f16", "q8_0")
 FLOAT_TYPES = ("f32", "f16", "bf16")
 WEIGHT_TYPES = ("f32", "f16", "bf16", "q4_0", "q8_0")
 
-MV_WG, MV_ROWS = 64, 4        # matvec: threads per group, weight rows per group
-MV_ROWS_WIDE, MV_WIDE_N = 16, 8192   # wide matvecs (N >= MV_WIDE_N) have groups to spare: more
-                                     # rows per group share its RMS and Q8_0 work (H200: 1.5-2x)
+MV_MAX_WG = 256               # matvec: at most this many threads split one row's K
+MV_MAX_ROWS = 16              # and at most this many weight rows share a group's x
+MV_THREADS = 1 << 16          # rows per group shrink until a launch has this many threads, so
+                              # narrow matvecs still keep every core's loads in flight
 TILE_M, TILE_N = 64, 64       # matmul_tiled: tokens x rows per group (fixed in matmul.cl)
-ATT_WG, ATT_BQ = 128, 32      # attention_rows threads; attention_tiled query rows per group
+ATT_WG, ATT_BQ = 128, 32      # attention_split threads; attention_tiled query rows per group
+ATT_KEYS_PER_SPLIT, ATT_MAX_SPLITS = 64, 32   # decode attention: groups per head = S / 64
 NORM_WG, RED_WG, ELT_WG = 64, 256, 64
+ARG_VALUES_PER_THREAD, ARG_MAX_GROUPS = 16, 64  # greedy argmax: groups per row
 
 
 class CodegenError(IRError):
@@ -107,8 +118,35 @@ def _float_type(ctx: _Ctx, op: Op, name: str, what: str) -> str:
 def _kv_type(ctx: _Ctx, op: Op, name: str) -> str:
     dt = ctx.dtype(name)
     _need(dt in KV_TYPES, op, f"KV cache {name!r} is {dt}; the OpenCL back end stores "
-          f"{' or '.join(KV_TYPES)} caches (compile with --kv-dtype f32 or f16)")
+          f"{', '.join(KV_TYPES)} caches (compile with --kv-type f16)")
     return dt
+
+
+def _kv_options(kv: str) -> list[str]:
+    return [f"-DKV_T={kv}", f"-DKV_{kv.upper()}"]
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(1, n))))
+
+
+def _pow2_at_most(n: int) -> int:
+    return 1 << max(0, int(math.floor(math.log2(max(1, n)))))
+
+
+def matvec_shape(k: int, n: int, quantized: bool, epilogue: str | None, kv_q8: bool) -> tuple[int, int]:
+    """(threads per group, weight rows per group) of a decode matvec. Threads: one per 32-value
+    block (quantized) or 8-value unit (float) of K, 32..MV_MAX_WG. Rows: as many as keep the
+    launch at MV_THREADS threads, at most MV_MAX_ROWS; pair epilogues need an even count and
+    q8_0 KV stores whole 32-value blocks of a head (64 rows: 32 RoPE pairs)."""
+    units = k // (32 if quantized else 8)
+    wg = min(MV_MAX_WG, max(32, _pow2_at_least(units)))
+    if epilogue == "rope_kv_store" and kv_q8:
+        return wg, 64
+    rows = min(MV_MAX_ROWS, _pow2_at_most(n * wg // MV_THREADS))
+    if epilogue in ("silu_mul", "rope_kv_store"):
+        rows = max(rows, 2)
+    return wg, rows
 
 
 def _row_groups(epilogue: str | None, rw: int, n: int, a: dict[str, Any]) -> int:
@@ -146,22 +184,24 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     elif epi == "rope_kv_store":
         kv = _kv_type(ctx, op, extra[1])
         _need(ctx.dtype(extra[2]) == kv, op, "k and v caches must share one dtype")
-        options += ["-DEPI_ROPE_KV", f"-DKV_T={kv}"]
+        _need(kv != "q8_0" or a["head_dim"] % 64 == 0, op, f"a q8_0 KV cache needs head_dim a multiple "
+              f"of 64 (it is {a['head_dim']}); compile with --kv-type f16")
+        options += ["-DEPI_ROPE_KV", *_kv_options(kv)]
         e = [_v(extra[0]), _v(extra[1]), _v(extra[2])]
         heads = (a["n_heads"], a["n_kv_heads"], a["head_dim"])
     elif epi is not None:
         raise CodegenError(f"op {op.name} (fused_matmul): epilogue {epi!r} has no OpenCL kernel")
     tiled = m > 1
-    mv_rows = MV_ROWS_WIDE if n >= MV_WIDE_N else MV_ROWS
+    mv_wg, mv_rows = matvec_shape(k, n, wt in ("q4_0", "q8_0"), epi, "-DKV_Q8_0" in options)
     rw = TILE_N if tiled else mv_rows
     if not tiled:
-        options += [f"-DMV_WG={MV_WG}", f"-DMV_ROWS={mv_rows}"]
+        options += [f"-DMV_WG={mv_wg}", f"-DMV_ROWS={mv_rows}"]
     args = [_v(x), _v(w), nw, *e, _v(op.outputs[0]),
             {"int": m}, {"int": k}, {"int": n}, {"float": float(a.get("eps", 0.0))},
             {"int": heads[0]}, {"int": heads[1]}, {"int": heads[2]}]
     ctx.launches.append(Launch(op.name, "matmul" if tiled else "matvec", "matmul_tiled" if tiled else "matvec",
                                options, args,
-                               local=256 if tiled else MV_WG, groups=_row_groups(epi, rw, n, a),
+                               local=256 if tiled else mv_wg, groups=_row_groups(epi, rw, n, a),
                                rows=m, row_tile=TILE_M if tiled else 1))
 
 
@@ -169,19 +209,22 @@ def _attention(ctx: _Ctx, op: Op) -> None:
     a = op.attrs
     q, k, v = op.inputs
     m = ctx.shape(q)[0]
-    hd = a["head_dim"]
+    hd, h = a["head_dim"], a["n_heads"]
     kv = _kv_type(ctx, op, k)
     _need(ctx.dtype(v) == kv, op, "k and v caches must share one dtype")
-    _need(ATT_WG % hd == 0, op, f"head_dim {hd} must divide {ATT_WG} for the OpenCL attention kernel")
-    options = [f"-DHEAD_DIM={hd}", f"-DKV_T={kv}", f"-DATT_WG={ATT_WG}"]
-    args = [_v(q), _v(k), _v(v), _v(op.outputs[0]),
-            {"int": a["n_heads"]}, {"int": a["n_kv_heads"]}, {"float": float(a["scale"])}]
+    _need(ATT_WG % hd == 0 and hd % 4 == 0, op, f"head_dim {hd} must divide {ATT_WG} for the OpenCL attention kernel")
+    options = [f"-DHEAD_DIM={hd}", *_kv_options(kv), f"-DATT_WG={ATT_WG}"]
+    args = [_v(q), _v(k), _v(v), _v(op.outputs[0])]
+    scalars = [{"int": h}, {"int": a["n_kv_heads"]}, {"float": float(a["scale"])}, {"int": m}]
     if m > 1:
-        ctx.launches.append(Launch(op.name, "attention", "attention_tiled", options, args + [{"int": m}],
-                                   local=ATT_BQ, groups=a["n_heads"], rows=m, row_tile=ATT_BQ))
+        ctx.launches.append(Launch(op.name, "attention", "attention_tiled", options, args + scalars,
+                                   local=ATT_BQ, groups=h, rows=m, row_tile=ATT_BQ))
     else:
-        ctx.launches.append(Launch(op.name, "attention", "attention_rows", options, args,
-                                   local=ATT_WG, groups=a["n_heads"], rows=m))
+        splits = max(1, min(ATT_MAX_SPLITS, ctx.shape(k)[0] // ATT_KEYS_PER_SPLIT))
+        scratch = 4 * m * h + 4 * m * h * splits * (hd + 2)   # counters, then partials
+        ctx.launches.append(Launch(op.name, "attention", "attention_split", options + [f"-DATT_SPLITS={splits}"],
+                                   args + [{"scratch": scratch}] + scalars,
+                                   local=ATT_WG, groups=h * splits, rows=m))
 
 
 def _rms_norm(ctx: _Ctx, op: Op) -> None:
@@ -208,9 +251,11 @@ def _rope(ctx: _Ctx, op: Op) -> None:
 def _kv_store(ctx: _Ctx, op: Op) -> None:
     src, cache = op.inputs
     m, width = ctx.shape(src)
-    ctx.launches.append(Launch(op.name, "rope", "kv_store", [f"-DKV_T={_kv_type(ctx, op, cache)}"],
+    kv = _kv_type(ctx, op, cache)
+    threads = width // 32 if kv == "q8_0" else width    # q8_0: one thread per 32-value block
+    ctx.launches.append(Launch(op.name, "rope", "kv_store", _kv_options(kv),
                                [_v(src), _v(cache), {"int": width}],
-                               local=ELT_WG, groups=math.ceil(width / ELT_WG), rows=m))
+                               local=ELT_WG, groups=math.ceil(threads / ELT_WG), rows=m))
 
 
 def _embedding(ctx: _Ctx, op: Op) -> None:
@@ -218,8 +263,9 @@ def _embedding(ctx: _Ctx, op: Op) -> None:
     d = ctx.shape(table)[1]
     tt = ctx.dtype(table)
     _need(tt in WEIGHT_TYPES, op, f"table {table!r} is {tt}")
-    ctx.launches.append(Launch(op.name, "embedding", "embedding", [f"-DTABLE_T={tt}"],
-                               [_v(table), _v(tokens), _v(op.outputs[0]), {"int": d}],
+    ctx.launches.append(Launch(op.name, "embedding", "embedding", [f"-DTABLE_T={tt}", f"-DTABLE_{tt.upper()}"],
+                               [_v(table), _v(tokens), _v(op.outputs[0]), {"int": d},
+                                {"int": ctx.shape(table)[0]}],
                                local=ELT_WG, groups=math.ceil(d / ELT_WG), rows=ctx.shape(tokens)[0]))
 
 
@@ -267,10 +313,31 @@ def lower_graph(graph: Graph) -> list[Launch]:
     return ctx.launches
 
 
+def greedy_launch(graph: Graph) -> Launch | None:
+    """Device-side argmax of the graph's output logits f32 [rows, V] into the result buffer,
+    so greedy decoding reads back 4 bytes per row instead of the logits."""
+    if not graph.outputs:
+        return None
+    out = graph.values[graph.outputs[0]]
+    if out.dtype != "f32" or len(out.shape) != 2:
+        return None
+    rows, vocab = out.shape
+    groups = max(1, min(ARG_MAX_GROUPS, vocab // (RED_WG * ARG_VALUES_PER_THREAD)))
+    scratch = 4 * rows + 8 * rows * groups       # counters, then (value, index) per group
+    return Launch(f"{graph.name}.greedy", "reduce", "argmax_split",
+                  [f"-DRED_WG={RED_WG}", f"-DARG_GROUPS={groups}"],
+                  [_v(out.name), {"result": 4 * rows}, {"scratch": scratch}, {"int": vocab}, {"int": rows}],
+                  local=RED_WG, groups=groups, rows=rows)
+
+
 def generate(graphs: dict[str, Graph] | list[Graph] | tuple[Graph, ...]) -> dict[str, Any]:
-    """The plan's "opencl" section: template sources and each graph's launch table."""
+    """The plan's "opencl" section: template sources, each graph's launch table and its
+    greedy (device argmax) launch."""
     if not isinstance(graphs, dict):
         graphs = {g.name: g for g in graphs}
     tables = {name: [asdict(launch) for launch in lower_graph(g)] for name, g in graphs.items()}
-    used = sorted({launch["family"] for table in tables.values() for launch in table})
-    return {"format": FORMAT, "sources": {f: template_source(f) for f in used}, "graphs": tables}
+    greedy = {name: asdict(launch) for name, g in graphs.items() if (launch := greedy_launch(g)) is not None}
+    used = sorted({launch["family"] for table in tables.values() for launch in table}
+                  | {launch["family"] for launch in greedy.values()})
+    return {"format": FORMAT, "sources": {f: template_source(f) for f in used}, "graphs": tables,
+            "greedy": greedy}

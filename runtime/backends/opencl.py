@@ -3,9 +3,13 @@
 Memory (all planned at compile time, graph.meta["layout"]):
     arena    one buffer, CL_MEM_ALLOC_HOST_PTR (the host maps it without copies): every
              activation and input, prefill and decode sharing it
-    weights  the plan's weights section, read-only, uploaded once
+    weights  the plan's weights section, read-only, uploaded once; quantized tensors are
+             converted to the split layout of templates/opencl/common.cl (quants, then
+             scales; same size, so every offset stays the plan's)
     kv       the KV caches, persistent across steps
     step     int32[4]: n_tokens, n_past, start_pos, written once per step
+    scratch  kernels' partial results (split attention, greedy argmax), zero-filled once
+    result   int32 [rows]: greedy tokens, the only bytes a greedy step reads back
 A region larger than CL_DEVICE_MAX_MEM_ALLOC_SIZE is split over several buffers at tensor
 boundaries. Every kernel's arguments are set at load; a step writes `step` and the tokens,
 enqueues the launch table and reads the logits back.
@@ -26,6 +30,25 @@ import numpy as np
 from ...compiler.ir import Graph, IRError, storage_shape
 
 ALIGN = 64
+_QUANT_BYTES = {"q4_0": 16, "q8_0": 32}   # quant bytes per 32-value block (+ a 2-byte f16 scale)
+
+
+def to_split_blocks(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """GGML blocks (uint8, any shape) -> the device's split layout: every block's quants, then
+    every block's f16 scale; the same number of bytes."""
+    qb = _QUANT_BYTES[dtype]
+    blocks = np.ascontiguousarray(raw).reshape(-1, qb + 2)
+    return np.concatenate([blocks[:, 2:].reshape(-1), blocks[:, :2].reshape(-1)])
+
+
+def from_split_blocks(data: np.ndarray, dtype: str) -> np.ndarray:
+    """The inverse of to_split_blocks: uint8 [nbytes] of GGML blocks."""
+    qb = _QUANT_BYTES[dtype]
+    n = data.size // (qb + 2)
+    out = np.empty((n, qb + 2), np.uint8)
+    out[:, 2:] = data[:n * qb].reshape(n, qb)
+    out[:, :2] = data[n * qb:].reshape(n, 2)
+    return out.reshape(-1)
 
 
 class OpenCLError(RuntimeError):
@@ -171,11 +194,15 @@ def cache_dir() -> Path:
 
 
 def device_options(dev: Any) -> list[str]:
-    """Build options chosen for the device at bind time."""
+    """Build options chosen for the device at bind time. NVIDIA's driver reports no subgroup
+    extension but compiles inline PTX: warp shuffles and dp4a come from there
+    (LLMRS_OPENCL_PORTABLE=1 keeps the portable C path, for comparisons)."""
     cl = _cl()
     opts = []
     if dev.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT:
         opts.append("-cl-fp32-correctly-rounded-divide-sqrt")  # Q8_0 scales round as numpy's
+    if "NVIDIA" in dev.platform.vendor.upper() and os.environ.get("LLMRS_OPENCL_PORTABLE", "") in ("", "0"):
+        opts.append("-DUSE_NV_PTX")
     return opts
 
 
@@ -300,8 +327,10 @@ class OpenCLBackend:
                 raise OpenCLError(f"tensor {n!r} is used by the graphs but missing from the plan's weights")
         w_chunks = split_region([(tensors[n][0], tensors[n][0] + tensors[n][1]) for n in used],
                                 self.max_alloc, "weights") or [(0, ALIGN)]
+        self.quantized = {n: v.dtype for g in self.graphs.values() for n, v in g.values.items()
+                          if n in used and v.dtype in _QUANT_BYTES}
         self.weights = Region("weights", [
-            (s, e, cl.Buffer(self.ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=np.asarray(region[s:e])))
+            (s, e, cl.Buffer(self.ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=self._device_bytes(region, tensors, s, e)))
             for s, e in w_chunks])
         self.tensors = tensors
         kv = next(iter(self.layouts.values()))["kv"]
@@ -320,6 +349,18 @@ class OpenCLBackend:
         self.step_buf = cl.Buffer(self.ctx, mf.READ_ONLY, 16)
         self._in_flight: list[np.ndarray] = []
         self.reset()
+
+    def _device_bytes(self, region: np.ndarray, tensors: dict[str, tuple[int, int]], start: int, end: int) -> np.ndarray:
+        """Bytes [start, end) of the weights region as the kernels read them."""
+        chunk = np.asarray(region[start:end])
+        inside = [n for n in self.quantized if start <= tensors[n][0] < end]
+        if not inside:
+            return chunk
+        chunk = np.array(chunk)     # a private copy: the plan's memmap stays GGML bytes
+        for n in inside:
+            o, nbytes = tensors[n][0] - start, tensors[n][1]
+            chunk[o:o + nbytes] = to_split_blocks(chunk[o:o + nbytes], self.quantized[n])
+        return chunk
 
     def locate(self, phase: str, name: str) -> tuple[Any, int]:
         """(buffer, byte offset) holding value `name` of graph `phase`."""
@@ -342,36 +383,53 @@ class OpenCLBackend:
         self.launches: dict[str, list[_Bound]] = {}
         self.kernel_table = program["graphs"]
         max_wg = self.device.max_work_group_size
+        entries = [e for t in program["graphs"].values() for e in t] + list(program.get("greedy", {}).values())
+        # every launch gets its own slice: ticket counters must be 0 when a kernel starts, and
+        # kernels that take tickets leave theirs at 0, so one zero fill at load lasts
+        scratch = sum(-(-a["scratch"] // ALIGN) * ALIGN for e in entries for a in e["args"] if "scratch" in a)
+        result = max([a["result"] for e in entries for a in e["args"] if "result" in a], default=0)
+        mf = cl.mem_flags
+        self.scratch_buf = cl.Buffer(self.ctx, mf.READ_WRITE, max(scratch, ALIGN))
+        cl.enqueue_fill_buffer(self.queue, self.scratch_buf, np.uint8(0), 0, max(scratch, ALIGN))
+        scratch_at = [0]
+        self.result_buf = cl.Buffer(self.ctx, mf.READ_WRITE, max(result, ALIGN))
+
+        def bind(phase: str, entry: dict[str, Any]) -> _Bound:
+            key = (entry["family"], tuple(entry["options"]))
+            if key not in built:
+                built[key] = build_program(self.ctx, self.device, program["sources"][entry["family"]],
+                                           list(entry["options"]) + extra, entry["family"])
+            if entry["local"] > max_wg:
+                raise OpenCLError(f"kernel {entry['kernel']} of op {entry['op']} needs {entry['local']} "
+                                  f"threads per group; {self.device_name} allows {max_wg}")
+            kern = cl.Kernel(built[key], entry["kernel"])
+            args: list[Any] = [self.step_buf]
+            for a in entry["args"]:
+                if "value" in a:
+                    buf, off = self.locate(phase, a["value"])
+                    args += [buf, np.uint64(off)]
+                elif "none" in a:
+                    args += [self.arena.chunks[0][2], np.uint64(0)]
+                elif "scratch" in a:
+                    args += [self.scratch_buf, np.uint64(scratch_at[0])]
+                    scratch_at[0] += -(-a["scratch"] // ALIGN) * ALIGN
+                elif "result" in a:
+                    args += [self.result_buf, np.uint64(0)]
+                elif "int" in a:
+                    args.append(np.int32(a["int"]))
+                else:
+                    args.append(np.float32(a["float"]))
+            kern.set_args(*args)
+            variant = "+".join(o[2:].split("=")[0].lower() for o in entry["options"]
+                               if o.startswith(("-DEPI_", "-DPROLOGUE_")))
+            return _Bound(entry["op"], kern, entry["local"], entry["groups"], entry["rows"],
+                          entry["row_tile"], variant)
+
         for phase, table in program["graphs"].items():
-            if phase not in self.graphs:
-                continue
-            bound = []
-            for entry in table:
-                key = (entry["family"], tuple(entry["options"]))
-                if key not in built:
-                    built[key] = build_program(self.ctx, self.device, program["sources"][entry["family"]],
-                                               list(entry["options"]) + extra, entry["family"])
-                if entry["local"] > max_wg:
-                    raise OpenCLError(f"kernel {entry['kernel']} of op {entry['op']} needs {entry['local']} "
-                                      f"threads per group; {self.device_name} allows {max_wg}")
-                kern = cl.Kernel(built[key], entry["kernel"])
-                args: list[Any] = [self.step_buf]
-                for a in entry["args"]:
-                    if "value" in a:
-                        buf, off = self.locate(phase, a["value"])
-                        args += [buf, np.uint64(off)]
-                    elif "none" in a:
-                        args += [self.arena.chunks[0][2], np.uint64(0)]
-                    elif "int" in a:
-                        args.append(np.int32(a["int"]))
-                    else:
-                        args.append(np.float32(a["float"]))
-                kern.set_args(*args)
-                variant = "+".join(o[2:].split("=")[0].lower() for o in entry["options"]
-                                   if o.startswith(("-DEPI_", "-DPROLOGUE_")))
-                bound.append(_Bound(entry["op"], kern, entry["local"], entry["groups"], entry["rows"],
-                                    entry["row_tile"], variant))
-            self.launches[phase] = bound
+            if phase in self.graphs:
+                self.launches[phase] = [bind(phase, entry) for entry in table]
+        self.greedy = {phase: bind(phase, entry) for phase, entry in program.get("greedy", {}).items()
+                       if phase in self.graphs}
 
     # -- steps --------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -382,10 +440,14 @@ class OpenCLBackend:
         self.queue.finish()
 
     def write_value(self, phase: str, name: str, arr: np.ndarray) -> None:
-        """Copy host data into a value's storage (inputs of single-kernel checks, caches)."""
+        """Copy host data into a value's storage (inputs of single-kernel checks, caches);
+        quantized weights are given as GGML blocks, as the plan holds them."""
         cl = _cl()
         buf, off = self.locate(phase, name)
-        cl.enqueue_copy(self.queue, buf, np.ascontiguousarray(arr), dst_offset=off, is_blocking=True)
+        data = np.ascontiguousarray(arr)
+        if name in self.quantized:
+            data = to_split_blocks(data.view(np.uint8), self.quantized[name])
+        cl.enqueue_copy(self.queue, buf, data, dst_offset=off, is_blocking=True)
 
     def read_value(self, phase: str, name: str, rows: int | None = None) -> np.ndarray:
         """A value's current contents in its storage dtype; `rows` limits the first axis."""
@@ -397,6 +459,10 @@ class OpenCLBackend:
         out = np.empty(shape, np_dtype)
         buf, off = self.locate(phase, name)
         cl.enqueue_copy(self.queue, out, buf, src_offset=off, is_blocking=True)
+        if name in self.quantized and rows is None:
+            out = from_split_blocks(out.reshape(-1), self.quantized[name]).reshape(shape)
+        elif name in self.quantized:
+            raise OpenCLError(f"read_value: weight {name!r} is stored split on the device; read it whole (rows=None)")
         return out
 
     def enqueue(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> None:
@@ -430,11 +496,26 @@ class OpenCLBackend:
         for b in self.launches[phase]:
             cl.enqueue_nd_range_kernel(self.queue, b.kernel, b.global_size(n_tokens), (b.local, 1))
 
-    def run(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int | None = None) -> np.ndarray:
-        """One step: logits float32 [rows, vocab] of the graph's output."""
+    def run(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int | None = None,
+            want: str = "logits") -> np.ndarray:
+        """One step. want="logits": float32 [rows, vocab] of the graph's output;
+        want="argmax": int32 [rows], each row's argmax (first of equal maxima, as numpy)
+        taken on the device, so a greedy step reads back 4 bytes per row."""
+        cl = _cl()
         g = self.graphs[phase]
         tokens = np.asarray(tokens).reshape(-1)
+        if want not in ("logits", "argmax"):
+            raise ValueError(f"run(want={want!r}): choose 'logits' or 'argmax'")
+        if want == "argmax" and phase not in self.greedy:
+            raise OpenCLError(f"graph {phase} has no device argmax in this plan; recompile it or use want='logits'")
         self.enqueue(phase, tokens, n_past, n_past if start_pos is None else start_pos)
-        out = self.read_value(phase, g.outputs[0], rows=len(tokens)).astype(np.float32, copy=False)
+        if want == "argmax":
+            b = self.greedy[phase]
+            cl.enqueue_nd_range_kernel(self.queue, b.kernel, b.global_size(len(tokens)), (b.local, 1))
+            rows = min(len(tokens), b.rows)
+            out = np.empty(rows, np.int32)
+            cl.enqueue_copy(self.queue, out, self.result_buf, is_blocking=True)
+        else:
+            out = self.read_value(phase, g.outputs[0], rows=len(tokens)).astype(np.float32, copy=False)
         self._in_flight.clear()
         return out

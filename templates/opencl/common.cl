@@ -4,6 +4,15 @@
 // The step scalars live in a small int buffer every kernel reads, so a step sets no arguments:
 //   step[0] = n_tokens, step[1] = n_past, step[2] = start_pos
 // Element-type tokens passed with -D: f32 f16 bf16 q4_0 q8_0 (W_T, NORM_T, TABLE_T, KV_T).
+// Device switches chosen at bind time (runtime/backends/opencl.py device_options):
+//   -DUSE_NV_PTX   NVIDIA: warp shuffles and dp4a through inline PTX (the driver reports no
+//                  cl_khr_subgroups); without it the same arithmetic runs in portable C.
+//
+// Quantized WEIGHTS (not KV caches) sit on the device in a split layout the back end makes
+// at upload, same bytes in total: for a tensor of nblk blocks, the blocks' quants first
+// (16 B per q4_0 block, 32 B per q8_0 block, so every block starts 16-byte aligned and
+// neighbouring threads read neighbouring 16 B), then the nblk f16 scales. GGML's
+// interleaved 18/34-byte blocks would force 1- or 2-byte loads.
 
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
@@ -29,6 +38,26 @@ inline float ld_q4_0(gin p, size_t i) {
 inline float ld_q8_0(gin p, size_t i) {
     gin blk = p + (i >> 5) * 34;  // 34 B: f16 d, 32 int8
     return (float)((__global const char*)blk)[2 + (i & 31)] * vload_half(0, (__global const half*)blk);
+}
+
+// split-layout weights: element i of a tensor of nblk blocks
+inline float ld_q4_0_split(gin p, size_t i, size_t nblk) {
+    size_t b = i >> 5;
+    uint k = (uint)(i & 31);
+    uchar q = p[b * 16 + (k & 15)];
+    int nib = k < 16 ? (q & 15) : (q >> 4);
+    return (float)(nib - 8) * vload_half(b, (__global const half*)(p + nblk * 16));
+}
+inline float ld_q8_0_split(gin p, size_t i, size_t nblk) {
+    size_t b = i >> 5;
+    return (float)((__global const char*)p)[i] * vload_half(b, (__global const half*)(p + nblk * 32));
+}
+
+// -- 4 consecutive float elements, index counted in 4s ----------------------------------------
+inline float4 ld4_f32(gin p, size_t i4) { return vload4(i4, (__global const float*)p); }
+inline float4 ld4_f16(gin p, size_t i4) { return vload_half4(i4, (__global const half*)p); }
+inline float4 ld4_bf16(gin p, size_t i4) {
+    return as_float4(convert_uint4(vload4(i4, (__global const ushort*)p)) << 16);
 }
 
 // -- 16 consecutive float elements, index counted in 16s -------------------------------------
@@ -95,4 +124,87 @@ inline float wg_max(float v, __local float* red) {
         barrier(CLK_LOCAL_MEM_FENCE);
     }
     return red[0];
+}
+
+// -- device primitives ------------------------------------------------------------------------
+#ifdef USE_NV_PTX
+inline float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float t;
+        asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(t) : "f"(v), "r"(o));
+        v += t;
+    }
+    return v;
+}
+inline float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float t;
+        asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(t) : "f"(v), "r"(o));
+        v = fmax(v, t);
+    }
+    return v;
+}
+// c + dot of 4 unsigned bytes of a with 4 signed bytes of b (one dp4a)
+inline int dot4_us(uint a, int b, int c) {
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+inline int dot4_ss(int a, int b, int c) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+// two f16 in a word -> floats (cvt, no private-memory round trip)
+inline float2 half2_bits_to_float2(uint u) {
+    float2 f;
+    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }"
+        : "=f"(f.x), "=f"(f.y) : "r"(u));
+    return f;
+}
+#else
+inline int dot4_us(uint a, int b, int c) {
+    uchar4 x = as_uchar4(a);
+    char4 y = as_char4(b);
+    return c + (int)x.s0 * y.s0 + (int)x.s1 * y.s1 + (int)x.s2 * y.s2 + (int)x.s3 * y.s3;
+}
+inline int dot4_ss(int a, int b, int c) {
+    char4 x = as_char4(a), y = as_char4(b);
+    return c + (int)x.s0 * y.s0 + (int)x.s1 * y.s1 + (int)x.s2 * y.s2 + (int)x.s3 * y.s3;
+}
+inline float2 half2_bits_to_float2(uint u) {
+    return vload_half2(0, (__private const half*)&u);
+}
+#endif
+
+// Sum over the work-group (any size that is a multiple of 32 with USE_NV_PTX); red holds
+// get_local_size(0) floats.
+inline float group_sum(float v, __local float* red) {
+#ifdef USE_NV_PTX
+    int lid = get_local_id(0), nw = get_local_size(0) >> 5;
+    v = warp_sum(v);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if ((lid & 31) == 0) red[lid >> 5] = v;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    float s = 0.0f;
+    for (int w = 0; w < nw; w++) s += red[w];
+    return s;
+#else
+    return wg_sum(v, red);
+#endif
+}
+
+inline float group_max(float v, __local float* red) {
+#ifdef USE_NV_PTX
+    int lid = get_local_id(0), nw = get_local_size(0) >> 5;
+    v = warp_max(v);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if ((lid & 31) == 0) red[lid >> 5] = v;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    float s = -INFINITY;
+    for (int w = 0; w < nw; w++) s = fmax(s, red[w]);
+    return s;
+#else
+    return wg_max(v, red);
+#endif
 }

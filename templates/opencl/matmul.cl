@@ -16,7 +16,7 @@ void matmul_tiled(__global const int* step, gin xb, ulong x_off, gin wb, ulong w
     int rows = min(M, STEP_N_TOKENS(step));
     __global const float* x = (__global const float*)(xb + x_off);
     gin w = wb + w_off;
-    size_t row_bytes = (size_t)(K / 32) * W_BLOCK_BYTES;
+    size_t nb = K / 32, nblk = (size_t)N * nb;
     __local float lds[(TM + TN) * LDS_STRIDE];   // xs [TM][33] then ws [TN][33]; later out [TM][TN]
     __local float* xs = lds;
     __local float* ws = lds + TM * LDS_STRIDE;
@@ -61,12 +61,12 @@ void matmul_tiled(__global const int* step, gin xb, ulong x_off, gin wb, ulong w
         }
         for (int e = lid; e < TN * 32; e += 256) {
             int n = e >> 5, k = e & 31, row = rowmap[n];
-            ws[n * LDS_STRIDE + k] = row >= 0 ? wblock_elem(w + row * row_bytes + (size_t)b * W_BLOCK_BYTES, k) : 0.0f;
+            ws[n * LDS_STRIDE + k] = row >= 0 ? welem(w, (size_t)row * nb + b, k, nblk) : 0.0f;
         }
 #ifdef W_QUANT
         if (lid < TN) {
             int row = rowmap[lid];
-            wd[lid] = row >= 0 ? wblock_scale(w + row * row_bytes + (size_t)b * W_BLOCK_BYTES) : 0.0f;
+            wd[lid] = row >= 0 ? wscale(w, (size_t)row * nb + b, nblk) : 0.0f;
         }
         barrier(CLK_LOCAL_MEM_FENCE);
         if (lid < TM) {
@@ -107,10 +107,19 @@ void matmul_tiled(__global const int* step, gin xb, ulong x_off, gin wb, ulong w
     for (int j = 0; j < 4; j++)
         for (int i = 0; i < 4; i++) out[(ty + 16 * j) * TN + tx + 16 * i] = acc[j][i];
     barrier(CLK_LOCAL_MEM_FENCE);
+#if defined(EPI_ROPE_KV) && defined(KV_Q8_0)
+    for (int e = lid; e < TM * (TN / 32); e += 256) {
+        int tt = e / (TN / 32), c = e % (TN / 32);
+        if (t0 + tt < rows)
+            epilogue_chunk(t0 + tt, g, c, TN, out + tt * TN, 1, e0b + e0_off, e1b + e1_off, e2b + e2_off,
+                           yb + y_off, N, n_heads, n_kv_heads, hd, STEP_N_PAST(step), STEP_START_POS(step));
+    }
+#else
     for (int e = lid; e < TM * TN; e += 256) {
         int tt = e / TN, r = e % TN;
         if (t0 + tt < rows)
             epilogue(t0 + tt, g, r, TN, out + tt * TN, 1, e0b + e0_off, e1b + e1_off, e2b + e2_off,
                      yb + y_off, N, n_heads, n_kv_heads, hd, STEP_N_PAST(step), STEP_START_POS(step));
     }
+#endif
 }

@@ -3,7 +3,9 @@
 //   -DW_T=<q4_0|q8_0|f16|bf16|f32> and -DW_<T>   weight element type
 //   -DPROLOGUE_RMS -DNORM_T=<f32|f16|bf16>        x is RMS-normalised first (norm_w[K], eps)
 //   -DEPI_ADD | -DEPI_SILU_MUL | -DEPI_ROPE_KV     epilogue (none: plain y)
-//   -DKV_T=<f32|f16>                               cache element type (EPI_ROPE_KV)
+//   -DKV_T=<f32|f16|q8_0> [-DKV_Q8_0]              cache element type (EPI_ROPE_KV); q8_0
+//                                                  caches are written a 32-value block at a
+//                                                  time by epilogue_chunk()
 //   -DMV_WG, -DMV_ROWS                             matvec work-group size and rows per group
 // Quantized weights multiply Q8_0-quantized activations block by block; a block's dot product
 // of integers is exact in f32 (|sum| <= 32*127*128 < 2^24), then scaled by d_x * d_w, as GGML.
@@ -18,54 +20,90 @@
 //   e1,e2  KV_T [S, KVH, hd]          k and v caches (EPI_ROPE_KV), rows n_past + t
 //   y      f32 [M, N] | [M, N/2] (EPI_SILU_MUL) | q_roped [M, H*hd] (EPI_ROPE_KV)
 
+// Weight access (quantized weights in the split layout of common.cl; blk = row * K/32 + b):
+//   welem(w, blk, k, nblk)   element k of block blk (quantized: the integer code)
+//   wscale(w, blk, nblk)     block scale (quantized only)
+//   WQ_LOAD(w, blk) -> WQ_T     a block's quants
+//   wq_idot(q, xq, xs)           exact integer dot of those with Q8_0 activations packed
+//                                4 per int in xq[8] (xs = their sum, for q4_0's -8 offset)
+//   wunit_load(w, unit) -> WU_T, wunit_dot_bits(u, x)   float types: 8 consecutive weights
+//                                (a 16-byte unit) and their dot with x
 #if defined(W_Q4_0)
-#define W_BLOCK_BYTES 18
 #define W_QUANT 1
-inline float wblock_dot(gin blk, float16 x0, float16 x1) {
-    uchar16 q = vload16(0, blk + 2);
-    float16 lo = convert_float16(q & (uchar16)15) - 8.0f;
-    float16 hi = convert_float16(q >> (uchar16)4) - 8.0f;
-    return hsum16(lo * x0 + hi * x1);
-}
-inline float wblock_elem(gin blk, int k) {
-    uchar q = blk[2 + (k & 15)];
+#define W_QBYTES 16
+inline float welem(gin w, size_t blk, int k, size_t nblk) {
+    uchar q = w[blk * 16 + (k & 15)];
     return (float)((k < 16 ? (q & 15) : (q >> 4)) - 8);
 }
-inline float wblock_scale(gin blk) { return vload_half(0, (__global const half*)blk); }
+#define WQ_T uint4
+#define WQ_LOAD(w, blk) (((__global const uint4*)(w))[blk])
+inline int wq_idot(uint4 q, const int* xq, int xs) {   // byte j: value j (low nibble), j + 16 (high)
+    int s = -8 * xs;
+    s = dot4_us(q.s0 & 0x0F0F0F0Fu, xq[0], s);
+    s = dot4_us(q.s1 & 0x0F0F0F0Fu, xq[1], s);
+    s = dot4_us(q.s2 & 0x0F0F0F0Fu, xq[2], s);
+    s = dot4_us(q.s3 & 0x0F0F0F0Fu, xq[3], s);
+    s = dot4_us((q.s0 >> 4) & 0x0F0F0F0Fu, xq[4], s);
+    s = dot4_us((q.s1 >> 4) & 0x0F0F0F0Fu, xq[5], s);
+    s = dot4_us((q.s2 >> 4) & 0x0F0F0F0Fu, xq[6], s);
+    s = dot4_us((q.s3 >> 4) & 0x0F0F0F0Fu, xq[7], s);
+    return s;
+}
 #elif defined(W_Q8_0)
-#define W_BLOCK_BYTES 34
 #define W_QUANT 1
-inline float wblock_dot(gin blk, float16 x0, float16 x1) {
-    __global const char* q = (__global const char*)(blk + 2);
-    return hsum16(convert_float16(vload16(0, q)) * x0 + convert_float16(vload16(1, q)) * x1);
+#define W_QBYTES 32
+inline float welem(gin w, size_t blk, int k, size_t nblk) { return (float)((__global const char*)w)[blk * 32 + k]; }
+#define WQ_T int8
+#define WQ_LOAD(w, blk) (((__global const int8*)(w))[blk])
+inline int wq_idot(int8 q, const int* xq, int xs) {
+    int4 a = q.lo, b = q.hi;
+    int s = dot4_ss(a.s0, xq[0], 0);
+    s = dot4_ss(a.s1, xq[1], s);
+    s = dot4_ss(a.s2, xq[2], s);
+    s = dot4_ss(a.s3, xq[3], s);
+    s = dot4_ss(b.s0, xq[4], s);
+    s = dot4_ss(b.s1, xq[5], s);
+    s = dot4_ss(b.s2, xq[6], s);
+    s = dot4_ss(b.s3, xq[7], s);
+    return s;
 }
-inline float wblock_elem(gin blk, int k) { return (float)((__global const char*)(blk + 2))[k]; }
-inline float wblock_scale(gin blk) { return vload_half(0, (__global const half*)blk); }
 #elif defined(W_F16)
-#define W_BLOCK_BYTES 64
-inline float wblock_dot(gin blk, float16 x0, float16 x1) {
-    return hsum16(ld16_f16(blk, 0) * x0 + ld16_f16(blk, 1) * x1);
+inline float welem(gin w, size_t blk, int k, size_t nblk) { return ld_f16(w, blk * 32 + k); }
+#define WU_T uint4
+inline uint4 wunit_load(gin w, size_t unit) { return ((__global const uint4*)w)[unit]; }
+inline float wunit_dot_bits(uint4 u, float8 x) {
+    float2 a = half2_bits_to_float2(u.s0), b = half2_bits_to_float2(u.s1);
+    float2 c = half2_bits_to_float2(u.s2), d = half2_bits_to_float2(u.s3);
+    return fma(a.x, x.s0, fma(a.y, x.s1, fma(b.x, x.s2, fma(b.y, x.s3,
+           fma(c.x, x.s4, fma(c.y, x.s5, fma(d.x, x.s6, d.y * x.s7)))))));
 }
-inline float wblock_elem(gin blk, int k) { return ld_f16(blk, k); }
 #elif defined(W_BF16)
-#define W_BLOCK_BYTES 64
-inline float wblock_dot(gin blk, float16 x0, float16 x1) {
-    return hsum16(ld16_bf16(blk, 0) * x0 + ld16_bf16(blk, 1) * x1);
+inline float welem(gin w, size_t blk, int k, size_t nblk) { return ld_bf16(w, blk * 32 + k); }
+#define WU_T uint4
+inline uint4 wunit_load(gin w, size_t unit) { return ((__global const uint4*)w)[unit]; }
+inline float wunit_dot_bits(uint4 u, float8 x) {
+    float8 f = as_float8((uint8)(u.s0 << 16, u.s0 & 0xFFFF0000u, u.s1 << 16, u.s1 & 0xFFFF0000u,
+                                 u.s2 << 16, u.s2 & 0xFFFF0000u, u.s3 << 16, u.s3 & 0xFFFF0000u));
+    return dot(f.lo, x.lo) + dot(f.hi, x.hi);
 }
-inline float wblock_elem(gin blk, int k) { return ld_bf16(blk, k); }
 #else  // W_F32
-#define W_BLOCK_BYTES 128
-inline float wblock_dot(gin blk, float16 x0, float16 x1) {
-    return hsum16(ld16_f32(blk, 0) * x0 + ld16_f32(blk, 1) * x1);
+inline float welem(gin w, size_t blk, int k, size_t nblk) { return ld_f32(w, blk * 32 + k); }
+#define WU_T float8
+inline float8 wunit_load(gin w, size_t unit) { return ((__global const float8*)w)[unit]; }
+inline float wunit_dot_bits(float8 u, float8 x) { return dot(u.lo, x.lo) + dot(u.hi, x.hi); }
+#endif
+#ifdef W_QUANT
+inline float wscale(gin w, size_t blk, size_t nblk) {
+    return vload_half(blk, (__global const half*)(w + nblk * W_QBYTES));
 }
-inline float wblock_elem(gin blk, int k) { return ld_f32(blk, k); }
 #endif
 
 #ifdef PROLOGUE_RMS
+#define LD4_NORM(p, i4) CAT(ld4_, NORM_T)(p, i4)
 #define LD16_NORM(p, i16) CAT(ld16_, NORM_T)(p, i16)
 #define LD_NORM(p, i) CAT(ld_, NORM_T)(p, i)
 #endif
-#ifdef EPI_ROPE_KV
+#if defined(EPI_ROPE_KV) && !defined(KV_Q8_0)
 #define ST_KV(p, i, v) CAT(st_, KV_T)(p, i, v)
 #endif
 
@@ -101,7 +139,7 @@ inline void epilogue(int t, int g, int r, int RW, __local const float* vals, int
     if (r >= half_rw || u >= F) return;
     float gate = vals[r * stride], up = vals[(r + half_rw) * stride];
     ((__global float*)y)[(size_t)t * F + u] = gate / (1.0f + exp(-gate)) * up;
-#elif defined(EPI_ROPE_KV)
+#elif defined(EPI_ROPE_KV) && !defined(KV_Q8_0)
     int half_rw = RW / 2, hh = hd / 2;
     int pairs = (n_heads + n_kv_heads) * hh;
     int pair_groups = (pairs + half_rw - 1) / half_rw;
@@ -127,6 +165,8 @@ inline void epilogue(int t, int g, int r, int RW, __local const float* vals, int
         int row = (g - pair_groups) * RW + r;
         if (row < n_kv_heads * hd) ST_KV(e2, kv_row + row, vals[r * stride]);
     }
+#elif defined(EPI_ROPE_KV)
+    // KV_Q8_0: epilogue_chunk() writes whole blocks instead
 #else
     int row = g * RW + r;
     if (row >= N) return;
@@ -139,3 +179,57 @@ inline void epilogue(int t, int g, int r, int RW, __local const float* vals, int
 #endif
 }
 
+
+#if defined(EPI_ROPE_KV) && defined(KV_Q8_0)
+// Q8_0 caches: thread c of a group finishes slots [32c, 32c + 32) of token t, which the slot
+// rule makes one aligned 32-value block of one head (codegen checks RW % 64 == 0 and
+// hd % 64 == 0): RoPE for q/k, then q rows stored as f32 and k/v blocks quantized as
+// quant.quantize does (d = amax / 127 kept as f16, q = round(x / d) half away from zero).
+inline void epilogue_chunk(int t, int g, int c, int RW, __local const float* vals, int stride,
+                           gout e0, gout e1, gout e2, gout y, int N, int n_heads, int n_kv_heads,
+                           int hd, int n_past, int start_pos) {
+    int half_rw = RW / 2, hh = hd / 2;
+    int pairs = (n_heads + n_kv_heads) * hh;
+    int pair_groups = (pairs + half_rw - 1) / half_rw;
+    size_t kv_row = (size_t)(n_past + t) * n_kv_heads * hd;   // element index of the cache row
+    float o[32];
+    gout cache;
+    size_t first;                                              // element index of o[0]
+    int r0 = 32 * c;
+    if (g < pair_groups) {
+        bool high = r0 >= half_rw;
+        int p0 = g * half_rw + r0 % half_rw;
+        if (p0 >= pairs) return;
+        int head = p0 / hh, j0 = p0 % hh;
+        float pos = (float)(start_pos + t);
+        for (int i = 0; i < 32; i++) {
+            int rl = r0 % half_rw + i;
+            float x1 = vals[rl * stride], x2 = vals[(rl + half_rw) * stride];
+            float ang = pos * ((__global const float*)e0)[j0 + i];
+            float cs = cos(ang), sn = sin(ang);
+            o[i] = high ? x2 * cs + x1 * sn : x1 * cs - x2 * sn;
+        }
+        int j = j0 + (high ? hh : 0);
+        if (head < n_heads) {
+            __global float* q = (__global float*)y + (size_t)t * n_heads * hd + head * hd + j;
+            for (int i = 0; i < 32; i++) q[i] = o[i];
+            return;
+        }
+        cache = e1;
+        first = kv_row + (size_t)(head - n_heads) * hd + j;
+    } else {
+        int row0 = (g - pair_groups) * RW + r0;
+        if (row0 >= n_kv_heads * hd) return;
+        for (int i = 0; i < 32; i++) o[i] = vals[(r0 + i) * stride];
+        cache = e2;
+        first = kv_row + row0;
+    }
+    float amax = 0.0f;
+    for (int i = 0; i < 32; i++) amax = fmax(amax, fabs(o[i]));
+    float d = amax / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    gout blk = cache + (first >> 5) * 34;
+    vstore_half_rte(d, 0, (__global half*)blk);
+    for (int i = 0; i < 32; i++) ((__global char*)(blk + 2))[i] = (char)(int)round(o[i] * id);
+}
+#endif

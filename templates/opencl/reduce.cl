@@ -42,3 +42,59 @@ void argmax(__global const int* step, gin xb, ulong x_off, gout yb, ulong y_off,
     }
     if (lid == 0) ((__global int*)(yb + y_off))[t] = where[0] == D ? 0 : where[0];
 }
+
+// Greedy sampling on the device: y[t] = argmax of row t (first of equal maxima), i32 [M], over
+// ARG_GROUPS groups per row so a 128K vocabulary is read by many cores; each group leaves
+// its best (value, index) in scratch and takes a ticket, the last one merges them and puts
+// the counter back to 0.
+//   scratch  int counters [M], then [M, ARG_GROUPS] x (f32 value, i32 index)
+// Grid: (ARG_GROUPS * RED_WG, rows).
+#ifndef ARG_GROUPS
+#define ARG_GROUPS 32
+#endif
+
+inline void better(float* b, int* at, float ob, int oa) {
+    if (ob > *b || (ob == *b && oa < *at)) { *b = ob; *at = oa; }
+}
+
+__kernel __attribute__((reqd_work_group_size(RED_WG, 1, 1)))
+void argmax_split(__global const int* step, gin xb, ulong x_off, gout yb, ulong y_off,
+                  gout sb, ulong s_off, int D, int M) {
+    int lid = get_local_id(0), g = get_group_id(0), t = get_group_id(1);
+    __global const float* x = (__global const float*)(xb + x_off) + (size_t)t * D;
+    __local float best[RED_WG];
+    __local int where[RED_WG];
+    __local int last;
+    float b = -INFINITY;
+    int at = D;
+    for (int i = g * RED_WG + lid; i < D; i += ARG_GROUPS * RED_WG) better(&b, &at, x[i], i);
+    best[lid] = b;
+    where[lid] = at;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int s = RED_WG / 2; s > 0; s >>= 1) {
+        if (lid < s) {
+            float bb = best[lid];
+            int aa = where[lid];
+            better(&bb, &aa, best[lid + s], where[lid + s]);
+            best[lid] = bb;
+            where[lid] = aa;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    __global volatile int* count = (__global volatile int*)(sb + s_off) + t;
+    __global volatile int* parts = (__global volatile int*)(sb + s_off) + M + (size_t)t * ARG_GROUPS * 2;
+    if (lid == 0) {
+        parts[2 * g] = as_int(best[0]);
+        parts[2 * g + 1] = where[0];
+        mem_fence(CLK_GLOBAL_MEM_FENCE);   // the partial reaches memory before the ticket
+        last = atomic_inc(count) == ARG_GROUPS - 1;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (!last || lid != 0) return;
+    mem_fence(CLK_GLOBAL_MEM_FENCE);
+    float bb = -INFINITY;
+    int aa = D;
+    for (int p = 0; p < ARG_GROUPS; p++) better(&bb, &aa, as_float(parts[2 * p]), parts[2 * p + 1]);
+    ((__global int*)(yb + y_off))[t] = aa == D ? 0 : aa;
+    *count = 0;
+}

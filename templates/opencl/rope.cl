@@ -1,7 +1,10 @@
-// RoPE (HF rotate_half: pairs j, j + hd/2) and the KV-cache store.   -DKV_T=<f32|f16>
+// RoPE (HF rotate_half: pairs j, j + hd/2) and the KV-cache store.
+//   -DKV_T=<f32|f16|q8_0> [-DKV_Q8_0]
 // Positions: row t is at start_pos + t; the angle is float(pos) * inv_freq[j] in f32.
 
+#ifndef KV_Q8_0
 #define ST_KV(p, i, v) CAT(st_, KV_T)(p, i, v)
+#endif
 
 // x f32 [M, H*hd]   inv_freq f32 [hd/2]   y f32 [M, H*hd] (may be x itself)
 // Grid: (H * hd/2, rows).
@@ -20,10 +23,21 @@ __kernel void rope(__global const int* step, gin xb, ulong x_off, gin fb, ulong 
     y[base + hh] = x2 * c + x1 * s;
 }
 
-// src f32 [M, KVH*hd]  ->  cache KV_T [S, KVH, hd] rows n_past + t.   Grid: (KVH*hd, rows).
+// src f32 [M, KVH*hd]  ->  cache KV_T [S, KVH, hd] rows n_past + t.
+// Grid: (KVH*hd, rows), or (KVH*hd/32, rows) for q8_0: one thread per 32-value block.
 __kernel void kv_store(__global const int* step, gin sb, ulong s_off, gout cb, ulong c_off, int width) {
     int i = get_global_id(0), t = get_global_id(1);
+    __global const float* src = (__global const float*)(sb + s_off) + (size_t)t * width;
+#ifdef KV_Q8_0
+    if (i >= width / 32) return;
+    float16 x0 = vload16(2 * i, src), x1 = vload16(2 * i + 1, src);
+    float d = quantize_q8_block(&x0, &x1);
+    gout blk = cb + c_off + ((size_t)(STEP_N_PAST(step) + t) * (width / 32) + i) * 34;
+    vstore_half_rte(d, 0, (__global half*)blk);
+    vstore16(convert_char16(x0), 0, (__global char*)(blk + 2));
+    vstore16(convert_char16(x1), 1, (__global char*)(blk + 2));
+#else
     if (i >= width) return;
-    float v = ((__global const float*)(sb + s_off))[(size_t)t * width + i];
-    ST_KV(cb + c_off, (size_t)(STEP_N_PAST(step) + t) * width + i, v);
+    ST_KV(cb + c_off, (size_t)(STEP_N_PAST(step) + t) * width + i, src[i]);
+#endif
 }

@@ -25,7 +25,7 @@ WEIGHT_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 # The epilogues are shared by every weight dtype (only the block loads differ, covered by the
 # plain matmul tests), so fused variants run on one quantized and one float dtype: each variant
 # is a PoCL compile of a few seconds on a cold cache.
-EPILOGUE_DTYPES = ("q4_0", "f16")
+EPILOGUE_DTYPES = ("q4_0", "f16", "q8_0")
 
 
 def _storage(arr: np.ndarray, dtype: str) -> np.ndarray:
@@ -153,7 +153,7 @@ def test_fused_add_epilogue_matches_interpreter(wdt, rows, n_tokens):
     _close(got[0], want[0], _tol(wdt))
 
 
-@pytest.mark.parametrize("wdt,kv_dtype", [("q4_0", "f16"), ("f16", "f32")])
+@pytest.mark.parametrize("wdt,kv_dtype", [("q4_0", "f16"), ("f16", "f32"), ("q8_0", "f16")])
 @pytest.mark.parametrize("rows,n_tokens,n_past,start_pos", [(1, 1, 5, 9), (12, 7, 3, 3)])
 def test_fused_qkv_rope_kv_store_matches_interpreter(wdt, kv_dtype, rows, n_tokens, n_past, start_pos):
     rng = np.random.default_rng(4)
@@ -176,11 +176,45 @@ def test_fused_qkv_rope_kv_store_matches_interpreter(wdt, kv_dtype, rows, n_toke
         _close(gt.astype(np.float32), wt.astype(np.float32), tol)
 
 
-@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+@pytest.mark.parametrize("wdt,k", [("q4_0", 8256), ("q8_0", 8256), ("f16", 2304), ("f32", 2304)])
+def test_decode_matvec_with_k_longer_than_one_pass_of_its_threads_matches_interpreter(wdt, k):
+    rng = np.random.default_rng(11)
+    b = OneOp(1)
+    x = b.act("x", _rand(rng, 1, k))
+    w = b.param("w", _rand(rng, 40, k), wdt)
+    y = b.out("y", (1, 40))
+    got, want = b.run("matmul", [x, w], [y], 1)
+    _close(got[0], want[0], _tol(wdt))
+
+
+@pytest.mark.parametrize("wdt", ["q4_0", "f16"])
+@pytest.mark.parametrize("rows,n_tokens,n_past,start_pos", [(1, 1, 5, 9), (9, 7, 3, 3)])
+def test_fused_qkv_rope_into_q8_0_kv_cache_matches_interpreter(wdt, rows, n_tokens, n_past, start_pos):
+    rng = np.random.default_rng(12)
+    h, kvh, hd, d, s = 2, 1, 64, 64, 16
+    b = OneOp(rows)
+    x = b.act("x", _rand(rng, rows, d))
+    w = b.param("w", _rand(rng, (h + 2 * kvh) * hd, d), wdt)
+    nw = b.param("nw", _rand(rng, d), "f32")
+    inv = b.param("inv_freq", rope_inv_freq(hd, 500000.0, None), "f32", kind="const")
+    kc = b.state("kc", _rand(rng, s, kvh, hd), "q8_0")
+    vc = b.state("vc", _rand(rng, s, kvh, hd), "q8_0")
+    q = b.out("q", (rows, h * hd))
+    kc2 = b.out("kc2", (s, kvh, hd), "q8_0", alias="kc")
+    vc2 = b.out("vc2", (s, kvh, hd), "q8_0", alias="vc")
+    got, want = b.run("fused_matmul", [x, w, nw, inv, kc, vc], [q, kc2, vc2], n_tokens, n_past, start_pos,
+                      prologue="rms_norm", epilogue="rope_kv_store", eps=1e-5, n_heads=h, n_kv_heads=kvh,
+                      head_dim=hd, theta=500000.0, scaling=None)
+    _close(got[0], want[0], _tol(wdt))
+    for gt, wt in zip(got[1:], want[1:]):   # caches: GGML blocks; compare what they decode to
+        _close(quant.dequantize(gt, "q8_0"), quant.dequantize(wt, "q8_0"), 1e-2)
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("rows,n_tokens,n_past", [(1, 1, 0), (1, 1, 600), (40, 37, 5)])
 def test_attention_matches_interpreter(kv_dtype, rows, n_tokens, n_past):
     rng = np.random.default_rng(5)
-    h, kvh, hd, s = 8, 2, 16, 640
+    h, kvh, hd, s = 8, 2, 32 if kv_dtype == "q8_0" else 16, 640
     b = OneOp(rows)
     q = b.act("q", _rand(rng, rows, h * hd))
     kc = b.state("kc", _rand(rng, s, kvh, hd), kv_dtype)
@@ -202,10 +236,10 @@ def test_rms_norm_matches_interpreter(ndt):
     _close(got[0], want[0], 1e-5)
 
 
-@pytest.mark.parametrize("kv_dtype", ["f32", "f16"])
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
 def test_rope_and_kv_store_match_interpreter(kv_dtype):
     rng = np.random.default_rng(7)
-    h, hd, s = 3, 16, 20
+    h, hd, s = 3, 32, 20
     b = OneOp(6)
     x = b.act("x", _rand(rng, 6, h * hd))
     inv = b.param("inv_freq", rope_inv_freq(hd, 500000.0, {"factor": 8.0, "low_freq_factor": 1.0,

@@ -8,13 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("pyopencl")
+cl = pytest.importorskip("pyopencl")
 
 from llmrs.compiler.codegen.opencl import generate  # noqa: E402
 from llmrs.compiler.interpret import Interpreter  # noqa: E402
 from llmrs.compiler.pipeline import CompileOptions, compile_graphs  # noqa: E402
 from llmrs.compiler.plan import write_graph_plan  # noqa: E402
-from llmrs.runtime.backends.opencl import OpenCLBackend, OpenCLError, pick_device, split_region  # noqa: E402
+from llmrs.compiler import quant  # noqa: E402
+from llmrs.compiler.ir import Graph, LazyTensor  # noqa: E402
+from llmrs.runtime.backends.opencl import (OpenCLBackend, OpenCLError, from_split_blocks, pick_device,  # noqa: E402
+                                           split_region, to_split_blocks)
 from llmrs.runtime.plan import Plan  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -99,3 +102,78 @@ def test_weights_split_over_several_buffers_give_the_same_logits(tmp_path, monke
     split = OpenCLBackend(plan)
     assert len(split.weights.chunks) > 1
     np.testing.assert_array_equal(split.run("prefill", PROMPT[:6], 0, 0), whole)
+
+
+def test_greedy_argmax_on_the_device_gives_the_tokens_of_the_logits(tmp_path):
+    plan = _plan(tmp_path, "golden-b", "q4_0", "f16")
+    be = OpenCLBackend(plan)
+    logits = be.run("prefill", PROMPT[:8], 0, 0)
+    be.reset()
+    tokens = be.run("prefill", PROMPT[:8], 0, 0, want="argmax")
+    assert tokens.dtype == np.int32 and tokens.tolist() == np.argmax(logits, axis=-1).tolist()
+    tok = tokens[-1:]
+    for n in range(8, 12):
+        want = int(np.argmax(be.run("decode", tok, n, n)[-1]))   # rewrites slot n: same values
+        got = be.run("decode", tok, n, n, want="argmax")
+        assert got.tolist() == [want]
+        tok = got
+
+
+def test_greedy_argmax_over_many_groups_picks_the_first_of_equal_maxima():
+    rng = np.random.default_rng(13)
+    rows, vocab = 3, 40000                     # 9 groups per row
+    g = Graph("decode", rows, meta={})
+    g.add_value("a", (rows, vocab), "f32", kind="input")
+    g.add_value("one", (rows, vocab), "f32", kind="param")
+    g.weights["one"] = LazyTensor.of(np.ones((rows, vocab), np.float32), "f32")
+    g.add_value("y", (rows, vocab), "f32")
+    g.add_op("mul", ["a", "one"], ["y"])
+    g.outputs = ["y"]
+    a = rng.standard_normal((rows, vocab)).astype(np.float32)
+    a[0, 39999] = 50.0
+    a[1, 5000] = a[1, 33000] = a[1, 20] = 60.0   # ties across groups: index 20 wins
+    a[2, 12345] = 70.0
+    be = OpenCLBackend.from_graphs({"decode": g})
+    be.write_value("decode", "a", a)
+    for n_tokens in (3, 2):
+        be.enqueue("decode", np.zeros(n_tokens, np.int32), 0, 0)
+        b = be.greedy["decode"]
+        cl.enqueue_nd_range_kernel(be.queue, b.kernel, b.global_size(n_tokens), (b.local, 1))
+        out = np.empty(n_tokens, np.int32)
+        cl.enqueue_copy(be.queue, out, be.result_buf, is_blocking=True)
+        assert out.tolist() == [39999, 20, 12345][:n_tokens]
+
+
+def test_quantized_weights_round_trip_through_the_split_device_layout():
+    rng = np.random.default_rng(14)
+    for dtype in ("q4_0", "q8_0"):
+        raw = quant.quantize(rng.standard_normal((6, 64)).astype(np.float32), dtype)
+        split = to_split_blocks(raw, dtype)
+        assert split.nbytes == raw.nbytes
+        np.testing.assert_array_equal(from_split_blocks(split, dtype).reshape(raw.shape), raw)
+
+
+@pytest.mark.parametrize("weights", ["f16"])
+def test_q8_0_kv_cache_runs_end_to_end_with_the_interpreters_greedy_tokens(tmp_path, weights):
+    d = tmp_path / "m"
+    import subprocess
+    import sys
+    subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "tools" / "make_tiny_model.py"), str(d),
+                    "--preset", "tiny", "--head-dim", "64"], check=True, capture_output=True)
+    p, dg = compile_graphs(d, CompileOptions(weights=weights, kv_type="q8_0", prefill_chunk=8, max_seq_len=32))
+    graphs = {"prefill": p, "decode": dg}
+    be = OpenCLBackend.from_graphs(graphs)
+    pre, dec = Interpreter(p), Interpreter(dg)
+    state = pre.new_state()
+    got = be.run("prefill", PROMPT[:8], 0, 0)
+    want = pre.run({"tokens": PROMPT[:8]}, state, 0)[p.outputs[0]]
+    assert _rel(got, want) <= 2e-3
+    tok_cl = tok_ref = int(np.argmax(want[-1]))
+    n, toks_cl, toks_ref = 8, [], []
+    for _ in range(5):
+        tok_cl = int(be.run("decode", np.array([tok_cl], np.int32), n, n, want="argmax")[0])
+        tok_ref = int(np.argmax(dec.run({"tokens": np.array([tok_ref], np.int32)}, state, n)[dg.outputs[0]][-1]))
+        toks_cl.append(tok_cl)
+        toks_ref.append(tok_ref)
+        n += 1
+    assert toks_cl == toks_ref
