@@ -20,6 +20,9 @@ class Backend(Protocol):
     def reset(self) -> None:
         """Forget the KV cache."""
 
+    # Optional: run_argmax(phase, tokens, n_past, start_pos) -> int32[rows], the greedy choice
+    # taken on the device so a step reads back 4 bytes instead of the logits.
+
 
 class EngineError(ValueError):
     """A request the engine cannot serve (one line, names the limit and the flag to change)."""
@@ -81,14 +84,16 @@ class Engine:
         self.backend.reset()
         self.n_past = self.start_pos = 0
 
-    def _step(self, phase: str, tokens: np.ndarray) -> np.ndarray:
-        logits = self.backend.run(phase, tokens, self.n_past, self.start_pos)
+    def _step(self, phase: str, tokens: np.ndarray, argmax: bool = False) -> np.ndarray:
+        run = self.backend.run_argmax if argmax else self.backend.run
+        out = run(phase, tokens, self.n_past, self.start_pos)
         self.n_past += len(tokens)
         self.start_pos += len(tokens)
-        return logits[-1]
+        return out[-1]
 
-    def prefill(self, tokens: list[int]) -> np.ndarray:
-        """Feed the prompt in chunks of the prefill graph's T; logits of its last position."""
+    def prefill(self, tokens: list[int], argmax: bool = False) -> np.ndarray:
+        """Feed the prompt in chunks of the prefill graph's T; logits of its last position
+        (or, with argmax, the greedy token chosen on the device)."""
         if not tokens:
             raise EngineError("the prompt is empty")
         if self.n_past + len(tokens) > self.max_seq_len:
@@ -96,11 +101,11 @@ class Engine:
                               f"{self.max_seq_len - self.n_past} more (recompile with a larger --max-seq-len)")
         ids = np.asarray(tokens, dtype=np.int32)
         for s in range(0, len(ids), self.prefill_T):
-            logits = self._step("prefill", ids[s:s + self.prefill_T])
-        return logits
+            out = self._step("prefill", ids[s:s + self.prefill_T], argmax)
+        return out
 
-    def decode_one_token(self, token: int) -> np.ndarray:
-        return self._step("decode", np.array([token], dtype=np.int32))
+    def decode_one_token(self, token: int, argmax: bool = False) -> np.ndarray:
+        return self._step("decode", np.array([token], dtype=np.int32), argmax)
 
     def generate(self, prompt: list[int], max_new_tokens: int, sampler: Sampler,
                  on_token: Callable[[int], None] | None = None, keep_logits: bool = False) -> Generation:
@@ -109,15 +114,16 @@ class Engine:
         gen = Generation(tokens=[])
         st = gen.stats
         st.prompt_tokens = len(prompt)
+        on_device = sampler.greedy and not keep_logits and hasattr(self.backend, "run_argmax")
         t0 = time.perf_counter()
-        logits = self.prefill(prompt)
+        logits = self.prefill(prompt, on_device)
         st.prefill_s = time.perf_counter() - t0
         history = list(prompt)
         t_dec = None
         while True:
             if keep_logits:
                 gen.logits.append(np.asarray(logits, np.float32).copy())
-            token = sampler.sample(logits, history)
+            token = int(logits) if on_device else sampler.sample(logits, history)
             if not gen.tokens:
                 st.ttft_s = time.perf_counter() - t0
             if token in self.stop_ids:
@@ -134,7 +140,7 @@ class Engine:
                 gen.stop_reason = "cache full"
                 break
             t_dec = t_dec or time.perf_counter()
-            logits = self.decode_one_token(token)
+            logits = self.decode_one_token(token, on_device)
             st.decode_tokens += 1
         if t_dec is not None:
             st.decode_s = time.perf_counter() - t_dec

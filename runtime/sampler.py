@@ -37,6 +37,11 @@ class Sampler:
         self.cfg = cfg.check()
         self.rng = np.random.default_rng(cfg.seed)
 
+    @property
+    def greedy(self) -> bool:
+        """The choice is the argmax of the raw logits (so a backend may take it on the device)."""
+        return self.cfg.temperature == 0 and (self.cfg.repetition_penalty == 1.0 or self.cfg.repetition_window == 0)
+
     def penalize(self, logits: np.ndarray, history: list[int]) -> np.ndarray:
         """HF's rule: a seen token's logit is divided by the penalty if positive, else multiplied."""
         c = self.cfg

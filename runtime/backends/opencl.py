@@ -496,6 +496,13 @@ class OpenCLBackend:
         for b in self.launches[phase]:
             cl.enqueue_nd_range_kernel(self.queue, b.kernel, b.global_size(n_tokens), (b.local, 1))
 
+    def run_argmax(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
+        """The engine's greedy path: int32 [rows] chosen on the device when the plan has the
+        kernel, else the argmax of the logits read back (plans compiled before it existed)."""
+        if phase in self.greedy:
+            return self.run(phase, tokens, n_past, start_pos, want="argmax")
+        return np.argmax(self.run(phase, tokens, n_past, start_pos), axis=-1).astype(np.int32)
+
     def run(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int | None = None,
             want: str = "logits") -> np.ndarray:
         """One step. want="logits": float32 [rows, vocab] of the graph's output;

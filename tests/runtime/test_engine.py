@@ -58,3 +58,32 @@ def test_reset_forgets_the_cache():
     a = engine.generate([5, 6, 7], 4, Sampler(SamplerConfig())).tokens
     engine.reset()
     assert engine.generate([5, 6, 7], 4, Sampler(SamplerConfig())).tokens == a
+
+
+class _ArgmaxCounting(ReferenceBackend):
+    """A backend that offers a device-side argmax; counts which path the engine takes."""
+
+    def __init__(self, graphs):
+        super().__init__(graphs)
+        self.calls = {"run": 0, "run_argmax": 0}
+
+    def run(self, *a):
+        self.calls["run"] += 1
+        return super().run(*a)
+
+    def run_argmax(self, *a):
+        self.calls["run_argmax"] += 1
+        return np.argmax(super().run(*a), axis=-1).astype(np.int32)
+
+
+def test_greedy_uses_the_backends_argmax_and_gives_the_same_tokens():
+    gd = np.load(DATA / "golden-b.npz")
+    prefill, decode = build_graphs(load_model(DATA / "golden-b"), 16, 64)
+    backend = _ArgmaxCounting({"prefill": prefill, "decode": decode})
+    gen = Engine(backend, 16, 64).generate(list(gd["prompt_tokens"]), 9, Sampler(SamplerConfig()))
+    assert gen.tokens == list(gd["generated"])
+    assert backend.calls == {"run": 0, "run_argmax": 3 + 8}  # 3 prompt chunks, 8 decode steps
+    # a penalty or kept logits need the logits themselves
+    backend.calls = {"run": 0, "run_argmax": 0}
+    Engine(backend, 16, 64).generate(list(gd["prompt_tokens"]), 3, Sampler(SamplerConfig(repetition_penalty=1.3)))
+    assert backend.calls["run_argmax"] == 0
