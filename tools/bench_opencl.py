@@ -71,12 +71,9 @@ def kernel_profile(be: OpenCLBackend, phase: str, tokens: np.ndarray, n_past: in
     import pyopencl as cl
     queue = be.queue
     be.queue = cl.CommandQueue(be.ctx, properties=cl.command_queue_properties.PROFILING_ENABLE)
-    launches = be.launches[phase]
-    be.launches[phase] = []          # write tokens and scalars only
-    be.enqueue(phase, tokens, n_past, n_past)
-    be.launches[phase] = launches
+    be.enqueue(phase, tokens, n_past, n_past, kernels=False)   # tokens and scalars only
     events = [(b, cl.enqueue_nd_range_kernel(be.queue, b.kernel, b.global_size(len(tokens)), (b.local, 1)))
-              for b in launches + [be.greedy[phase]]]
+              for b in be.launches[phase] + [be.greedy[phase]]]
     be.queue.finish()
     out: dict[str, float] = {}
     for b, ev in events:
@@ -98,10 +95,28 @@ def decode_weight_bytes(graph) -> int:
     return total
 
 
-def bench(model: Path, weights: str, prefill: int, steps: int, max_seq: int, kv: str, workdir: Path) -> dict:
+def bench(model: Path, weights: str, prefill: int, steps: int, max_seq: int, kv: str, workdir: Path,
+          variants: list[tuple[int, ...]]) -> list[dict]:
+    """One result per kernel-shape variant (MV_WG, MV_TARGET_WARPS, MV_LOADS, ATT_KEYS_PER_SPLIT,
+    ATT_SHARE_KV); the model compiles once."""
     t0 = time.perf_counter()
     p, d = compile_graphs(model, CompileOptions(weights=weights, kv_type=kv, prefill_chunk=prefill,
                                                 max_seq_len=max_seq))
+    compile_s = time.perf_counter() - t0
+    out = []
+    for wg, warps, loads, keys, share in variants:
+        codegen.MV_WG, codegen.MV_TARGET_WARPS, codegen.MV_LOADS = wg, warps, loads
+        codegen.ATT_KEYS_PER_SPLIT, codegen.ATT_SHARE_KV = keys, bool(share)
+        r = measure(model, p, d, weights, prefill, steps, kv, workdir)
+        r.update(compile_s=round(compile_s, 1), variant=dict(mv_wg=wg, mv_target_warps=warps, mv_loads=loads,
+                 att_keys_per_split=keys, att_share_kv=bool(share)))
+        print(json.dumps(r), flush=True)
+        out.append(r)
+    return out
+
+
+def measure(model: Path, p, d, weights: str, prefill: int, steps: int, kv: str, workdir: Path) -> dict:
+    t0 = time.perf_counter()
     graphs = {"prefill": p, "decode": d}
     path = workdir / f"plan-{weights}.bin"
     write_graph_plan(path, graphs, sections={"opencl": json.dumps(generate(graphs))})
@@ -150,7 +165,7 @@ def bench(model: Path, weights: str, prefill: int, steps: int, max_seq: int, kv:
     floor_s = max(launches * launch_us * 1e-6, wbytes / (bw * 1e9))
     return {
         "device": be.device_name, "model": str(model), "weights": weights, "kv": kv,
-        "compile_s": round(compile_s, 1), "load_s": round(load_s, 1),
+        "codegen_s": round(compile_s, 1), "load_s": round(load_s, 1),
         "launch_us": round(launch_us, 2), "copy_gbps": round(bw, 1),
         "decode": {"kernels_per_step": launches, "weight_bytes": wbytes,
                    "ms_per_token": round(decode_s * 1e3, 3), "tok_s": round(1 / decode_s, 1),
@@ -174,19 +189,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", type=int, default=512, help="prompt tokens (one prefill chunk)")
     ap.add_argument("--steps", type=int, default=64, help="timed decode steps")
     ap.add_argument("--max-seq-len", type=int, default=1024)
-    ap.add_argument("--mv-threads", type=int, help="override codegen's matvec threads per launch (experiments)")
+    ap.add_argument("--variants", help="comma-separated MV_WG:MV_TARGET_WARPS:MV_LOADS:ATT_KEYS_PER_SPLIT:"
+                    "ATT_SHARE_KV(0|1) kernel shapes to measure, each on the same compiled model "
+                    "(experiments; default: codegen's)",
+                    default=f"{codegen.MV_WG}:{codegen.MV_TARGET_WARPS}:{codegen.MV_LOADS}:"
+                            f"{codegen.ATT_KEYS_PER_SPLIT}:{int(codegen.ATT_SHARE_KV)}")
     ap.add_argument("--kv-list", help="comma-separated KV dtypes to run each weights dtype with (overrides --kv)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    if args.mv_threads:
-        codegen.MV_THREADS = args.mv_threads
+    variants = [tuple(int(v) for v in spec.split(":")) for spec in args.variants.split(",")]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for w in args.weights.split(","):
             for kv in (args.kv_list or args.kv).split(","):
-                r = bench(args.model, w, args.prefill, args.steps, args.max_seq_len, kv, Path(tmp))
-                print(json.dumps(r), flush=True)
-                results.append(r)
+                results += bench(args.model, w, args.prefill, args.steps, args.max_seq_len, kv, Path(tmp),
+                                 variants)
                 if args.out:   # after each run, so a later failure keeps what was measured
                     args.out.write_text(json.dumps(results, indent=1) + "\n")
     return 0

@@ -49,13 +49,19 @@ KV_TYPES = ("f32", "f16", "q8_0")
 FLOAT_TYPES = ("f32", "f16", "bf16")
 WEIGHT_TYPES = ("f32", "f16", "bf16", "q4_0", "q8_0")
 
-MV_MAX_WG = 256               # matvec: at most this many threads split one row's K
-MV_MAX_ROWS = 16              # and at most this many weight rows share a group's x
-MV_THREADS = 1 << 16          # rows per group shrink until a launch has this many threads, so
-                              # narrow matvecs still keep every core's loads in flight
-TILE_M, TILE_N = 64, 64       # matmul_tiled: tokens x rows per group (fixed in matmul.cl)
+MV_WG = 256                   # matvec threads per group (8 warps share one prepared x)
+MV_MAX_RPW = 8                # weight rows per warp at most
+MV_TARGET_WARPS = 4096        # rows per warp grow while a launch keeps about this many warps
+                              # (an H200: 132 SMs x 32), so every core's loads stay in flight
+MV_LOADS = 16                 # 16-byte weight loads a lane keeps in flight (registers allowing)
+MV_MAX_K = 32768              # quantized x's Q8_0 copy (1.25 B per value) fits in local memory
+TILE_M = 64                   # matmul_tiled: tokens per group (fixed in matmul.cl)
+TILE_N_WIDE = 128             # and weight rows per group: 128 where N gives enough groups,
+TILE_N_MIN_GROUPS = 512       # (this many at 512 tokens: ~4 per SM of an H200), else 64
 ATT_WG, ATT_BQ = 128, 32      # attention_split threads; attention_tiled query rows per group
-ATT_KEYS_PER_SPLIT, ATT_MAX_SPLITS = 64, 32   # decode attention: groups per head = S / 64
+ATT_KEYS_PER_SPLIT, ATT_MAX_SPLITS = 64, 32   # decode attention: splits = S / 64
+ATT_SHARE_KV = False          # decode attention: one group scores all query heads of a KV head
+                              # (measured slower on the H200 at 1B shapes: fewer, longer groups)
 NORM_WG, RED_WG, ELT_WG = 64, 256, 64
 ARG_VALUES_PER_THREAD, ARG_MAX_GROUPS = 16, 64  # greedy argmax: groups per row
 
@@ -135,18 +141,16 @@ def _pow2_at_most(n: int) -> int:
 
 
 def matvec_shape(k: int, n: int, quantized: bool, epilogue: str | None, kv_q8: bool) -> tuple[int, int]:
-    """(threads per group, weight rows per group) of a decode matvec. Threads: one per 32-value
-    block (quantized) or 8-value unit (float) of K, 32..MV_MAX_WG. Rows: as many as keep the
-    launch at MV_THREADS threads, at most MV_MAX_ROWS; pair epilogues need an even count and
-    q8_0 KV stores whole 32-value blocks of a head (64 rows: 32 RoPE pairs)."""
-    units = k // (32 if quantized else 8)
-    wg = min(MV_MAX_WG, max(32, _pow2_at_least(units)))
+    """(threads per group, weight rows per group) of a decode matvec (matvec.cl). MV_WG threads,
+    MV_WG / 32 warps of MV_RPW rows each: one row per warp for narrow matrices (most groups),
+    more for wide ones (x prepared fewer times, more loads per lane), at most MV_MAX_RPW. q8_0
+    KV stores whole 32-value blocks of a head: 64 rows (32 RoPE pairs). Every count is even,
+    as pair epilogues need."""
+    warps = MV_WG // 32
     if epilogue == "rope_kv_store" and kv_q8:
-        return wg, 64
-    rows = min(MV_MAX_ROWS, _pow2_at_most(n * wg // MV_THREADS))
-    if epilogue in ("silu_mul", "rope_kv_store"):
-        rows = max(rows, 2)
-    return wg, rows
+        return MV_WG, max(64, warps)
+    rpw = min(MV_MAX_RPW, _pow2_at_most(max(1, n // MV_TARGET_WARPS)))
+    return MV_WG, warps * rpw
 
 
 def _row_groups(epilogue: str | None, rw: int, n: int, a: dict[str, Any]) -> int:
@@ -193,9 +197,14 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
         raise CodegenError(f"op {op.name} (fused_matmul): epilogue {epi!r} has no OpenCL kernel")
     tiled = m > 1
     mv_wg, mv_rows = matvec_shape(k, n, wt in ("q4_0", "q8_0"), epi, "-DKV_Q8_0" in options)
-    rw = TILE_N if tiled else mv_rows
+    tile_n = TILE_N_WIDE if math.ceil(n / TILE_N_WIDE) * math.ceil(m / TILE_M) >= TILE_N_MIN_GROUPS else 64
+    if tiled:
+        options.append(f"-DTN={tile_n}")
+    rw = tile_n if tiled else mv_rows
     if not tiled:
-        options += [f"-DMV_WG={mv_wg}", f"-DMV_ROWS={mv_rows}"]
+        _need(not (wt in ("q4_0", "q8_0")) or k <= MV_MAX_K, op, f"K = {k} is over {MV_MAX_K}, the "
+              "longest row the decode matvec keeps in local memory; use --weights f16")
+        options += [f"-DMV_WG={mv_wg}", f"-DMV_ROWS={mv_rows}", f"-DMV_K={k}", f"-DMV_LOADS={MV_LOADS}"]
     args = [_v(x), _v(w), nw, *e, _v(op.outputs[0]),
             {"int": m}, {"int": k}, {"int": n}, {"float": float(a.get("eps", 0.0))},
             {"int": heads[0]}, {"int": heads[1]}, {"int": heads[2]}]
@@ -213,6 +222,8 @@ def _attention(ctx: _Ctx, op: Op) -> None:
     kv = _kv_type(ctx, op, k)
     _need(ctx.dtype(v) == kv, op, "k and v caches must share one dtype")
     _need(ATT_WG % hd == 0 and hd % 4 == 0, op, f"head_dim {hd} must divide {ATT_WG} for the OpenCL attention kernel")
+    kvh = a["n_kv_heads"]
+    _need(h % kvh == 0, op, f"n_heads {h} is not a multiple of n_kv_heads {kvh}")
     options = [f"-DHEAD_DIM={hd}", *_kv_options(kv), f"-DATT_WG={ATT_WG}"]
     args = [_v(q), _v(k), _v(v), _v(op.outputs[0])]
     scalars = [{"int": h}, {"int": a["n_kv_heads"]}, {"float": float(a["scale"])}, {"int": m}]
@@ -222,9 +233,11 @@ def _attention(ctx: _Ctx, op: Op) -> None:
     else:
         splits = max(1, min(ATT_MAX_SPLITS, ctx.shape(k)[0] // ATT_KEYS_PER_SPLIT))
         scratch = 4 * m * h + 4 * m * h * splits * (hd + 2)   # counters, then partials
-        ctx.launches.append(Launch(op.name, "attention", "attention_split", options + [f"-DATT_SPLITS={splits}"],
+        group = h // kvh if ATT_SHARE_KV else 1
+        ctx.launches.append(Launch(op.name, "attention", "attention_split",
+                                   options + [f"-DATT_SPLITS={splits}", f"-DATT_GROUP={group}"],
                                    args + [{"scratch": scratch}] + scalars,
-                                   local=ATT_WG, groups=h * splits, rows=m))
+                                   local=ATT_WG, groups=h // group * splits, rows=m))
 
 
 def _rms_norm(ctx: _Ctx, op: Op) -> None:

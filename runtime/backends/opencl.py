@@ -348,6 +348,8 @@ class OpenCLBackend:
                                       for s, e in a_chunks])
         self.step_buf = cl.Buffer(self.ctx, mf.READ_ONLY, 16)
         self._in_flight: list[np.ndarray] = []
+        self._limits: dict[str, tuple[int, int, int | None]] = {}
+        self._sized: dict[tuple[str, int], list[Any]] = {}
         self.reset()
 
     def _device_bytes(self, region: np.ndarray, tensors: dict[str, tuple[int, int]], start: int, end: int) -> np.ndarray:
@@ -465,24 +467,37 @@ class OpenCLBackend:
             raise OpenCLError(f"read_value: weight {name!r} is stored split on the device; read it whole (rows=None)")
         return out
 
-    def enqueue(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> None:
-        """Write the step's tokens and scalars and enqueue every kernel of the phase; returns
-        without waiting (the arena's token slot may be reused within a step, so every step
-        writes its tokens again)."""
+    def _step_limits(self, phase: str) -> tuple[int, int, int | None]:
+        """(tokens per step, KV slots, embedding vocab or None) of a graph: a step's checks."""
+        if phase not in self._limits:
+            g = self.graphs[phase]
+            slots = min((g.values[n].shape[0] for n in g.state), default=1 << 62)
+            vocab = next((g.values[op.inputs[0]].shape[0] for op in g.ops if op.kind == "embedding"), None)
+            self._limits[phase] = (g.T, slots, vocab)
+        return self._limits[phase]
+
+    def _step_launches(self, phase: str, n_tokens: int) -> list[tuple[Any, tuple[int, int], tuple[int, int]]]:
+        """(kernel, global size, local size) of every launch of a step, computed once per size."""
+        key = (phase, n_tokens)
+        if key not in self._sized:
+            self._sized[key] = [(b.kernel, b.global_size(n_tokens), (b.local, 1)) for b in self.launches[phase]]
+        return self._sized[key]
+
+    def enqueue(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int, kernels: bool = True) -> None:
+        """Write the step's tokens and scalars and enqueue every kernel of the phase (none with
+        kernels=False: profiles enqueue their own); returns without waiting (the arena's token
+        slot may be reused within a step, so every step writes its tokens again)."""
         cl = _cl()
         g = self.graphs[phase]
         tokens = np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)
         n_tokens = len(tokens)
-        if not 1 <= n_tokens <= g.T:
-            raise IRError(f"graph {phase} takes 1..{g.T} tokens per step, got {n_tokens}")
-        for name in g.state:
-            s = g.values[name].shape[0]
-            if n_past + n_tokens > s:
-                raise IRError(f"KV cache {name!r} holds {s} tokens; {n_past} + {n_tokens} do not fit")
-        for op in g.ops:
-            vocab = g.values[op.inputs[0]].shape[0] if op.kind == "embedding" else None
-            if vocab is not None and (tokens.min() < 0 or tokens.max() >= vocab):
-                raise IRError(f"op {op.name}: token id out of range 0..{vocab - 1}")
+        T, slots, vocab = self._step_limits(phase)
+        if not 1 <= n_tokens <= T:
+            raise IRError(f"graph {phase} takes 1..{T} tokens per step, got {n_tokens}")
+        if n_past + n_tokens > slots:
+            raise IRError(f"KV cache of graph {phase} holds {slots} tokens; {n_past} + {n_tokens} do not fit")
+        if vocab is not None and (tokens.min() < 0 or tokens.max() >= vocab):
+            raise IRError(f"graph {phase}: token id out of range 0..{vocab - 1}")
         # fills copy their pattern when enqueued, so no host array must outlive the call
         step = np.array([n_tokens, n_past, start_pos, 0], np.int32)
         cl.enqueue_fill_buffer(self.queue, self.step_buf, step, 0, step.nbytes)
@@ -493,8 +508,10 @@ class OpenCLBackend:
             else:
                 self._in_flight.append(tokens)   # released by the next blocking read
                 cl.enqueue_copy(self.queue, buf, tokens, dst_offset=off, is_blocking=False)
-        for b in self.launches[phase]:
-            cl.enqueue_nd_range_kernel(self.queue, b.kernel, b.global_size(n_tokens), (b.local, 1))
+        if kernels:
+            queue, launch = self.queue, cl.enqueue_nd_range_kernel
+            for kern, gsize, lsize in self._step_launches(phase, n_tokens):
+                launch(queue, kern, gsize, lsize)
 
     def run_argmax(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
         """The engine's greedy path: int32 [rows] chosen on the device when the plan has the

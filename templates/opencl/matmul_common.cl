@@ -6,7 +6,7 @@
 //   -DKV_T=<f32|f16|q8_0> [-DKV_Q8_0]              cache element type (EPI_ROPE_KV); q8_0
 //                                                  caches are written a 32-value block at a
 //                                                  time by epilogue_chunk()
-//   -DMV_WG, -DMV_ROWS                             matvec work-group size and rows per group
+//   -DMV_WG, -DMV_ROWS, -DMV_K, -DMV_LOADS          matvec shape (matvec.cl)
 // Quantized weights multiply Q8_0-quantized activations block by block; a block's dot product
 // of integers is exact in f32 (|sum| <= 32*127*128 < 2^24), then scaled by d_x * d_w, as GGML.
 //

@@ -1,25 +1,46 @@
 // Decode matvec; weight access, slot_row() and the epilogues come from matmul_common.cl.
-//   -DMV_WG=<threads, a multiple of 32>   -DMV_ROWS=<weight rows (slots) per group>
+//   -DMV_WG=<threads, a multiple of 32>   -DMV_ROWS=<weight rows (slots) per group, a multiple
+//   of MV_WG / 32>   -DMV_K=<K, a multiple of 32>   -DMV_LOADS=<16-byte loads in flight per lane>
 //
-// One token per group row (grid dim 1 = tokens), MV_ROWS weight rows per group. The group's
-// threads split K: quantized weights one 32-value block per thread step (16 or 32 B of
-// quants + the f16 scale), float weights one 8-value unit (16 B). A thread loads and (for
-// quantized weights) Q8_0-quantizes its piece of x once and reuses it for all MV_ROWS rows,
-// so weight bytes are the only stream; neighbouring threads read neighbouring 16 B.
+// One token per group row (grid dim 1 = tokens), MV_ROWS weight rows per group, MV_RPW of them
+// per warp (32 threads). Two phases:
+//   1. the group prepares x once: the RMS prologue's sum of squares, then (quantized weights)
+//      x's Q8_0 blocks into local memory, one block per thread;
+//   2. each warp walks its rows along K: lane l reads blocks (units) l, l + 32, ... so a warp
+//      reads 512 consecutive bytes of one row per load; MV_UNROLL passes of all MV_RPW rows
+//      issue their loads before any is used, so DRAM latency is paid once per batch. Each
+//      row's partial sums meet in a warp reduction; no barrier inside the K loop.
+// Float weights read x straight from global memory (every warp reads the same bytes, so they
+// come from the cache), normalised on the fly.
 // Grid: (groups * MV_WG, rows of x).
 
 #ifndef MV_WG
-#define MV_WG 64
+#define MV_WG 256
 #endif
 #ifndef MV_ROWS
-#define MV_ROWS 4
+#define MV_ROWS 8
 #endif
-#define MV_BATCH (MV_ROWS < 16 ? MV_ROWS : 16)   // rows whose loads are in flight together
+#define MV_WARPS (MV_WG / 32)
+#define MV_RPW (MV_ROWS / MV_WARPS)                 // rows per warp
+#define MV_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define MV_MAX(a, b) ((a) > (b) ? (a) : (b))
+#ifdef W_QUANT
+#define MV_UNITS (MV_K / 32)                        // 32-value blocks per row
+#else
+#define MV_UNITS (MV_K / 8)                         // 8-value (16-byte) units per row
+#endif
+#define MV_PASSES ((MV_UNITS + 31) / 32)            // K steps of one warp
+#ifndef MV_LOADS
+#define MV_LOADS 8                                  // 16-byte weight loads in flight per lane
+#endif
+// passes whose loads are in flight together
+#define MV_UNROLL MV_MIN(MV_PASSES, MV_MAX(1, MV_LOADS / MV_RPW))
 
 #ifdef W_QUANT
 // x's block b (after the RMS prologue) quantized to Q8_0 as quantize_row_q8_0_ref:
-// d = amax / 127 (kept as f16), q = round(x / d) half away from zero
-inline void quantize_x(__global const float4* x4, int b, int* xq, float* xd, int* xs
+// d = amax / 127 (kept as f16), q = round(x / d) half away from zero; into local memory
+inline void quantize_x(__global const float4* x4, int b, __local int* xq, __local float* xd,
+                       __local int* xs
 #ifdef PROLOGUE_RMS
                        , gin nw, float rms
 #endif
@@ -40,10 +61,10 @@ inline void quantize_x(__global const float4* x4, int b, int* xq, float* xd, int
     for (int i = 0; i < 8; i++) {
         float4 q = round(v[i] * id);
         sum += (q.x + q.y) + (q.z + q.w);
-        xq[i] = as_int(convert_char4(q));
+        xq[8 * b + i] = as_int(convert_char4(q));
     }
-    *xd = round_to_half(d);
-    *xs = (int)sum;
+    xd[b] = round_to_half(d);
+    xs[b] = (int)sum;
 }
 #endif
 
@@ -53,98 +74,119 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
             gout e2b, ulong e2_off, gout yb, ulong y_off,
             int M, int K, int N, float eps, int n_heads, int n_kv_heads, int hd) {
     int lid = get_local_id(0), g = get_group_id(0), t = get_group_id(1);
-    __global const float4* x4 = (__global const float4*)(xb + x_off) + (size_t)t * (K / 4);  // [K/4]
+    int lane = lid & 31, warp = lid >> 5;
+    __global const float4* x4 = (__global const float4*)(xb + x_off) + (size_t)t * (MV_K / 4);  // [K/4]
     gin w = wb + w_off;
-    __local float red[MV_ROWS * MV_WG];   // partial sums: [MV_ROWS][MV_WG] (or [warps][MV_ROWS])
-    __local float out[MV_ROWS];           // the group's finished dot products, by slot
+#ifdef USE_NV_PTX
+    __local float red[MV_WG];                 // group_sum scratch
+#else
+    __local float red[MV_ROWS * 32];          // [slot][lane] partial sums; group_sum scratch
+#endif
+    __local float out[MV_ROWS];               // the group's finished dot products, by slot
 
 #ifdef PROLOGUE_RMS
     gin nw = nwb + nw_off;
     float ss = 0.0f;
-    for (int i = lid; i < K / 4; i += MV_WG) {
+    for (int i = lid; i < MV_K / 4; i += MV_WG) {
         float4 v = x4[i];
         ss += dot(v, v);
     }
-    float rms = sqrt(group_sum(ss, red) / (float)K + eps);
+    float rms = sqrt(group_sum(ss, red) / (float)MV_K + eps);
 #endif
 
-    int rows[MV_ROWS];
-    float acc[MV_ROWS];
-#ifdef W_QUANT
-    int xq[8], xs = 0;      // this thread's Q8_0 block of x: 32 int8 packed 4 per int, their sum
-    float xd = 0.0f;        // and its scale
-#else
-    float8 xv = (float8)(0.0f);
-#endif
-    for (int r = 0; r < MV_ROWS; r++) {
-        rows[r] = slot_row(g, r, MV_ROWS, N, n_heads, n_kv_heads, hd);
-        acc[r] = 0.0f;
+    // this warp's weight rows; a padding slot (-1) reads row 0 and is never written
+    int rows[MV_RPW];
+    float acc[MV_RPW];
+#pragma unroll
+    for (int i = 0; i < MV_RPW; i++) {
+        rows[i] = max(slot_row(g, warp * MV_RPW + i, MV_ROWS, N, n_heads, n_kv_heads, hd), 0);
+        acc[i] = 0.0f;
     }
+
 #ifdef W_QUANT
-    size_t nb = K / 32, nblk = (size_t)N * nb;
-    for (int b = lid; b < (int)nb; b += MV_WG) {
-      for (int r0 = 0; r0 < MV_ROWS; r0 += MV_BATCH) {
-        // all of a batch's weight loads issue before any is used: DRAM latency once per batch
-        WQ_T wq[MV_BATCH];
-        float wd[MV_BATCH];
-#pragma unroll
-        for (int i = 0; i < MV_BATCH; i++) {
-            size_t blk = (size_t)max(rows[r0 + i], 0) * nb + b;   // a padding slot reads row 0
-            wq[i] = WQ_LOAD(w, blk);
-            wd[i] = wscale(w, blk, nblk);
-        }
-        if (r0 == 0) quantize_x(x4, b, xq, &xd, &xs
+    // weight batch p0: MV_UNROLL passes of this warp's MV_RPW rows
+    WQ_T wq[MV_UNROLL][MV_RPW];
+    float wd[MV_UNROLL][MV_RPW];
+    size_t nblk = (size_t)N * MV_UNITS;
+#define MV_LOAD_BATCH(p0)                                                              \
+    for (int u = 0; u < MV_UNROLL; u++) {                                              \
+        int b = min(((p0) + u) * 32 + lane, MV_UNITS - 1); /* lanes past K: last block */ \
+        for (int i = 0; i < MV_RPW; i++) {                                             \
+            size_t blk = (size_t)rows[i] * MV_UNITS + b;                               \
+            wq[u][i] = WQ_LOAD(w, blk);                                                \
+            wd[u][i] = wscale(w, blk, nblk);                                           \
+        }                                                                              \
+    }
+
+    __local int xq[MV_K / 4];        // x as Q8_0: int8 [K] packed 4 per int
+    __local float xd[MV_UNITS];      // block scales
+    __local int xs[MV_UNITS];        // block sums of the int8 values (q4_0's -8 offset)
+    for (int b = lid; b < MV_UNITS; b += MV_WG)
+        quantize_x(x4, b, xq, xd, xs
 #ifdef PROLOGUE_RMS
-                                , nw, rms
+                   , nw, rms
 #endif
-                                );
+                   );
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int p0 = 0; p0 < MV_PASSES; p0 += MV_UNROLL) {
+        MV_LOAD_BATCH(p0)
 #pragma unroll
-        for (int i = 0; i < MV_BATCH; i++)
-            acc[r0 + i] += (float)wq_idot(wq[i], xq, xs) * (xd * wd[i]);
-      }
+        for (int u = 0; u < MV_UNROLL; u++) {
+            int b = (p0 + u) * 32 + lane;
+            if (b < MV_UNITS) {
+                int q[8];
+                int4 lo = vload4(2 * b, xq), hi = vload4(2 * b + 1, xq);
+                q[0] = lo.s0; q[1] = lo.s1; q[2] = lo.s2; q[3] = lo.s3;
+                q[4] = hi.s0; q[5] = hi.s1; q[6] = hi.s2; q[7] = hi.s3;
+                float d = xd[b];
+                int s = xs[b];
+#pragma unroll
+                for (int i = 0; i < MV_RPW; i++)
+                    acc[i] += (float)wq_idot(wq[u][i], q, s) * (d * wd[u][i]);
+            }
+        }
     }
 #else
-    int nu = K / 8;
-    for (int u = lid; u < nu; u += MV_WG) {
-      for (int r0 = 0; r0 < MV_ROWS; r0 += MV_BATCH) {
-        WU_T wu[MV_BATCH];
+    WU_T wu[MV_UNROLL][MV_RPW];
+#define MV_LOAD_BATCH(p0)                                                              \
+    for (int u = 0; u < MV_UNROLL; u++) {                                              \
+        int un = min(((p0) + u) * 32 + lane, MV_UNITS - 1);                            \
+        for (int i = 0; i < MV_RPW; i++) wu[u][i] = wunit_load(w, (size_t)rows[i] * MV_UNITS + un); \
+    }
+    for (int p0 = 0; p0 < MV_PASSES; p0 += MV_UNROLL) {
+        MV_LOAD_BATCH(p0)
 #pragma unroll
-        for (int i = 0; i < MV_BATCH; i++) wu[i] = wunit_load(w, (size_t)max(rows[r0 + i], 0) * nu + u);
-        if (r0 == 0) {
-            float4 lo = x4[2 * u], hi = x4[2 * u + 1];
+        for (int u = 0; u < MV_UNROLL; u++) {
+            int un = (p0 + u) * 32 + lane;
+            if (un < MV_UNITS) {
+                float4 lo = x4[2 * un], hi = x4[2 * un + 1];
 #ifdef PROLOGUE_RMS
-            lo = lo / rms * LD4_NORM(nw, 2 * u);
-            hi = hi / rms * LD4_NORM(nw, 2 * u + 1);
+                lo = lo / rms * LD4_NORM(nw, 2 * un);
+                hi = hi / rms * LD4_NORM(nw, 2 * un + 1);
 #endif
-            xv = (float8)(lo, hi);
-        }
+                float8 xv = (float8)(lo, hi);
 #pragma unroll
-        for (int i = 0; i < MV_BATCH; i++) acc[r0 + i] += wunit_dot_bits(wu[i], xv);
-      }
+                for (int i = 0; i < MV_RPW; i++) acc[i] += wunit_dot_bits(wu[u][i], xv);
+            }
+        }
     }
 #endif
 
 #ifdef USE_NV_PTX
-    for (int r = 0; r < MV_ROWS; r++) acc[r] = warp_sum(acc[r]);
-    barrier(CLK_LOCAL_MEM_FENCE);
-    if ((lid & 31) == 0)
-        for (int r = 0; r < MV_ROWS; r++) red[(lid >> 5) * MV_ROWS + r] = acc[r];
+#pragma unroll
+    for (int i = 0; i < MV_RPW; i++) {
+        float s = warp_sum(acc[i]);
+        if (lane == 0) out[warp * MV_RPW + i] = s;
+    }
+#else
+    barrier(CLK_LOCAL_MEM_FENCE);    // red may still be group_sum's
+    for (int i = 0; i < MV_RPW; i++) red[(warp * MV_RPW + i) * 32 + lane] = acc[i];
     barrier(CLK_LOCAL_MEM_FENCE);
     for (int r = lid; r < MV_ROWS; r += MV_WG) {
         float s = 0.0f;
-        for (int wi = 0; wi < MV_WG / 32; wi++) s += red[wi * MV_ROWS + r];
+        for (int l = 0; l < 32; l++) s += red[r * 32 + l];
         out[r] = s;
     }
-#else
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (int r = 0; r < MV_ROWS; r++) red[r * MV_WG + lid] = acc[r];
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (int s = MV_WG / 2; s > 0; s >>= 1) {
-        if (lid < s)
-            for (int r = 0; r < MV_ROWS; r++) red[r * MV_WG + lid] += red[r * MV_WG + lid + s];
-        barrier(CLK_LOCAL_MEM_FENCE);
-    }
-    for (int r = lid; r < MV_ROWS; r += MV_WG) out[r] = red[r * MV_WG];
 #endif
     barrier(CLK_LOCAL_MEM_FENCE);
 #if defined(EPI_ROPE_KV) && defined(KV_Q8_0)

@@ -139,6 +139,21 @@ def test_fused_rms_silu_mul_matches_interpreter(wdt, rows, n_tokens):
     _close(got[0], want[0], _tol(wdt))
 
 
+@pytest.mark.parametrize("wdt", ["q4_0", "f16"])
+def test_prefill_matmul_with_wide_row_tiles_matches_interpreter(wdt, monkeypatch):
+    from llmrs.compiler.codegen import opencl as codegen
+    monkeypatch.setattr(codegen, "TILE_N_MIN_GROUPS", 0)   # 128-row tiles whatever N
+    rng = np.random.default_rng(15)
+    k, f = 64, 136
+    b = OneOp(70)
+    x = b.act("x", _rand(rng, 70, k, scale=3.0))
+    w = b.param("w", _rand(rng, 2 * f, k), wdt)
+    nw = b.param("nw", _rand(rng, k), "f32")
+    y = b.out("y", (70, f))
+    got, want = b.run("fused_matmul", [x, w, nw], [y], 67, prologue="rms_norm", epilogue="silu_mul", eps=1e-5)
+    _close(got[0], want[0], _tol(wdt))
+
+
 @pytest.mark.parametrize("wdt", EPILOGUE_DTYPES)
 @pytest.mark.parametrize("rows,n_tokens", [(1, 1), (66, 65)])
 def test_fused_add_epilogue_matches_interpreter(wdt, rows, n_tokens):
@@ -188,8 +203,13 @@ def test_decode_matvec_with_k_longer_than_one_pass_of_its_threads_matches_interp
 
 
 @pytest.mark.parametrize("wdt", ["q4_0", "f16"])
-@pytest.mark.parametrize("rows,n_tokens,n_past,start_pos", [(1, 1, 5, 9), (9, 7, 3, 3)])
-def test_fused_qkv_rope_into_q8_0_kv_cache_matches_interpreter(wdt, rows, n_tokens, n_past, start_pos):
+@pytest.mark.parametrize("rows,n_tokens,n_past,start_pos,wide", [(1, 1, 5, 9, False), (9, 7, 3, 3, False),
+                                                                (9, 7, 3, 3, True)])
+def test_fused_qkv_rope_into_q8_0_kv_cache_matches_interpreter(wdt, rows, n_tokens, n_past, start_pos, wide,
+                                                               monkeypatch):
+    from llmrs.compiler.codegen import opencl as codegen
+    if wide:
+        monkeypatch.setattr(codegen, "TILE_N_MIN_GROUPS", 0)
     rng = np.random.default_rng(12)
     h, kvh, hd, d, s = 2, 1, 64, 64, 16
     b = OneOp(rows)
@@ -221,6 +241,35 @@ def test_attention_matches_interpreter(kv_dtype, rows, n_tokens, n_past):
     vc = b.state("vc", _rand(rng, s, kvh, hd), kv_dtype)
     o = b.out("o", (rows, h * hd))
     got, want = b.run("attention", [q, kc, vc], [o], n_tokens, n_past, n_heads=h, n_kv_heads=kvh,
+                      head_dim=hd, scale=1.0 / math.sqrt(hd))
+    _close(got[0], want[0], 1e-4)
+
+
+@pytest.mark.parametrize("h,kvh,share", [(4, 4, True), (8, 1, True), (8, 2, False)])
+def test_decode_attention_shares_kv_heads_across_any_gqa_group_size(h, kvh, share, monkeypatch):
+    from llmrs.compiler.codegen import opencl as codegen
+    monkeypatch.setattr(codegen, "ATT_SHARE_KV", share)
+    rng = np.random.default_rng(13)
+    hd, s = 16, 96
+    b = OneOp(1)
+    q = b.act("q", _rand(rng, 1, h * hd))
+    kc = b.state("kc", _rand(rng, s, kvh, hd), "f16")
+    vc = b.state("vc", _rand(rng, s, kvh, hd), "f16")
+    o = b.out("o", (1, h * hd))
+    got, want = b.run("attention", [q, kc, vc], [o], 1, 70, n_heads=h, n_kv_heads=kvh,
+                      head_dim=hd, scale=1.0 / math.sqrt(hd))
+    _close(got[0], want[0], 1e-4)
+
+
+def test_decode_attention_over_more_keys_per_split_than_one_chunk_matches_interpreter():
+    rng = np.random.default_rng(14)
+    h, kvh, hd, s = 2, 1, 16, 17000      # 32 splits of 532 keys: two 512-key chunks each
+    b = OneOp(1)
+    q = b.act("q", _rand(rng, 1, h * hd, scale=0.3))
+    kc = b.state("kc", _rand(rng, s, kvh, hd), "f16")
+    vc = b.state("vc", _rand(rng, s, kvh, hd), "f16")
+    o = b.out("o", (1, h * hd))
+    got, want = b.run("attention", [q, kc, vc], [o], 1, s - 1, n_heads=h, n_kv_heads=kvh,
                       head_dim=hd, scale=1.0 / math.sqrt(hd))
     _close(got[0], want[0], 1e-4)
 
