@@ -175,7 +175,7 @@ def write_plan(path: str | os.PathLike, manifest: dict[str, Any], sections: dict
     try:
         with open(tmp, "wb") as f:
             f.write(bytes(HEADER.size))
-            f.write(text)  # placeholder checksums, rewritten below at the same length
+            f.write(text)  # checksums still zero: rewritten below at the same length
             for name, blob in blobs.items():
                 _pad_to(f, table[name]["offset"])
                 f.write(blob)
