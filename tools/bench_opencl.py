@@ -165,6 +165,7 @@ def measure(model: Path, p, d, weights: str, prefill: int, steps: int, kv: str, 
     floor_s = max(launches * launch_us * 1e-6, wbytes / (bw * 1e9))
     return {
         "device": be.device_name, "model": str(model), "weights": weights, "kv": kv,
+        "build_options": be.build_options, "build_notes": be.build_notes,
         "codegen_s": round(compile_s, 1), "load_s": round(load_s, 1),
         "launch_us": round(launch_us, 2), "copy_gbps": round(bw, 1),
         "decode": {"kernels_per_step": launches, "weight_bytes": wbytes,

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -195,15 +196,27 @@ def cache_dir() -> Path:
 
 def device_options(dev: Any) -> list[str]:
     """Build options chosen for the device at bind time. NVIDIA's driver reports no subgroup
-    extension but compiles inline PTX: warp shuffles and dp4a come from there
-    (LLMRS_OPENCL_PORTABLE=1 keeps the portable C path, for comparisons)."""
+    extension but compiles inline PTX: warp shuffles and dp4a come from there, and on compute
+    capability 8.0+ the prefill matmul's tensor-core body (-DUSE_NV_MMA)
+    (LLMRS_OPENCL_PORTABLE=1 keeps the portable C path, LLMRS_OPENCL_NO_MMA=1 only drops the
+    tensor cores, for comparisons)."""
     cl = _cl()
     opts = []
     if dev.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT:
         opts.append("-cl-fp32-correctly-rounded-divide-sqrt")  # Q8_0 scales round as numpy's
     if "NVIDIA" in dev.platform.vendor.upper() and os.environ.get("LLMRS_OPENCL_PORTABLE", "") in ("", "0"):
         opts.append("-DUSE_NV_PTX")
+        if _nv_compute_capability(dev) >= (8, 0) and os.environ.get("LLMRS_OPENCL_NO_MMA", "") in ("", "0"):
+            opts.append("-DUSE_NV_MMA")   # mma.sync m16n8k32 s8 / m16n8k16 f16 need sm_80
     return opts
+
+
+def _nv_compute_capability(dev: Any) -> tuple[int, int]:
+    """(major, minor) from cl_nv_device_attribute_query; (0, 0) where the driver lacks it."""
+    try:
+        return int(dev.compute_capability_major_nv), int(dev.compute_capability_minor_nv)
+    except Exception:   # pyopencl raises its own error types, or AttributeError, for a missing query
+        return 0, 0
 
 
 def _device_key(dev: Any) -> str:
@@ -381,6 +394,8 @@ class OpenCLBackend:
     def _bind(self, program: dict[str, Any]) -> None:
         cl = _cl()
         extra = device_options(self.device)
+        self.build_options = extra
+        self.build_notes: list[str] = []   # build fallbacks taken, for benchmarks and reports
         built: dict[tuple[str, tuple[str, ...]], Any] = {}
         self.launches: dict[str, list[_Bound]] = {}
         self.kernel_table = program["graphs"]
@@ -399,8 +414,18 @@ class OpenCLBackend:
         def bind(phase: str, entry: dict[str, Any]) -> _Bound:
             key = (entry["family"], tuple(entry["options"]))
             if key not in built:
-                built[key] = build_program(self.ctx, self.device, program["sources"][entry["family"]],
-                                           list(entry["options"]) + extra, entry["family"])
+                src, opts = program["sources"][entry["family"]], list(entry["options"])
+                try:
+                    built[key] = build_program(self.ctx, self.device, src, opts + extra, entry["family"])
+                except OpenCLError as err:
+                    if "-DUSE_NV_MMA" not in extra:
+                        raise
+                    # a driver whose PTX assembler rejects mma.sync still runs the fp32 body
+                    note = f"{err}; built without -DUSE_NV_MMA"
+                    warnings.warn(note)
+                    self.build_notes.append(note)
+                    built[key] = build_program(self.ctx, self.device, src,
+                                               opts + [o for o in extra if o != "-DUSE_NV_MMA"], entry["family"])
             if entry["local"] > max_wg:
                 raise OpenCLError(f"kernel {entry['kernel']} of op {entry['op']} needs {entry['local']} "
                                   f"threads per group; {self.device_name} allows {max_wg}")

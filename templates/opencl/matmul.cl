@@ -1,4 +1,6 @@
 // Prefill matmul; weight blocks, slot_row() and epilogue() come from matmul_common.cl.
+// Two bodies with one grid and one epilogue: the tensor-core body (USE_NV_MMA, below) for
+// q4_0 / q8_0 / f16 weights on NVIDIA, the portable fp32 body for everything else.
 
 // Prefill: a TM-token x TN-row tile per group, K walked one 32-value block at a time through
 // local memory (each block of a token is one Q8_0 block). 256 threads; thread (ty, tx) owns
@@ -16,6 +18,33 @@
 #define XS_STRIDE (TM + 4)    // k-major x [32][TM + 4]
 #define WS_STRIDE (TN + 4)    // k-major w [32][TN + 4]
 #define LDS_FLOATS (TM * XR_STRIDE + 32 * XS_STRIDE + 32 * WS_STRIDE)
+
+// The finished tile out [TM][TN] (token, slot) through the fused epilogue, rows t0.. of the step.
+inline void tile_epilogue(__local const float* out, int t0, int rows, int g, int lid, gout e0, gout e1,
+                          gout e2, gout y, int N, int n_heads, int n_kv_heads, int hd,
+                          __global const int* step) {
+#if defined(EPI_ROPE_KV) && defined(KV_Q8_0)
+    for (int e = lid; e < TM * (TN / 32); e += 256) {
+        int tt = e / (TN / 32), c = e % (TN / 32);
+        if (t0 + tt < rows)
+            epilogue_chunk(t0 + tt, g, c, TN, out + tt * TN, 1, e0, e1, e2, y, N, n_heads, n_kv_heads, hd,
+                           STEP_N_PAST(step), STEP_START_POS(step));
+    }
+#else
+    for (int e = lid; e < TM * TN; e += 256) {
+        int tt = e / TN, r = e % TN;
+        if (t0 + tt < rows)
+            epilogue(t0 + tt, g, r, TN, out + tt * TN, 1, e0, e1, e2, y, N, n_heads, n_kv_heads, hd,
+                     STEP_N_PAST(step), STEP_START_POS(step));
+    }
+#endif
+}
+
+#if defined(USE_NV_MMA) && defined(USE_NV_PTX) && (defined(W_QUANT) || defined(W_F16))
+#define MMA_BODY 1
+#endif
+
+#ifndef MMA_BODY
 
 __kernel __attribute__((reqd_work_group_size(256, 1, 1)))
 void matmul_tiled(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
@@ -128,19 +157,239 @@ void matmul_tiled(__global const int* step, gin xb, ulong x_off, gin wb, ulong w
     for (int j = 0; j < 4; j++)
         for (int i = 0; i < 4 * TN_H; i++) out[(4 * ty + j) * TN + 64 * (i >> 2) + 4 * tx + (i & 3)] = acc[j][i];
     barrier(CLK_LOCAL_MEM_FENCE);
-#if defined(EPI_ROPE_KV) && defined(KV_Q8_0)
-    for (int e = lid; e < TM * (TN / 32); e += 256) {
-        int tt = e / (TN / 32), c = e % (TN / 32);
-        if (t0 + tt < rows)
-            epilogue_chunk(t0 + tt, g, c, TN, out + tt * TN, 1, e0b + e0_off, e1b + e1_off, e2b + e2_off,
-                           yb + y_off, N, n_heads, n_kv_heads, hd, STEP_N_PAST(step), STEP_START_POS(step));
+    tile_epilogue(out, t0, rows, g, lid, e0b + e0_off, e1b + e1_off, e2b + e2_off, yb + y_off, N,
+                  n_heads, n_kv_heads, hd, step);
+}
+#endif  // !MMA_BODY
+
+#ifdef MMA_BODY
+// Tensor-core prefill (NVIDIA, -DUSE_NV_MMA; same grid, slots and epilogue as above). A stage
+// holds STAGE_K values of K for the tile's TM tokens and TN weight rows in local memory as 32-bit
+// words, row-major with a padded stride (row r of a fragment load hits bank 4r + lane % 4):
+//   xq [TM][MMA_ROW_W]  activations: Q8_0 codes (4 per word) | f16 (2 per word)
+//   wq [TN][MMA_ROW_W]  weights:     q4_0/q8_0 codes as int8  | f16 as stored
+// A stage is 4 chunks of 8 words. Quantized: a chunk is one Q8_0 block (32 values) and one
+// m16n8k32 s8 MMA per 16x8 sub-tile, whose exact int32 sum is scaled by d_x * d_w, as GGML.
+// f16: a chunk is 16 values, one m16n8k16 MMA with f32 accumulation (x rounded to f16).
+// Warp w computes tokens 32 (w / 4) .. + 31 and slots (TN / 4)(w % 4) .. + TN / 4 - 1.
+#define MMA_ROW_W 36
+#define MMA_NT (TN / 32)                     // 8-slot MMA columns per warp
+#ifdef W_QUANT
+#define STAGE_K 128
+#else
+#define STAGE_K 64
+#endif
+#define MMA_LDS_WORDS ((TM + TN) * MMA_ROW_W > TM * TN ? (TM + TN) * MMA_ROW_W : TM * TN)
+
+// d[0..3] = A (16x32 s8, row) * B (32x8 s8, col), fragments as the PTX ISA lays them out
+#define MMA_S8(d, a, b0, b1)                                                                   \
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, " \
+        "{%10,%10,%10,%10};"                                                                   \
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])                                       \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0))
+// c[0..3] += A (16x16 f16, row) * B (16x8 f16, col)
+#define MMA_F16(c, a, b0, b1)                                                                  \
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "      \
+        "{%8,%9}, {%0,%1,%2,%3};"                                                              \
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                       \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+
+// |s| < 2^22 (a block's sum is at most 32 * 127 * 128): the float through the mantissa, which
+// issues at full rate where int-to-float conversion runs at a quarter
+inline float small_int_to_float(int s) { return as_float(s + 0x4B400000) - 12582912.0f; }
+
+// Stage the activations of tokens t0.. for K values k0..k0 + STAGE_K. Warp wp owns tokens
+// 8 wp .. 8 wp + 7 and reads each token's stage row as one contiguous run (lanes 4 floats
+// apart), so every load instruction touches whole lines; inv_rms [TM] is 1 / rms (prologue).
+//   quantized: lane l holds values 4l..4l+3, block l / 8; 8 lanes find the block's amax
+//   f16:       lanes 0..15 and 16..31 hold two tokens, values 4 (l % 16)..
+inline void stage_x(__global const float* x, int t0, int rows, int K, int k0, int lid,
+                    __local uint* xq, __local float* xd, __local const float* inv_rms, gin nw) {
+    int lane = lid & 31, wp = lid >> 5;
+#ifdef W_QUANT
+    int k = k0 + 4 * lane;
+    bool k_live = k < K;
+#ifdef PROLOGUE_RMS
+    float4 nv = k_live ? LD4_NORM(nw, k / 4) : (float4)0.0f;
+#endif
+    for (int i = 0; i < 8; i++) {
+        int tt = 8 * wp + i;
+        float4 v = (float4)0.0f;
+        if (k_live && t0 + tt < rows) {
+            v = vload4(0, x + (size_t)(t0 + tt) * K + k);
+#ifdef PROLOGUE_RMS
+            v = v * inv_rms[tt] * nv;
+#endif
+        }
+        float4 av = fabs(v);
+        float amax = fmax(fmax(av.x, av.y), fmax(av.z, av.w));
+        for (int o = 4; o > 0; o >>= 1) {   // over the 8 lanes of the block
+            float t;
+            asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(t) : "f"(amax), "r"(o));
+            amax = fmax(amax, t);
+        }
+        float d = amax / 127.0f;                 // as quantize_q8_block
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        xq[tt * MMA_ROW_W + lane] = as_uint(convert_char4(round(v * id)));
+        if ((lane & 7) == 0) xd[tt * 4 + (lane >> 3)] = round_to_half(d);
     }
 #else
-    for (int e = lid; e < TM * TN; e += 256) {
-        int tt = e / TN, r = e % TN;
-        if (t0 + tt < rows)
-            epilogue(t0 + tt, g, r, TN, out + tt * TN, 1, e0b + e0_off, e1b + e1_off, e2b + e2_off,
-                     yb + y_off, N, n_heads, n_kv_heads, hd, STEP_N_PAST(step), STEP_START_POS(step));
+    int second = lane >> 4, k = k0 + 4 * (lane & 15);
+    bool k_live = k < K;
+#ifdef PROLOGUE_RMS
+    float4 nv = k_live ? LD4_NORM(nw, k / 4) : (float4)0.0f;
+#endif
+    for (int i = 0; i < 4; i++) {
+        int tt = 8 * wp + 2 * i + second;
+        float4 v = (float4)0.0f;
+        if (k_live && t0 + tt < rows) {
+            v = vload4(0, x + (size_t)(t0 + tt) * K + k);
+#ifdef PROLOGUE_RMS
+            v = v * inv_rms[tt] * nv;
+#endif
+        }
+        vstore_half4_rte(v, 0, (__local half*)(xq + tt * MMA_ROW_W + 2 * (lane & 15)));
     }
 #endif
 }
+
+// Stage the weight rows of the tile's slots for K values k0..k0 + STAGE_K.
+inline void stage_w(gin w, int K, int k0, int lid, size_t nblk, __local const int* rowmap,
+                    __local uint* wq, __local float* wd) {
+#ifdef W_QUANT
+    size_t nb = K / 32;
+    for (int e = lid; e < TN * 4; e += 256) {   // (slot, block): 4 threads read a row's 4 blocks
+        int n = e >> 2, part = e & 3, row = rowmap[n], kb = k0 / 32 + part;
+        uint8 q = (uint8)0;
+        float d = 0.0f;
+        if (row >= 0 && kb < nb) {
+            size_t blk = (size_t)row * nb + kb;
+#ifdef W_Q4_0
+            uint4 p = WQ_LOAD(w, blk);           // byte j: value j (low nibble), j + 16 (high)
+            // nibble n -> n - 8 as int8 in each byte: n + 120 never carries, ^ 0x80 subtracts 128
+            q.lo = ((p & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u;
+            q.hi = (((p >> 4) & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u;
+#else
+            q = as_uint8(WQ_LOAD(w, blk));
+#endif
+            d = wscale(w, blk, nblk);
+        }
+        __local uint* dst = wq + n * MMA_ROW_W + part * 8;
+        vstore4(q.lo, 0, dst);
+        vstore4(q.hi, 1, dst);
+        wd[n * 4 + part] = d;
+    }
+#else
+    for (int e = lid; e < TN * 8; e += 256) {   // (slot, 16-byte unit of 8 halves)
+        int n = e >> 3, part = e & 7, row = rowmap[n], k = k0 + part * 8;
+        uint4 u = (uint4)0;
+        if (row >= 0 && k < K) u = ((__global const uint4*)w)[((size_t)row * K + k) / 8];
+        vstore4(u, 0, wq + n * MMA_ROW_W + part * 4);
+    }
+#endif
+}
+
+__kernel __attribute__((reqd_work_group_size(256, 1, 1)))
+void matmul_tiled(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
+                  gin nwb, ulong nw_off, gout e0b, ulong e0_off, gout e1b, ulong e1_off,
+                  gout e2b, ulong e2_off, gout yb, ulong y_off,
+                  int M, int K, int N, float eps, int n_heads, int n_kv_heads, int hd) {
+    int lid = get_local_id(0), g = get_group_id(0), t0 = get_group_id(1) * TM;
+    int rows = min(M, STEP_N_TOKENS(step));
+    __global const float* x = (__global const float*)(xb + x_off);
+    gin w = wb + w_off;
+    gin nw = nwb + nw_off;
+    size_t nblk = (size_t)N * (K / 32);
+    __local uint lds[MMA_LDS_WORDS];         // xq, wq; at the end out [TM][TN]
+    __local uint* xq = lds;                  // [TM][MMA_ROW_W]
+    __local uint* wq = lds + TM * MMA_ROW_W; // [TN][MMA_ROW_W]
+    __local float xd[TM * 4], wd[TN * 4];    // [TM][4], [TN][4] block scales of the stage
+    __local float rms[TM];                   // 1 / rms of each token (prologue)
+    __local int rowmap[TN];
+    for (int n = lid; n < TN; n += 256) rowmap[n] = slot_row(g, n, TN, N, n_heads, n_kv_heads, hd);
+
+#ifdef PROLOGUE_RMS
+    for (int i = 0; i < TM / 8; i++) {   // warp w: tokens 8w.., each read along k, whole lines
+        int tt = 8 * (lid >> 5) + i;
+        float ss = 0.0f;
+        if (t0 + tt < rows)
+            for (int k = 4 * (lid & 31); k < K; k += 128) {
+                float4 v = vload4(0, x + (size_t)(t0 + tt) * K + k);
+                ss += dot(v, v);
+            }
+        ss = warp_sum(ss);
+        if ((lid & 31) == 0) rms[tt] = 1.0f / sqrt(ss / (float)K + eps);
+    }
+#endif
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+    int lane = lid & 31, warp = lid >> 5, gq = lane >> 2, tq = lane & 3;
+    int wm = (warp >> 2) * 32, wn = (warp & 3) * (TN / 4);
+    float acc[2][MMA_NT][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int ni = 0; ni < MMA_NT; ni++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[mi][ni][i] = 0.0f;
+
+    for (int k0 = 0; k0 < K; k0 += STAGE_K) {
+        stage_x(x, t0, rows, K, k0, lid, xq, xd, rms, nw);
+        stage_w(w, K, k0, lid, nblk, rowmap, wq, wd);
+        barrier(CLK_LOCAL_MEM_FENCE);
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            uint a[2][4];
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++) {
+                __local const uint* p = xq + (wm + 16 * mi + gq) * MMA_ROW_W + 8 * c + tq;
+                a[mi][0] = p[0];
+                a[mi][1] = p[8 * MMA_ROW_W];
+                a[mi][2] = p[4];
+                a[mi][3] = p[8 * MMA_ROW_W + 4];
+            }
+#ifdef W_QUANT
+            float sx[2][2];
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++) {
+                sx[mi][0] = xd[(wm + 16 * mi + gq) * 4 + c];
+                sx[mi][1] = xd[(wm + 16 * mi + gq + 8) * 4 + c];
+            }
+#endif
+#pragma unroll
+            for (int ni = 0; ni < MMA_NT; ni++) {
+                __local const uint* p = wq + (wn + 8 * ni + gq) * MMA_ROW_W + 8 * c + tq;
+                uint b0 = p[0], b1 = p[4];
+#ifdef W_QUANT
+                float sw0 = wd[(wn + 8 * ni + 2 * tq) * 4 + c], sw1 = wd[(wn + 8 * ni + 2 * tq + 1) * 4 + c];
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++) {
+                    int s[4];
+                    MMA_S8(s, a[mi], b0, b1);
+                    acc[mi][ni][0] += small_int_to_float(s[0]) * (sx[mi][0] * sw0);
+                    acc[mi][ni][1] += small_int_to_float(s[1]) * (sx[mi][0] * sw1);
+                    acc[mi][ni][2] += small_int_to_float(s[2]) * (sx[mi][1] * sw0);
+                    acc[mi][ni][3] += small_int_to_float(s[3]) * (sx[mi][1] * sw1);
+                }
+#else
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++) MMA_F16(acc[mi][ni], a[mi], b0, b1);
+#endif
+            }
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+
+    __local float* out = (__local float*)lds;   // [TM][TN]; C fragment: rows gq, gq + 8, cols 2 tq, 2 tq + 1
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int ni = 0; ni < MMA_NT; ni++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                out[(wm + 16 * mi + gq + 8 * (i >> 1)) * TN + wn + 8 * ni + 2 * tq + (i & 1)] = acc[mi][ni][i];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    tile_epilogue(out, t0, rows, g, lid, e0b + e0_off, e1b + e1_off, e2b + e2_off, yb + y_off, N,
+                  n_heads, n_kv_heads, hd, step);
+}
+#endif  // MMA_BODY

@@ -16,8 +16,8 @@ from llmrs.compiler.pipeline import CompileOptions, compile_graphs  # noqa: E402
 from llmrs.compiler.plan import write_graph_plan  # noqa: E402
 from llmrs.compiler import quant  # noqa: E402
 from llmrs.compiler.ir import Graph, LazyTensor  # noqa: E402
-from llmrs.runtime.backends.opencl import (OpenCLBackend, OpenCLError, from_split_blocks, pick_device,  # noqa: E402
-                                           split_region, to_split_blocks)
+from llmrs.runtime.backends.opencl import (OpenCLBackend, OpenCLError, device_options, from_split_blocks,  # noqa: E402
+                                           pick_device, split_region, to_split_blocks)
 from llmrs.runtime.plan import Plan  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -167,7 +167,10 @@ def test_q8_0_kv_cache_runs_end_to_end_with_the_interpreters_greedy_tokens(tmp_p
     state = pre.new_state()
     got = be.run("prefill", PROMPT[:8], 0, 0)
     want = pre.run({"tokens": PROMPT[:8]}, state, 0)[p.outputs[0]]
-    assert _rel(got, want) <= 2e-3
+    # on NVIDIA's tensor cores f16-weight prefill rounds activations to f16; the q8_0 cache
+    # re-rounds what that moves (7e-3 seen on the H200)
+    tensor_cores = "-DUSE_NV_MMA" in device_options(pick_device())
+    assert _rel(got, want) <= (1e-2 if tensor_cores else 2e-3)
     tok_cl = tok_ref = int(np.argmax(want[-1]))
     n, toks_cl, toks_ref = 8, [], []
     for _ in range(5):
