@@ -7,7 +7,8 @@ Memory (all planned at compile time, graph.meta["layout"]):
              converted to the split layout of templates/opencl/common.cl (quants, then
              scales; same size, so every offset stays the plan's)
     kv       the KV caches, persistent across steps
-    step     int32[4]: n_tokens, n_past, start_pos, written once per step
+    step     int32[4]: n_tokens, n_past, start_pos, k; written once per step, or once per
+             batch of greedy steps, which advance it on the device (k: the batch's step)
     scratch  kernels' partial results (split attention, greedy argmax), zero-filled once
     result   int32 [rows]: greedy tokens, the only bytes a greedy step reads back
 A region larger than CL_DEVICE_MAX_MEM_ALLOC_SIZE is split over several buffers at tensor
@@ -16,6 +17,8 @@ enqueues the launch table and reads the logits back.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import json
 import math
@@ -31,6 +34,8 @@ import numpy as np
 from ...compiler.ir import Graph, IRError, storage_shape
 
 ALIGN = 64
+GREEDY_MAX_STEPS = 4096   # run_greedy_steps: tokens one batch may produce
+COMMAND_BUFFERS_KEPT = 8  # recorded launch lists kept (one per phase and size), oldest dropped
 _QUANT_BYTES = {"q4_0": 16, "q8_0": 32}   # quant bytes per 32-value block (+ a 2-byte f16 scale)
 
 
@@ -250,6 +255,82 @@ def build_program(ctx: Any, dev: Any, source: str, options: list[str], label: st
     return prg
 
 
+# -- cl_khr_command_buffer ------------------------------------------------------------------
+
+_c = ctypes
+
+
+def _icd_loader() -> Any:
+    """The OpenCL ICD loader pyopencl uses (a wheel bundles its own under pyopencl.libs)."""
+    import pyopencl
+    bundled = sorted((Path(pyopencl.__file__).resolve().parent.parent / "pyopencl.libs").glob("libOpenCL*"))
+    for name in [str(p) for p in bundled] + [ctypes.util.find_library("OpenCL") or "", "libOpenCL.so.1"]:
+        if name:
+            try:
+                return ctypes.CDLL(name)
+            except OSError:
+                continue
+    raise OpenCLError("cannot load the OpenCL ICD loader (libOpenCL.so.1) through ctypes; "
+                      "set LLMRS_OPENCL_NO_COMMAND_BUFFER=1")
+
+
+class CommandBuffer:
+    """Launches recorded once with cl_khr_command_buffer (which pyopencl does not wrap, hence
+    ctypes) and replayed by one enqueue: the driver gets the whole list, the host issues one
+    call instead of one per kernel."""
+
+    def __init__(self, queue: Any, launches: list[tuple[Any, tuple[int, int], tuple[int, int]]]):
+        lib = _icd_loader()
+        get = lib.clGetExtensionFunctionAddressForPlatform
+        get.restype, get.argtypes = _c.c_void_p, [_c.c_void_p, _c.c_char_p]
+        platform = queue.device.platform.int_ptr
+
+        def fn(name: str, *argtypes: Any, restype: Any = _c.c_int32) -> Any:
+            addr = get(_c.c_void_p(platform), name.encode())
+            if not addr:
+                raise OpenCLError(f"{queue.device.name.strip()}: the driver has no {name}; "
+                                  "set LLMRS_OPENCL_NO_COMMAND_BUFFER=1")
+            return _c.CFUNCTYPE(restype, *argtypes)(addr)
+
+        vp, u32, sz = _c.c_void_p, _c.c_uint32, _c.POINTER(_c.c_size_t)
+        create = fn("clCreateCommandBufferKHR", u32, _c.POINTER(vp), vp, _c.POINTER(_c.c_int32), restype=vp)
+        record = fn("clCommandNDRangeKernelKHR", vp, vp, vp, vp, u32, vp, sz, sz, u32,
+                    _c.POINTER(u32), _c.POINTER(u32), vp)
+        finalize = fn("clFinalizeCommandBufferKHR", vp)
+        self._enqueue = fn("clEnqueueCommandBufferKHR", u32, _c.POINTER(vp), vp, u32, vp, vp)
+        self._release = fn("clReleaseCommandBufferKHR", vp)
+        self.queue = queue
+        queues = (vp * 1)(queue.int_ptr)
+        err = _c.c_int32(0)
+        self.handle = create(1, queues, None, _c.byref(err))
+        if err.value != 0 or not self.handle:
+            raise OpenCLError(f"clCreateCommandBufferKHR failed ({err.value}); set LLMRS_OPENCL_NO_COMMAND_BUFFER=1")
+        prev, point = u32(0), u32(0)
+        for i, (kern, gsize, lsize) in enumerate(launches):
+            g, l = (_c.c_size_t * 2)(*gsize), (_c.c_size_t * 2)(*lsize)
+            # each launch waits for the one before: the order holds whatever the queue's mode
+            rc = record(self.handle, None, None, _c.c_void_p(kern.int_ptr), 2, None, g, l,
+                        1 if i else 0, _c.byref(prev) if i else None, _c.byref(point), None)
+            if rc != 0:
+                raise OpenCLError(f"clCommandNDRangeKernelKHR failed ({rc}) on kernel "
+                                  f"{kern.function_name}; set LLMRS_OPENCL_NO_COMMAND_BUFFER=1")
+            prev = u32(point.value)
+        rc = finalize(self.handle)
+        if rc != 0:
+            raise OpenCLError(f"clFinalizeCommandBufferKHR failed ({rc}); set LLMRS_OPENCL_NO_COMMAND_BUFFER=1")
+
+    def enqueue(self) -> None:
+        queues = (_c.c_void_p * 1)(self.queue.int_ptr)
+        rc = self._enqueue(1, queues, self.handle, 0, None, None)
+        if rc != 0:
+            raise OpenCLError(f"clEnqueueCommandBufferKHR failed ({rc}); set LLMRS_OPENCL_NO_COMMAND_BUFFER=1")
+
+    def release(self) -> None:
+        if self.handle:
+            self._release(self.handle)
+            self.handle = None
+
+
 # -- the back end -----------------------------------------------------------------------------
 
 @dataclass
@@ -359,10 +440,13 @@ class OpenCLBackend:
         a_chunks = split_region(spans, self.max_alloc, "activation arena")
         self.arena = Region("arena", [(s, e, cl.Buffer(self.ctx, mf.READ_WRITE | mf.ALLOC_HOST_PTR, e - s))
                                       for s, e in a_chunks])
-        self.step_buf = cl.Buffer(self.ctx, mf.READ_ONLY, 16)
+        self.step_buf = cl.Buffer(self.ctx, mf.READ_WRITE, 16)   # greedy steps advance it
         self._in_flight: list[np.ndarray] = []
         self._limits: dict[str, tuple[int, int, int | None]] = {}
         self._sized: dict[tuple[str, int], list[Any]] = {}
+        self._command_buffers: dict[tuple[Any, ...], CommandBuffer] = {}
+        self.use_command_buffers = ("cl_khr_command_buffer" in self.device.extensions.split()
+                                    and os.environ.get("LLMRS_OPENCL_NO_COMMAND_BUFFER", "") in ("", "0"))
         self.reset()
 
     def _device_bytes(self, region: np.ndarray, tensors: dict[str, tuple[int, int]], start: int, end: int) -> np.ndarray:
@@ -410,11 +494,16 @@ class OpenCLBackend:
         cl.enqueue_fill_buffer(self.queue, self.scratch_buf, np.uint8(0), 0, max(scratch, ALIGN))
         scratch_at = [0]
         self.result_buf = cl.Buffer(self.ctx, mf.READ_WRITE, max(result, ALIGN))
+        self.steps_buf = cl.Buffer(self.ctx, mf.READ_WRITE, 4 * GREEDY_MAX_STEPS)  # int32 [steps]
+        self._scratch_at: dict[tuple[str, str], int] = {}
 
-        def bind(phase: str, entry: dict[str, Any]) -> _Bound:
-            key = (entry["family"], tuple(entry["options"]))
+        def bind(phase: str, entry: dict[str, Any], advance: int | None = None) -> _Bound:
+            """advance: the scratch offset of the phase's greedy launch, whose slice the
+            step-advancing copy of it shares (never in flight at the same time)."""
+            options = list(entry["options"]) + (["-DARG_ADVANCE"] if advance is not None else [])
+            key = (entry["family"], tuple(options))
             if key not in built:
-                src, opts = program["sources"][entry["family"]], list(entry["options"])
+                src, opts = program["sources"][entry["family"]], options
                 try:
                     built[key] = build_program(self.ctx, self.device, src, opts + extra, entry["family"])
                 except OpenCLError as err:
@@ -437,15 +526,23 @@ class OpenCLBackend:
                     args += [buf, np.uint64(off)]
                 elif "none" in a:
                     args += [self.arena.chunks[0][2], np.uint64(0)]
+                elif "scratch" in a and advance is not None:
+                    args += [self.scratch_buf, np.uint64(advance)]
                 elif "scratch" in a:
+                    self._scratch_at[(phase, entry["kernel"])] = scratch_at[0]
                     args += [self.scratch_buf, np.uint64(scratch_at[0])]
                     scratch_at[0] += -(-a["scratch"] // ALIGN) * ALIGN
+                elif "result" in a and advance is not None:
+                    args += [self.steps_buf, np.uint64(0)]
                 elif "result" in a:
                     args += [self.result_buf, np.uint64(0)]
                 elif "int" in a:
                     args.append(np.int32(a["int"]))
                 else:
                     args.append(np.float32(a["float"]))
+            if advance is not None:
+                args += list(self.locate(phase, self.graphs[phase].inputs[0]))
+                args[-1] = np.uint64(args[-1])
             kern.set_args(*args)
             variant = "+".join(o[2:].split("=")[0].lower() for o in entry["options"]
                                if o.startswith(("-DEPI_", "-DPROLOGUE_")))
@@ -457,6 +554,13 @@ class OpenCLBackend:
                 self.launches[phase] = [bind(phase, entry) for entry in table]
         self.greedy = {phase: bind(phase, entry) for phase, entry in program.get("greedy", {}).items()
                        if phase in self.graphs}
+        # decode's argmax that also writes the next step's token and scalars: run_greedy_steps
+        entry = program.get("greedy", {}).get("decode")
+        g = self.graphs.get("decode")
+        self.advance = None
+        if entry is not None and entry["rows"] == 1 and g is not None and len(g.inputs) == 1 \
+                and g.values[g.inputs[0]].dtype == "i32":
+            self.advance = bind("decode", entry, advance=self._scratch_at[("decode", entry["kernel"])])
 
     # -- steps --------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -534,9 +638,55 @@ class OpenCLBackend:
                 self._in_flight.append(tokens)   # released by the next blocking read
                 cl.enqueue_copy(self.queue, buf, tokens, dst_offset=off, is_blocking=False)
         if kernels:
-            queue, launch = self.queue, cl.enqueue_nd_range_kernel
-            for kern, gsize, lsize in self._step_launches(phase, n_tokens):
-                launch(queue, kern, gsize, lsize)
+            self._enqueue_launches((phase, n_tokens), self._step_launches(phase, n_tokens))
+
+    def _enqueue_launches(self, key: tuple[Any, ...], launches: list[tuple[Any, tuple[int, int], tuple[int, int]]]) -> None:
+        """Enqueue a launch list: replayed from a command buffer recorded on first use where the
+        driver has cl_khr_command_buffer (LLMRS_OPENCL_NO_COMMAND_BUFFER=1: never), else one
+        enqueue per kernel."""
+        cb = self._command_buffers.get(key)
+        if cb is None and self.use_command_buffers:
+            try:
+                cb = CommandBuffer(self.queue, launches)
+            except OpenCLError as err:   # a driver whose extension misbehaves still runs, launch by launch
+                self.use_command_buffers = False
+                warnings.warn(str(err))
+                self.build_notes.append(f"{err}; enqueuing kernel by kernel")
+            else:
+                if len(self._command_buffers) >= COMMAND_BUFFERS_KEPT:
+                    self._command_buffers.pop(next(iter(self._command_buffers))).release()
+                self._command_buffers[key] = cb
+        if cb is not None:
+            cb.enqueue()
+            return
+        cl = _cl()
+        queue, launch = self.queue, cl.enqueue_nd_range_kernel
+        for kern, gsize, lsize in launches:
+            launch(queue, kern, gsize, lsize)
+
+    def run_greedy_steps(self, token: int, n_past: int, start_pos: int, n: int) -> np.ndarray:
+        """n greedy decode steps enqueued back to back, one read at the end: step i feeds the
+        token step i - 1 chose (the first feeds `token`) at n_past + i, start_pos + i; the
+        device's argmax writes each next token and the step's scalars itself. int32 [n], the
+        chosen tokens, as n calls of run_argmax("decode", ...) would give them (a caller
+        stopping at an end-of-sequence token drops what follows it; the cache holds those
+        steps' keys past the stop, which the next step's n_past overwrites)."""
+        cl = _cl()
+        if self.advance is None:
+            raise OpenCLError("this plan's decode graph has no one-token device argmax; use run_argmax")
+        if not 1 <= n <= GREEDY_MAX_STEPS:
+            raise ValueError(f"run_greedy_steps: n = {n}; take 1..{GREEDY_MAX_STEPS} steps per call")
+        _, slots, _ = self._step_limits("decode")
+        if n_past + n > slots:
+            raise IRError(f"KV cache of graph decode holds {slots} tokens; {n_past} + {n} steps do not fit")
+        self.enqueue("decode", np.array([token], np.int32), n_past, start_pos, kernels=False)
+        a = self.advance
+        step = self._step_launches("decode", 1) + [(a.kernel, a.global_size(1), (a.local, 1))]
+        self._enqueue_launches(("greedy", n), step * n)
+        out = np.empty(n, np.int32)
+        cl.enqueue_copy(self.queue, out, self.steps_buf, is_blocking=True)
+        self._in_flight.clear()
+        return out
 
     def run_argmax(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
         """The engine's greedy path: int32 [rows] chosen on the device when the plan has the

@@ -49,6 +49,10 @@ void argmax(__global const int* step, gin xb, ulong x_off, gout yb, ulong y_off,
 // the counter back to 0.
 //   scratch  int counters [M], then [M, ARG_GROUPS] x (f32 value, i32 index)
 // Grid: (ARG_GROUPS * RED_WG, rows).
+// -DARG_ADVANCE (decode, one row): the merging group also feeds the next step, so many greedy
+// steps run back to back with no host round trip: y[step[3]] = token (the batch's k-th
+// result), the token into the graph's input tb (int32 [1]), and n_past, start_pos and k
+// (step[1..3]) each + 1.
 #ifndef ARG_GROUPS
 #define ARG_GROUPS 32
 #endif
@@ -59,7 +63,11 @@ inline void better(float* b, int* at, float ob, int oa) {
 
 __kernel __attribute__((reqd_work_group_size(RED_WG, 1, 1)))
 void argmax_split(__global const int* step, gin xb, ulong x_off, gout yb, ulong y_off,
-                  gout sb, ulong s_off, int D, int M) {
+                  gout sb, ulong s_off, int D, int M
+#ifdef ARG_ADVANCE
+                  , gout tb, ulong t_off
+#endif
+                  ) {
     int lid = get_local_id(0), g = get_group_id(0), t = get_group_id(1);
     __global const float* x = (__global const float*)(xb + x_off) + (size_t)t * D;
     __local float best[RED_WG];
@@ -95,6 +103,16 @@ void argmax_split(__global const int* step, gin xb, ulong x_off, gout yb, ulong 
     float bb = -INFINITY;
     int aa = D;
     for (int p = 0; p < ARG_GROUPS; p++) better(&bb, &aa, as_float(parts[2 * p]), parts[2 * p + 1]);
-    ((__global int*)(yb + y_off))[t] = aa == D ? 0 : aa;
+    int tok = aa == D ? 0 : aa;
+#ifdef ARG_ADVANCE
+    __global int* st = (__global int*)step;   // the back end allocates it read-write
+    ((__global int*)(yb + y_off))[st[3]] = tok;
+    ((__global int*)(tb + t_off))[0] = tok;
+    st[1] += 1;
+    st[2] += 1;
+    st[3] += 1;
+#else
+    ((__global int*)(yb + y_off))[t] = tok;
+#endif
     *count = 0;
 }

@@ -180,3 +180,28 @@ def test_q8_0_kv_cache_runs_end_to_end_with_the_interpreters_greedy_tokens(tmp_p
         toks_ref.append(tok_ref)
         n += 1
     assert toks_cl == toks_ref
+
+
+@pytest.mark.parametrize("command_buffers", ["1", "0"])
+def test_greedy_steps_enqueued_at_once_give_the_tokens_of_step_by_step_greedy(tmp_path, monkeypatch,
+                                                                              command_buffers):
+    monkeypatch.setenv("LLMRS_OPENCL_NO_COMMAND_BUFFER", "0" if command_buffers == "1" else "1")
+    be = OpenCLBackend(_plan(tmp_path, "golden-b", "q4_0", "f16"))
+    if command_buffers == "1" and not be.use_command_buffers:
+        pytest.skip(f"{be.device_name} has no cl_khr_command_buffer")
+    first = int(be.run("prefill", PROMPT[:8], 0, 0, want="argmax")[-1])
+    want, tok = [], np.array([first], np.int32)
+    for n in range(8, 20):
+        tok = be.run_argmax("decode", tok, n, n)
+        want.append(int(tok[0]))
+    for _ in range(2):   # the second call replays what the first recorded
+        got = be.run_greedy_steps(first, 8, 8, 12)
+        assert got.dtype == np.int32 and got.tolist() == want
+    # a 13-step batch continues the 12-step one as a plain step after it does
+    assert be.run_argmax("decode", got[-1:], 20, 20).tolist() == [int(be.run_greedy_steps(first, 8, 8, 13)[-1])]
+
+
+def test_greedy_steps_past_the_kv_cache_are_refused_in_one_line(tmp_path):
+    be = OpenCLBackend(_plan(tmp_path, "golden-b", "q4_0", "f16"))
+    with pytest.raises(ValueError, match="holds 32 tokens; 30 \\+ 3 steps do not fit"):
+        be.run_greedy_steps(1, 30, 30, 3)
