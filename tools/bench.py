@@ -2,14 +2,21 @@
 same process (the machine may be shared and noisy: compare figures within one run only).
 
     python tools/bench.py PLAN [--backend cpu] [--threads N] [--repeats R] [--json FILE]
+                               [--llama-bench BIN --gguf FILE]
 
 Ceilings, measured before and after the speeds (the best of both counts): memory read bandwidth (a
 generated, vectorised streaming-read kernel run by all threads over a 1 GiB buffer, best of several
 passes) and numpy's f32 GEMM GFLOP/s. Speeds: prefill tok/s
-for 128- and 512-token prompts, decode tok/s over 128 tokens after a 512-token prompt (medians of
---repeats runs). Decode is shown as weight bytes per token x tok/s against the bandwidth; prefill
-as 2 x matmul params x tok/s against the GEMM rate. A new back end is one `make_<name>` function
+for 128- and 512-token prompts, decode tok/s over 128 tokens after a 512-token prompt and after a
+1-token prompt (as llama-bench's tg128, from an empty cache); medians of --repeats runs. Decode is
+shown as weight bytes per token x tok/s against the bandwidth; prefill as 2 x matmul params x
+tok/s against the GEMM rate. A new back end is one `make_<name>` function
 in BACKENDS.
+
+With --llama-bench, llama.cpp's `llama-bench -p 512 -n 128 -t THREADS -r R -o json` runs on the GGUF
+(same weights, made from the same model folder) between the ceiling probes, and its tok/s are
+reported beside ours with the ratio llmrs / llama.cpp. It decodes from an empty cache while ours
+decodes after a 512-token prompt, so its attention reads a little less.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ import argparse
 import ctypes
 import json
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -51,11 +59,28 @@ class Result:
     prefill_tok_s_128: float
     prefill_tok_s_512: float
     decode_tok_s: float
+    decode_tok_s_empty_cache: float          # 128 tokens after a 1-token prompt, as llama-bench's tg128
     decode_fraction_of_bandwidth: float
+    decode_fraction_of_weights_read: float   # of the probe over the mmapped weights
     prefill_512_gops: float
     prefill_512_over_gemm: float
     machine: str
     date: str
+    llama_cpp: "LlamaCpp | None" = None      # llama-bench on the same weights, same run
+    llama_cpp_decode_ratio: float | None = None    # llmrs decode (after 512) tok/s / llama.cpp's tg128
+    llama_cpp_decode_ratio_empty_cache: float | None = None  # both from an empty cache
+    llama_cpp_prefill_ratio: float | None = None   # llmrs prefill-512 tok/s / llama.cpp's
+
+
+@dataclass
+class LlamaCpp:
+    command: str
+    build_commit: str
+    model_bytes: int                # the GGUF's tensor bytes, as llama-bench reports them
+    prefill_tok_s_512: float        # mean of -r repetitions, as llama-bench reports it
+    decode_tok_s: float             # 128 tokens from an empty cache
+    prefill_samples: list[float]
+    decode_samples: list[float]
 
 
 # -- ceilings ---------------------------------------------------------------------------------
@@ -155,6 +180,29 @@ def measure_ceilings(weights: np.ndarray, threads: int, say: Callable[[str], Non
     return bw, read_bandwidth(weights.ctypes.data, len(weights), threads), gemm_gflops()
 
 
+def run_llama_bench(binary: str, gguf: str, threads: int, repeats: int) -> LlamaCpp:
+    """llama.cpp's own benchmark on the same machine and thread count; its JSON has one record per
+    test: n_prompt > 0 is prefill, n_gen > 0 decode; samples_ts are per-repetition tok/s."""
+    cmd = [binary, "-m", gguf, "-p", str(max(PROMPTS)), "-n", str(DECODE_TOKENS), "-t", str(threads),
+           "-r", str(repeats), "-o", "json"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        sys.exit(f"bench: --llama-bench {binary}: cannot run it ({e.strerror}); pass llama.cpp's llama-bench binary")
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
+        sys.exit(f"bench: --llama-bench {binary} failed on --gguf {gguf}: {last}")
+    try:
+        records = json.loads(proc.stdout)
+        pp = next(r for r in records if r["n_prompt"] > 0)
+        tg = next(r for r in records if r["n_gen"] > 0)
+    except (ValueError, StopIteration, KeyError, TypeError):
+        sys.exit(f"bench: --llama-bench {binary} printed no prefill and decode records; is it llama.cpp's llama-bench?")
+    return LlamaCpp(" ".join(cmd), str(pp.get("build_commit", "")), int(pp.get("model_size", 0)),
+                    round(pp["avg_ts"], 2), round(tg["avg_ts"], 2),
+                    [round(x, 2) for x in pp["samples_ts"]], [round(x, 2) for x in tg["samples_ts"]])
+
+
 def make_cpu(plan: Plan, threads: int):
     return CpuBackend(plan, threads=threads)
 
@@ -188,7 +236,8 @@ def machine() -> str:
     return f"{model}, {physical_cores()} cores"
 
 
-def bench(plan_path: str, backend: str, threads: int, repeats: int) -> Result:
+def bench(plan_path: str, backend: str, threads: int, repeats: int,
+          llama: tuple[str, str] | None = None) -> Result:
     plan = Plan.open(plan_path)
     m = plan.manifest
     prefill_T, max_seq = int(m["prefill_chunk"]), int(m["max_seq_len"])
@@ -205,34 +254,57 @@ def bench(plan_path: str, backend: str, threads: int, repeats: int) -> Result:
     rng = np.random.default_rng(0)
     time_prefill(engine, 16, rng, vocab)                          # warm: page in weights, code
     pre = {n: [] for n in PROMPTS}
-    dec = []
+    dec, dec0 = [], []
     for r in range(repeats):
         say(f"bench: repeat {r + 1}/{repeats}")
         for n in PROMPTS:
             pre[n].append(time_prefill(engine, n, rng, vocab))
         dec.append(time_decode(engine, max(PROMPTS), DECODE_TOKENS, rng, vocab))
+        dec0.append(time_decode(engine, 1, DECODE_TOKENS, rng, vocab))
+    lcpp = None
+    if llama is not None:
+        say(f"bench: llama-bench on {llama[1]}")
+        lcpp = run_llama_bench(llama[0], llama[1], threads, repeats)
     ceil.append(measure_ceilings(weights, threads, say))
     # best of before and after: the machine may be shared, and a low ceiling would flatter us
     bw, wbw, gemm = (max(c[i] for c in ceil) for i in range(3))
     p128, p512, d = (statistics.median(pre[128]), statistics.median(pre[512]), statistics.median(dec))
+    d0 = statistics.median(dec0)
     gops = 2 * params * p512 / 1e9
     return Result(plan_path, backend, threads, repeats, round(bw, 2), round(wbw, 2), round(gemm, 1), wbytes,
-                  params, round(p128, 2), round(p512, 2), round(d, 2), round(wbytes * d / 1e9 / bw, 3),
-                  round(gops, 1), round(gops / gemm, 3), machine(), time.strftime("%Y-%m-%d %H:%M"))
+                  params, round(p128, 2), round(p512, 2), round(d, 2), round(d0, 2),
+                  round(wbytes * d / 1e9 / bw, 3), round(wbytes * d / 1e9 / wbw, 3), round(gops, 1),
+                  round(gops / gemm, 3), machine(), time.strftime("%Y-%m-%d %H:%M"), lcpp,
+                  round(d / lcpp.decode_tok_s, 3) if lcpp else None,
+                  round(d0 / lcpp.decode_tok_s, 3) if lcpp else None,
+                  round(p512 / lcpp.prefill_tok_s_512, 3) if lcpp else None)
 
 
 def report(r: Result) -> str:
-    return "\n".join([
+    lines = [
         f"plan {r.plan}  backend {r.backend}  threads {r.threads}  repeats {r.repeats}  ({r.machine})",
         f"ceilings: read bandwidth {r.bandwidth_gbs:.1f} GB/s (plan weights mmapped: "
         f"{r.weights_read_gbs:.1f} GB/s), numpy f32 GEMM {r.gemm_gflops:.1f} GFLOP/s",
         f"decode      {r.decode_tok_s:7.2f} tok/s  x {r.weight_bytes_per_token / 1e6:.1f} MB/token = "
         f"{r.decode_tok_s * r.weight_bytes_per_token / 1e9:.1f} GB/s = "
-        f"{r.decode_fraction_of_bandwidth:.2f} of read bandwidth",
+        f"{r.decode_fraction_of_bandwidth:.2f} of read bandwidth ({r.decode_fraction_of_weights_read:.2f} of the "
+        "weights probe)",
+        f"decode      {r.decode_tok_s_empty_cache:7.2f} tok/s from an empty cache",
         f"prefill 128 {r.prefill_tok_s_128:7.2f} tok/s",
         f"prefill 512 {r.prefill_tok_s_512:7.2f} tok/s  = {r.prefill_512_gops:.1f} G op/s = "
         f"{r.prefill_512_over_gemm:.2f} x numpy f32 GEMM",
-    ])
+    ]
+    if r.llama_cpp is not None:
+        c = r.llama_cpp
+        lines += [
+            f"llama.cpp   decode {c.decode_tok_s:7.2f} tok/s  x {c.model_bytes / 1e6:.1f} MB = "
+            f"{c.decode_tok_s * c.model_bytes / 1e9:.1f} GB/s (from an empty cache); llmrs / llama.cpp = "
+            f"{r.llama_cpp_decode_ratio:.2f} (ours after 512 tokens), {r.llama_cpp_decode_ratio_empty_cache:.2f} "
+            "(both from an empty cache)",
+            f"llama.cpp   prefill 512 {c.prefill_tok_s_512:7.2f} tok/s; llmrs / llama.cpp = "
+            f"{r.llama_cpp_prefill_ratio:.2f}  ({c.command})",
+        ]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,10 +314,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=physical_cores())
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", metavar="FILE", help="write the figures as JSON here (default: stdout)")
+    ap.add_argument("--llama-bench", metavar="BIN", help="llama.cpp's llama-bench binary: run it in the same run")
+    ap.add_argument("--gguf", metavar="FILE", help="the GGUF for --llama-bench (same weights as the plan)")
     a = ap.parse_args(argv)
     if a.threads < 1 or a.repeats < 1:
         ap.error("--threads and --repeats must be at least 1")
-    r = bench(a.plan, a.backend, a.threads, a.repeats)
+    if (a.llama_bench is None) != (a.gguf is None):
+        ap.error("--llama-bench and --gguf go together: pass both or neither")
+    r = bench(a.plan, a.backend, a.threads, a.repeats,
+              (a.llama_bench, a.gguf) if a.llama_bench else None)
     print(report(r), file=sys.stderr if a.json is None else sys.stdout)
     text = json.dumps(asdict(r), indent=1)
     if a.json:

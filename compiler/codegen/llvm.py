@@ -4,12 +4,15 @@
                        ptr weight_table,   // ptr[len(weight_names(graphs))]: each weight's address
                        ptr kv,             // KV caches, layout["kv"] offsets
                        ptr scratch,        // u8[nth, llmrs_scratch_bytes()]: per-thread scratch
-                       ptr barrier,        // u32[32], zeroed once; shared by the thread team
+                       ptr barrier,        // u32[64], zeroed once; shared by the thread team
                        i64 n_tokens, i64 n_past, i64 start_pos, i64 tid, i64 nth)
 
 Each of nth threads calls it with its id; every kernel does its share of rows, and the threads
-meet at a spinning barrier between kernels, so a step is one foreign call per thread. Kernels are
-shared between ops (and phases) with the same shapes, dtypes and attributes.
+meet at a spinning barrier between kernels, so a step is one foreign call per thread. A matmul's
+last eighth of rows is handed out a few at a time from a counter shared by the team (the
+barrier's last arrival zeroes it, and a barrier ends the step), so a thread that falls behind is
+covered by the others. Kernels are shared between ops (and phases) with the same shapes, dtypes
+and attributes.
 """
 from __future__ import annotations
 
@@ -86,6 +89,8 @@ def _kernel_key(g: Graph, op: Op) -> str:
 SPINS = 2000             # pause-spins before a waiting thread sleeps on the futex
 FUTEX_SYSCALL = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}
 FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 128, 129
+WORK_OFFSET = 128        # byte offset of the shared work counter in the barrier block
+BARRIER_BYTES = 256
 
 
 def _barrier(module: ir.Module, target: Target) -> ir.Function:
@@ -93,7 +98,8 @@ def _barrier(module: ir.Module, target: Target) -> ir.Function:
     Waiters spin a little (kernels are a few microseconds apart), then sleep on a futex, so a peer
     that the OS has descheduled gets the core back instead of racing a spinning thread.
 
-    barrier u32[32]: count at byte 0, generation at byte 64, sleepers at byte 96."""
+    barrier u32[64]: count at byte 0, generation at byte 64, sleepers at byte 96, and the kernels'
+    work counter (i64) at byte WORK_OFFSET, zeroed here while no thread is in a kernel."""
     fn = ir.Function(module, ir.FunctionType(VOID, [PTR, I64]), "llmrs_barrier")
     fn.linkage = "internal"
     bar, nth = fn.args
@@ -115,6 +121,7 @@ def _barrier(module: ir.Module, target: Target) -> ir.Function:
 
     b.position_at_end(release)
     b.atomic_rmw("xchg", count, ir.Constant(I32, 0), "monotonic")
+    b.atomic_rmw("xchg", at(WORK_OFFSET), ir.Constant(I64, 0), "monotonic")
     b.atomic_rmw("add", gen_ptr, ir.Constant(I32, 1), "seq_cst")
     if syscall is not None:
         n_sleep = b.load_atomic(sleepers, "seq_cst", 4, typ=I32)
@@ -176,6 +183,7 @@ def build_module(graphs: Mapping[str, Graph] | Sequence[Graph], target: Target) 
         arena, wtab, kv, scratch, bar, n_tokens, n_past, start_pos, tid, nth = fn.args
         b = ir.IRBuilder(fn.append_basic_block("entry"))
         my_scratch = b.gep(scratch, [b.mul(tid, ir.Constant(I64, stride))], source_etype=ir.IntType(8))
+        work = b.gep(bar, [ir.Constant(I64, WORK_OFFSET)], source_etype=ir.IntType(8))
 
         def ptr(name: str) -> ir.Value:
             v = g.values[name]
@@ -188,14 +196,14 @@ def build_module(graphs: Mapping[str, Graph] | Sequence[Graph], target: Target) 
                 off, base = lay["arena"][name], arena
             return b.gep(base, [ir.Constant(I64, off)], source_etype=ir.IntType(8))
 
-        for i, op in enumerate(g.ops):
+        for op in g.ops:
             key = _kernel_key(g, op)
             if key not in kernels:
-                kernels[key] = emit_op(module, target, g, op, f"k{len(kernels)}.{op.kind}", internal=True)
+                kernels[key] = emit_op(module, target, g, op, f"k{len(kernels)}.{op.kind}", internal=True,
+                                       shared_work=True)
             args = [ptr(n) for n in op.inputs + op.outputs]
-            b.call(kernels[key], args + [n_tokens, n_past, start_pos, tid, nth, my_scratch])
-            if i + 1 < len(g.ops):
-                b.call(barrier, [bar, nth])
+            b.call(kernels[key], args + [n_tokens, n_past, start_pos, tid, nth, my_scratch, work])
+            b.call(barrier, [bar, nth])   # after the last kernel too: it zeroes work for the next step
         b.ret_void()
     # self-description the runtime reads through the JIT: per-thread scratch size
     sfn = ir.Function(module, ir.FunctionType(I64, []), "llmrs_scratch_bytes")

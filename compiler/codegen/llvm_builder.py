@@ -13,7 +13,9 @@ F16, F32 = ir.HalfType(), ir.FloatType()
 PTR = ir.PointerType()
 VOID = ir.VoidType()
 
-# every kernel: (ptr buffers..., i64 n_tokens, n_past, start_pos, tid, nth, ptr scratch)
+# every kernel: (ptr buffers..., i64 n_tokens, n_past, start_pos, tid, nth, ptr scratch
+#                [, ptr work]): `work` (i64, zero on entry, shared by the team) only in kernels built
+#                with shared_work=True, i.e. inside a step function, where a barrier resets it
 SCALAR_ARGS = ("n_tokens", "n_past", "start_pos", "tid", "nth")
 
 
@@ -31,11 +33,12 @@ class KernelBuilder:
     """One kernel function under construction: its builder, arguments and target."""
 
     def __init__(self, module: ir.Module, target: Target, name: str, n_buffers: int,
-                 internal: bool = False):
+                 internal: bool = False, shared_work: bool = False):
         self.module = module
         self.target = target
         self.vw = target.float_lanes
-        fnty = ir.FunctionType(VOID, [PTR] * n_buffers + [I64] * len(SCALAR_ARGS) + [PTR])
+        trailing = [PTR, PTR] if shared_work else [PTR]          # scratch [, work]
+        fnty = ir.FunctionType(VOID, [PTR] * n_buffers + [I64] * len(SCALAR_ARGS) + trailing)
         self.fn = ir.Function(module, fnty, name)
         if internal:
             self.fn.linkage = "internal"
@@ -44,7 +47,8 @@ class KernelBuilder:
         self.bufs = args[:n_buffers]  # no `noalias`: an epilogue may write in place over its residual
         s = args[n_buffers:n_buffers + len(SCALAR_ARGS)]
         self.n_tokens, self.n_past, self.start_pos, self.tid, self.nth = s
-        self.scratch = args[-1]
+        self.scratch = args[n_buffers + len(SCALAR_ARGS)]
+        self.work = args[-1] if shared_work else None
         self.entry = self.fn.append_basic_block("entry")
         self.b = ir.IRBuilder(self.entry)
 
@@ -111,6 +115,50 @@ class KernelBuilder:
         lo = b.udiv(b.mul(u, self.tid), self.nth)
         hi = b.udiv(b.mul(u, b.add(self.tid, self.i64(1))), self.nth)
         return lo, hi
+
+    @contextmanager
+    def shared_loop(self, units: ir.Value | int, grain: int) -> Iterator[ir.Value]:
+        """Every u in [0, units) once across the team. Without a shared work counter: split().
+        With one, the first 7/8 of the units are split as split() does (each thread streams one
+        contiguous run of weight rows, which DRAM and the prefetchers like best), and the last
+        1/8 is handed out `grain` units at a time from the counter, so a thread that falls behind
+        (a busy core, a late wake-up) is covered by the others instead of holding up the barrier."""
+        if self.work is None:
+            lo, hi = self.split(units)
+            with self.loop(lo, hi) as u:
+                yield u
+            return
+        b = self.b
+        u_end = self.i64(units) if isinstance(units, int) else units
+        fixed = b.sub(u_end, b.udiv(u_end, self.i64(8)))
+        lo = b.udiv(b.mul(fixed, self.tid), self.nth)
+        hi = b.udiv(b.mul(fixed, b.add(self.tid, self.i64(1))), self.nth)
+        pre = b.block
+        body = b.append_basic_block("share")
+        grab = b.append_basic_block("grab")
+        after = b.append_basic_block("grabbed")
+        b.branch(body)
+        # one loop over [lo, hi): first this thread's fixed run, then each grain it grabs
+        b.position_at_end(body)
+        u = b.phi(I64)
+        end = b.phi(I64)
+        u.add_incoming(lo, pre)
+        end.add_incoming(hi, pre)
+        run = b.append_basic_block("run")
+        b.cbranch(b.icmp_signed("<", u, end), run, grab)
+        b.position_at_end(grab)
+        g_lo = b.add(fixed, b.atomic_rmw("add", self.work, self.i64(grain), "monotonic"))
+        g_hi = b.add(g_lo, self.i64(grain))
+        g_hi = b.select(b.icmp_signed("<", g_hi, u_end), g_hi, u_end)
+        u.add_incoming(g_lo, grab)
+        end.add_incoming(g_hi, grab)
+        b.cbranch(b.icmp_signed("<", g_lo, u_end), body, after)
+        b.position_at_end(run)
+        yield u
+        u.add_incoming(b.add(u, self.i64(1)), b.block)
+        end.add_incoming(end, b.block)
+        b.branch(body)
+        b.position_at_end(after)
 
     # -- memory --------------------------------------------------------------------------------
     def at(self, ptr: ir.Value, byte_offset: ir.Value | int) -> ir.Value:

@@ -10,7 +10,8 @@ from ...models.rope import rope_inv_freq
 from ..ir import QK, Graph, Op
 from .llvm_builder import F32, I8, I32, KernelBuilder, vec
 from .llvm_matmul import (BLOCK_BYTES, MatmulSpec, cache_row_bytes, check_matmul, emit_matmul,
-                          load_weight_block, normalized, rms_scale_row, rope_row, store_cache_row)
+                          load_weight_block, normalized, prefetch, rms_scale_row, rope_row,
+                          store_cache_row)
 from .llvm_target import Target
 
 
@@ -30,9 +31,11 @@ def op_scratch_bytes(graph: Graph, op: Op) -> int:
 
 
 def emit_op(module: ir.Module, target: Target, graph: Graph, op: Op, name: str,
-            internal: bool = False) -> ir.Function:
+            internal: bool = False, shared_work: bool = False) -> ir.Function:
+    """The op's kernel; with shared_work it takes a trailing `ptr work` counter (see KernelBuilder)
+    and matmuls hand out their rows from it instead of a fixed split."""
     where = f"op {op.name} ({op.kind}) of graph {graph.name}"
-    kb = KernelBuilder(module, target, name, len(op.inputs) + len(op.outputs), internal)
+    kb = KernelBuilder(module, target, name, len(op.inputs) + len(op.outputs), internal, shared_work)
     if op.kind in ("matmul", "fused_matmul"):
         spec = MatmulSpec.of(graph, op)
         try:
@@ -178,9 +181,9 @@ def _kv_store(kb: KernelBuilder, graph: Graph, op: Op) -> None:
 
 
 def load_kv(kb: KernelBuilder, dtype: str, cache: ir.Value, slot: ir.Value, kh: ir.Value,
-            kvh: int, hd: int, j: ir.Value) -> ir.Value:
-    """VW floats cache[slot, kh, j:j+VW], dequantized."""
-    b, vw = kb.b, kb.vw
+            kvh: int, hd: int, j: ir.Value, lanes: int | None = None) -> ir.Value:
+    """`lanes` (default VW) floats cache[slot, kh, j:j+lanes], dequantized."""
+    b, vw = kb.b, lanes or kb.vw
     rb = cache_row_bytes(dtype, hd)
     base = kb.idx((slot, kvh * rb), (kh, rb))
     if dtype in ("f32", "f16"):
@@ -191,51 +194,93 @@ def load_kv(kb: KernelBuilder, dtype: str, cache: ir.Value, slot: ir.Value, kh: 
     return b.fmul(b.sitofp(q, vec(F32, vw)), kb.splat(d, vw))
 
 
+# how many slots ahead K/V rows are prefetched (Llama-3.2-1B, 1 thread, n_past 900, ms per token:
+# no prefetch 32.5, 16 ahead 29.7, 32 ahead 28.9, 48 ahead 28.6)
+ATTN_PREFETCH_SLOTS = 32
+
+
 def _attention(kb: KernelBuilder, graph: Graph, op: Op) -> None:
-    """Causal GQA with an online softmax; one work item is one (token, query head)."""
+    """Causal GQA with an online softmax. One work item is one token and E query heads of one KV
+    group (E = 2 where the group allows): each K/V vector is loaded and converted once for the E
+    heads, whose independent FMA chains keep the core busy. KV slots go in blocks of L (the
+    vector width; 16 on AVX-512): L scores per head, one max and one vector exp per block (not
+    two scalar exps per slot), and each head's output row stays in registers."""
     q, k_cache, v_cache, out = kb.bufs
-    b, vw = kb.b, kb.vw
+    b = kb.b
     a = op.attrs
     h, kvh, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
-    if hd % vw:
-        raise CodegenError(f"op {op.name} (attention): head_dim {hd} is not a multiple of {vw}")
+    lanes = 16 if kb.target.has("avx512f") and hd % 16 == 0 else kb.vw
+    if hd % lanes:
+        raise CodegenError(f"op {op.name} (attention): head_dim {hd} is not a multiple of {lanes}")
     kdt, vdt = cache_dtype(graph, op.inputs[1]), cache_dtype(graph, op.inputs[2])
-    group = h // kvh
-    zero = ir.Constant(vec(F32, vw), [0.0] * vw)
-    acc = kb.var(F32, count=hd)                          # f32[hd]: sum of p * v so far
-    m = kb.var(F32)
-    total = kb.var(F32)
-    lo, hi = kb.split(b.mul(kb.n_tokens, kb.i64(h)))
+    group, nv = h // kvh, hd // lanes
+    E = 2 if group % 2 == 0 else 1
+    fvec = vec(F32, lanes)
+    zero = ir.Constant(fvec, [0.0] * lanes)
+    acc = [[kb.var(fvec) for _ in range(nv)] for _ in range(E)]   # E x o[hd]: sum of p * v so far
+    m = [kb.var(F32) for _ in range(E)]                           # largest score so far
+    total = [kb.var(F32) for _ in range(E)]                       # sum of exp(score - m) so far
+    lo, hi = kb.split(b.mul(kb.n_tokens, kb.i64(h // E)))
     with kb.loop(lo, hi) as i:
-        t, hh = b.udiv(i, kb.i64(h)), b.urem(i, kb.i64(h))
+        t, hh = b.udiv(i, kb.i64(h // E)), b.mul(b.urem(i, kb.i64(h // E)), kb.i64(E))
         kh = b.udiv(hh, kb.i64(group))
-        q_row = kb.at(q, b.mul(i, kb.i64(hd * 4)))
-        with kb.loop(0, hd, vw) as j:
-            kb.store(zero, acc, b.mul(j, kb.i64(4)))
-        b.store(kb.f32(-math.inf), m)
-        b.store(kb.f32(0.0), total)
+        row0 = b.add(b.mul(t, kb.i64(h)), hh)                     # q / out row of head hh
+        qv = [[kb.load(fvec, q, kb.idx((row0, hd * 4), (e * hd + k * lanes, 4))) for k in range(nv)]
+              for e in range(E)]
+        for e in range(E):
+            for x in acc[e]:
+                b.store(zero, x)
+            b.store(kb.f32(-math.inf), m[e])
+            b.store(kb.f32(0.0), total[e])
         length = b.add(b.add(kb.n_past, t), kb.i64(1))
-        with kb.loop(0, length) as slot:
-            dot = kb.var(vec(F32, vw), zero)
-            with kb.loop(0, hd, vw) as j:
-                qv = kb.load(vec(F32, vw), q_row, b.mul(j, kb.i64(4)))
-                b.store(kb.fma(qv, load_kv(kb, kdt, k_cache, slot, kh, kvh, hd, j), b.load(dot)), dot)
-            score = b.fmul(kb.hsum(b.load(dot)), kb.f32(a["scale"]))
-            m_old = b.load(m)
-            m_new = kb.maxnum(m_old, score)
-            corr = kb.exp(b.fsub(m_old, m_new))
-            p = kb.exp(b.fsub(score, m_new))
-            b.store(m_new, m)
-            b.store(b.fadd(b.fmul(b.load(total), corr), p), total)
-            corr_v, p_v = kb.splat(corr, vw), kb.splat(p, vw)
-            with kb.loop(0, hd, vw) as j:
-                off = b.mul(j, kb.i64(4))
-                vv = load_kv(kb, vdt, v_cache, slot, kh, kvh, hd, j)
-                kb.store(kb.fma(p_v, vv, b.fmul(kb.load(vec(F32, vw), acc, off), corr_v)), acc, off)
-        inv = kb.splat(b.load(total), vw)
-        with kb.loop(0, hd, vw) as j:
-            off = b.mul(j, kb.i64(4))
-            kb.store(b.fdiv(kb.load(vec(F32, vw), acc, off), inv), out, b.add(b.mul(i, kb.i64(hd * 4)), off))
+        with kb.loop(0, length, lanes) as s0:
+            # past `length` a lane reads slot s0 (always written) and scores -inf
+            slots, lives = [], []
+            scores = [ir.Constant(fvec, None) for _ in range(E)]
+            for j in range(lanes):
+                slot = b.add(s0, kb.i64(j))
+                # K/V rows of later slots: a head's rows are kvh rows apart, a stride the hardware
+                # prefetcher follows poorly, and the caches come from DRAM (the weights stream
+                # through the LLC between layers)
+                for cache, dt in ((k_cache, kdt), (v_cache, vdt)):
+                    rb = cache_row_bytes(dt, hd)
+                    ahead = kb.idx((slot, kvh * rb), (kh, rb), (ATTN_PREFETCH_SLOTS * kvh * rb, 1))
+                    for line in range(0, rb, 64):
+                        prefetch(kb, cache, b.add(ahead, kb.i64(line)))
+                live = b.icmp_signed("<", slot, length)
+                slot = b.select(live, slot, s0)
+                kv = [load_kv(kb, kdt, k_cache, slot, kh, kvh, hd, kb.i64(k * lanes), lanes) for k in range(nv)]
+                for e in range(E):
+                    dot = kb.fma(qv[e][0], kv[0], zero)
+                    for k in range(1, nv):
+                        dot = kb.fma(qv[e][k], kv[k], dot)
+                    sc = b.select(live, b.fmul(kb.hsum(dot), kb.f32(a["scale"])), kb.f32(-math.inf))
+                    scores[e] = b.insert_element(scores[e], sc, ir.Constant(I32, j))
+                slots.append(slot)
+            ps, o = [], []
+            for e in range(E):
+                m_old = b.load(m[e])
+                m_new = kb.maxnum(m_old, kb.hmax(scores[e]))
+                corr = kb.exp(b.fsub(m_old, m_new))
+                p = kb.exp(b.fsub(scores[e], kb.splat(m_new, lanes)))
+                b.store(m_new, m[e])
+                b.store(b.fadd(b.fmul(b.load(total[e]), corr), kb.hsum(p)), total[e])
+                corr_v = kb.splat(corr, lanes)
+                ps.append(p)
+                o.append([b.fmul(b.load(x), corr_v) for x in acc[e]])
+            for j, slot in enumerate(slots):
+                vv = [load_kv(kb, vdt, v_cache, slot, kh, kvh, hd, kb.i64(k * lanes), lanes) for k in range(nv)]
+                for e in range(E):
+                    p_j = kb.splat(b.extract_element(ps[e], ir.Constant(I32, j)), lanes)
+                    o[e] = [kb.fma(p_j, vv[k], o[e][k]) for k in range(nv)]
+            for e in range(E):
+                for x, val in zip(acc[e], o[e]):
+                    b.store(val, x)
+        for e in range(E):
+            inv = kb.splat(b.load(total[e]), lanes)
+            base = b.mul(b.add(row0, kb.i64(e)), kb.i64(hd * 4))
+            for k in range(nv):
+                kb.store(b.fdiv(b.load(acc[e][k]), inv), out, b.add(base, kb.i64(k * lanes * 4)))
 
 
 _EMITTERS = {

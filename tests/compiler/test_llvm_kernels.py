@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from llmrs.compiler import quant
+from llmrs.compiler.interpret import Step
+from llmrs.compiler.ir import Graph
 from llmrs.compiler.codegen.llvm_builder import KernelBuilder
 from llmrs.compiler.codegen.llvm_kernels import emit_op, op_scratch_bytes
 from llmrs.compiler.codegen.llvm_matmul import (_align, emit_block_dot_probe, emit_q4_group_probe,
@@ -126,6 +128,42 @@ def test_int8_block_dot_products_are_ggml_integer_sums_exactly(target, wdtype):
 def test_attention_causal_gqa_matches_interpreter(kv_dtype, T, n_tokens):
     case = attention_case(T, n_tokens, kv_dtype)
     check(case, run_case(case, TARGETS["host"], nth=3)[0])
+
+
+@pytest.mark.parametrize("kv_dtype", ["f16", "q8_0"])
+@pytest.mark.parametrize("T,n_tokens", [(1, 1), (7, 5)])
+def test_attention_over_a_full_cache_matches_interpreter(kv_dtype, T, n_tokens):
+    """Slots go in blocks of 16: the last token sees every slot of a 24-slot cache, so its last
+    block runs past the cache's end and must neither read there nor count those slots."""
+    case = attention_case(T, n_tokens, kv_dtype)
+    S = case.graph.values["kc"].shape[0]
+    rng = np.random.default_rng(11)
+    for name in ("kc", "vc"):
+        vals = rng.standard_normal(case.graph.values[name].shape).astype(np.float32)
+        case.arrays[name] = quant.quantize(vals, kv_dtype) if kv_dtype == "q8_0" else vals.astype(np.float16)
+    n_past = S - n_tokens
+    case.step = Step(n_tokens, n_past, n_past)
+    check(case, run_case(case, TARGETS["host"], nth=2)[0])
+
+
+def test_attention_with_an_odd_gqa_group_matches_interpreter():
+    """Query heads go two at a time through a KV group where the group size is even; a group of 3
+    takes them one at a time."""
+    rng = np.random.default_rng(12)
+    h, kvh, hd, S, T, n_past = 6, 2, 32, 20, 5, 7
+    g = Graph("prefill", T)
+    g.add_value("q", (T, h * hd), "f32", kind="input")
+    g.add_value("kc", (S, kvh, hd), "f16", "state")
+    g.add_value("vc", (S, kvh, hd), "f16", "state")
+    g.add_value("o", (T, h * hd), "f32")
+    op = g.add_op("attention", ["q", "kc", "vc"], ["o"], n_heads=h, n_kv_heads=kvh, head_dim=hd,
+                  scale=1.0 / np.sqrt(hd))
+    arrays = {"q": rng.standard_normal((T, h * hd)).astype(np.float32),
+              "kc": rng.standard_normal((S, kvh, hd)).astype(np.float16),
+              "vc": rng.standard_normal((S, kvh, hd)).astype(np.float16),
+              "o": np.zeros((T, h * hd), np.float32)}
+    case = Case("attention-gqa3", g, op, arrays, Step(T, n_past, n_past))
+    check(case, run_case(case, TARGETS["host"], nth=2)[0])
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q4_0", "q8_0"])

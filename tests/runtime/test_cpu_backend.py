@@ -118,3 +118,43 @@ def test_bad_steps_are_one_line_errors():
         CpuBackend(GraphPlan({}), threads=0)
     with pytest.raises(CpuBackendError, match="no CPU code"):
         CpuBackend(GraphPlan(be.graphs), threads=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_q4(tmp_path_factory) -> list[Graph]:
+    """The `tiny` preset (K = 256 and 768): q4_0 matmuls take the grouped VNNI path where the host
+    has it, whose decode tiles are 8 rows; 2 layers keep it quick."""
+    from llmrs.models.tiny import make_model
+    path = make_model(tmp_path_factory.mktemp("tiny") / "m", "tiny", num_hidden_layers=2)
+    graphs = quantized(list(build_graphs(load_model(path), CHUNK, 64, kv_dtype="f16")), "q4_0")
+    naive_layout(graphs)
+    return graphs
+
+
+def test_rows_shared_by_a_work_counter_give_interpreter_logits_on_one_and_two_threads(tiny_q4):
+    """Matmul rows are handed out by a counter the barrier re-arms, so every step and every thread
+    count must produce the interpreter's logits (a counter left spent would leave stale rows)."""
+    p, d = tiny_q4
+    code = NativeCode(str(build_module([p, d], host_target())))
+    bes = [CpuBackend(GraphPlan({"prefill": p, "decode": d}), threads=n, code=code) for n in (1, 2)]
+    prompt = np.random.default_rng(3).integers(0, 1024, 21)
+    ip, idc = Interpreter(p), Interpreter(d)
+    state = ip.new_state()
+    ref = np.concatenate([ip.run({"tokens": prompt[s:s + CHUNK]}, state, s)["logits"]
+                          for s in range(0, len(prompt), CHUNK)])
+    got = [prefill(be, prompt) for be in bes]
+    # the kernels' float sums differ from numpy's in the last bits, which can move one Q8_0
+    # activation rounding by a step (logits ~1% apart by the second layer); a spent counter or a
+    # row done twice is off by the logits' whole size
+    tol = 5e-2 * np.abs(ref).max()
+    for g in got:
+        assert np.abs(g - ref).max() <= tol
+    np.testing.assert_array_equal(got[0], got[1])
+    for i, tok in enumerate([7, 300, 1023, 5]):
+        pos = len(prompt) + i
+        want = idc.run({"tokens": np.array([tok])}, state, pos)["logits"]
+        outs = [be.run("decode", np.array([tok]), pos, pos) for be in bes]
+        np.testing.assert_array_equal(outs[0], outs[1])
+        assert np.abs(outs[0] - want).max() <= tol
+    for be in bes:
+        be.close()
