@@ -68,8 +68,10 @@ def copy_gbps(be: OpenCLBackend, nbytes: int = 1 << 30, reps: int = 10) -> float
     return 2 * nbytes * reps / dt / 1e9
 
 
-def kernel_profile(be: OpenCLBackend, phase: str, tokens: np.ndarray, n_past: int) -> dict[str, float]:
-    """Device time per kernel of one step, summed by kernel and variant (profiling events)."""
+def kernel_profile(be: OpenCLBackend, phase: str, tokens: np.ndarray, n_past: int,
+                   by_op: dict[str, float] | None = None) -> dict[str, float]:
+    """Device time per kernel of one step, summed by kernel and variant (profiling events);
+    by_op, when given, receives each launch's own time by op name."""
     import pyopencl as cl
     queue = be.queue
     be.queue = cl.CommandQueue(be.ctx, properties=cl.command_queue_properties.PROFILING_ENABLE)
@@ -81,8 +83,25 @@ def kernel_profile(be: OpenCLBackend, phase: str, tokens: np.ndarray, n_past: in
     for b, ev in events:
         key = b.kernel.function_name + (f"[{b.variant}]" if b.variant else "")
         out[key] = out.get(key, 0.0) + (ev.profile.end - ev.profile.start) / 1e3
+        if by_op is not None:
+            by_op[b.op] = (ev.profile.end - ev.profile.start) / 1e3
     be.queue = queue
     return {k: round(v, 1) for k, v in sorted(out.items(), key=lambda kv: -kv[1])}
+
+
+def matrix_bandwidth(graph, op_us: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Per weight matrix of the decode matmuls (layers summed: 'layers.*'), device time per step
+    and weight bytes / that time: which matrices leave bandwidth unused."""
+    out: dict[str, dict[str, float]] = {}
+    for op in graph.ops:
+        if op.kind not in ("matmul", "fused_matmul") or op.name not in op_us:
+            continue
+        w = graph.values[op.inputs[1]]
+        key = ".".join("*" if part.isdigit() else part for part in w.name.split("."))
+        r = out.setdefault(key, {"us": 0.0, "bytes": 0})
+        r["us"] += op_us[op.name]
+        r["bytes"] += w.nbytes
+    return {k: {"us": round(r["us"], 1), "gbps": round(r["bytes"] / r["us"] / 1e3, 1)} for k, r in out.items()}
 
 
 def decode_weight_bytes(graph) -> int:
@@ -100,18 +119,23 @@ def decode_weight_bytes(graph) -> int:
 def bench(model: Path, weights: str, prefill: int, steps: int, max_seq: int, kv: str, workdir: Path,
           variants: list[tuple[int, ...]]) -> list[dict]:
     """One result per kernel-shape variant (MV_WG, MV_TARGET_WARPS, MV_LOADS, ATT_KEYS_PER_SPLIT,
-    ATT_SHARE_KV); the model compiles once."""
+    ATT_SHARE_KV[, MV_MAX_SPLIT[, MV_SPLIT_TARGET_WARPS[, MV_SPLIT_PREPARED_X]]]); the model compiles once."""
     t0 = time.perf_counter()
     p, d = compile_graphs(model, CompileOptions(weights=weights, kv_type=kv, prefill_chunk=prefill,
                                                 max_seq_len=max_seq))
     compile_s = time.perf_counter() - t0
     out = []
-    for wg, warps, loads, keys, share in variants:
+    defaults = (codegen.MV_MAX_SPLIT, codegen.MV_SPLIT_TARGET_WARPS, int(codegen.MV_SPLIT_PREPARED_X))
+    for variant in variants:
+        wg, warps, loads, keys, share, split, split_warps, split_prep = variant + defaults[len(variant) - 5:]
         codegen.MV_WG, codegen.MV_TARGET_WARPS, codegen.MV_LOADS = wg, warps, loads
         codegen.ATT_KEYS_PER_SPLIT, codegen.ATT_SHARE_KV = keys, bool(share)
+        codegen.MV_MAX_SPLIT, codegen.MV_SPLIT_TARGET_WARPS = split, split_warps
+        codegen.MV_SPLIT_PREPARED_X = bool(split_prep)
         r = measure(model, p, d, weights, prefill, steps, kv, workdir)
         r.update(compile_s=round(compile_s, 1), variant=dict(mv_wg=wg, mv_target_warps=warps, mv_loads=loads,
-                 att_keys_per_split=keys, att_share_kv=bool(share)))
+                 att_keys_per_split=keys, att_share_kv=bool(share), mv_max_split=split,
+                 mv_split_target_warps=split_warps, mv_split_prepared_x=bool(split_prep)))
         print(json.dumps(r), flush=True)
         out.append(r)
     return out
@@ -172,7 +196,10 @@ def measure(model: Path, p, d, weights: str, prefill: int, steps: int, kv: str, 
     be.queue.finish()
     decode_enqueue_s = (time.perf_counter() - t) / steps
 
-    profile = {"decode": kernel_profile(be, "decode", tok, n), "prefill": kernel_profile(be, "prefill", prompt, 0)}
+    decode_op_us: dict[str, float] = {}
+    profile = {"decode": kernel_profile(be, "decode", tok, n, decode_op_us),
+               "prefill": kernel_profile(be, "prefill", prompt, 0)}
+    profile["decode_matrices"] = matrix_bandwidth(d, decode_op_us)
     launch_us = launch_cost_us(be)
     bw = copy_gbps(be)
     launches = len(be.launches["decode"]) + 1     # + the greedy argmax
@@ -212,14 +239,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=64, help="timed decode steps")
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--variants", help="comma-separated MV_WG:MV_TARGET_WARPS:MV_LOADS:ATT_KEYS_PER_SPLIT:"
-                    "ATT_SHARE_KV(0|1) kernel shapes to measure, each on the same compiled model "
-                    "(experiments; default: codegen's)",
+                    "ATT_SHARE_KV(0|1)[:MV_MAX_SPLIT(1: no split-K)[:MV_SPLIT_TARGET_WARPS[:MV_SPLIT_PREPARED_X(0|1)]]] "
+                    "kernel shapes "
+                    "to measure, each on the same compiled model (experiments; default: codegen's)",
                     default=f"{codegen.MV_WG}:{codegen.MV_TARGET_WARPS}:{codegen.MV_LOADS}:"
-                            f"{codegen.ATT_KEYS_PER_SPLIT}:{int(codegen.ATT_SHARE_KV)}")
+                            f"{codegen.ATT_KEYS_PER_SPLIT}:{int(codegen.ATT_SHARE_KV)}:{codegen.MV_MAX_SPLIT}:"
+                            f"{codegen.MV_SPLIT_TARGET_WARPS}:{int(codegen.MV_SPLIT_PREPARED_X)}")
     ap.add_argument("--kv-list", help="comma-separated KV dtypes to run each weights dtype with (overrides --kv)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     variants = [tuple(int(v) for v in spec.split(":")) for spec in args.variants.split(",")]
+    for v in variants:
+        if not 5 <= len(v) <= 8:
+            ap.error(f"--variants: {':'.join(map(str, v))} has {len(v)} fields; give 5 to 8")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for w in args.weights.split(","):

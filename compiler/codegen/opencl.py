@@ -54,6 +54,11 @@ MV_MAX_RPW = 8                # weight rows per warp at most
 MV_TARGET_WARPS = 4096        # rows per warp grow while a launch keeps about this many warps
                               # (an H200: 132 SMs x 32), so every core's loads stay in flight
 MV_LOADS = 16                 # 16-byte weight loads a lane keeps in flight (registers allowing)
+MV_SPLIT_TARGET_WARPS = 8192  # narrow matrices (N under MV_TARGET_WARPS) split K over up to
+MV_MAX_SPLIT = 4              # this many warps per row until a launch has about this many warps
+                              # (an H200 holds 132 x 64); a group keeps >= 2 rows (pair epilogues)
+MV_SPLIT_PREPARED_X = False   # split also matvecs whose groups prepare x (quantized weights: the
+                              # Q8_0 copy; the RMS prologue's sum): slower on the H200 (matvec_shape)
 MV_MAX_K = 32768              # quantized x's Q8_0 copy (1.25 B per value) fits in local memory
 TILE_M = 64                   # matmul_tiled: tokens per group (fixed in matmul.cl)
 TILE_N_WIDE = 128             # and weight rows per group: 128 where N gives enough groups,
@@ -140,17 +145,28 @@ def _pow2_at_most(n: int) -> int:
     return 1 << max(0, int(math.floor(math.log2(max(1, n)))))
 
 
-def matvec_shape(k: int, n: int, quantized: bool, epilogue: str | None, kv_q8: bool) -> tuple[int, int]:
-    """(threads per group, weight rows per group) of a decode matvec (matvec.cl). MV_WG threads,
-    MV_WG / 32 warps of MV_RPW rows each: one row per warp for narrow matrices (most groups),
-    more for wide ones (x prepared fewer times, more loads per lane), at most MV_MAX_RPW. q8_0
-    KV stores whole 32-value blocks of a head: 64 rows (32 RoPE pairs). Every count is even,
-    as pair epilogues need."""
+def matvec_shape(k: int, n: int, quantized: bool, epilogue: str | None, kv_q8: bool,
+                 rms_prologue: bool = False) -> tuple[int, int, int]:
+    """(threads per group, weight rows per group, warps per row) of a decode matvec (matvec.cl).
+    MV_WG threads, MV_WG / 32 warps of MV_RPW rows each: one row per warp for narrow matrices
+    (most groups), more for wide ones (x prepared fewer times, more loads per lane), at most
+    MV_MAX_RPW. q8_0 KV stores whole 32-value blocks of a head: 64 rows (32 RoPE pairs).
+    Split-K (S warps per row: a power of 2, at most MV_MAX_SPLIT, no more than the row has
+    32-unit passes, until the launch has about MV_SPLIT_TARGET_WARPS warps) only where a group
+    prepares nothing from x: S times the groups repeat the Q8_0 copy of x or the RMS sum, which
+    on the H200 cost more than the extra warps gained (q4_0 down_proj 194 -> 340 us per step,
+    f16 qkv 250 -> 300 us), while f16 o_proj / down_proj gained (452 -> 367 us). Every row
+    count is even, as pair epilogues need."""
     warps = MV_WG // 32
     if epilogue == "rope_kv_store" and kv_q8:
-        return MV_WG, max(64, warps)
+        return MV_WG, max(64, warps), 1
+    if n < MV_TARGET_WARPS and (MV_SPLIT_PREPARED_X or not (quantized or rms_prologue)):
+        units = k // 32 if quantized else k // 8               # a lane's loads: blocks | 16-byte units
+        split = min(MV_MAX_SPLIT, warps // 2, _pow2_at_most(max(1, MV_SPLIT_TARGET_WARPS // n)),
+                    _pow2_at_most(math.ceil(units / 32)))
+        return MV_WG, warps // split, split
     rpw = min(MV_MAX_RPW, _pow2_at_most(max(1, n // MV_TARGET_WARPS)))
-    return MV_WG, warps * rpw
+    return MV_WG, warps * rpw, 1
 
 
 def _row_groups(epilogue: str | None, rw: int, n: int, a: dict[str, Any]) -> int:
@@ -196,7 +212,8 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     elif epi is not None:
         raise CodegenError(f"op {op.name} (fused_matmul): epilogue {epi!r} has no OpenCL kernel")
     tiled = m > 1
-    mv_wg, mv_rows = matvec_shape(k, n, wt in ("q4_0", "q8_0"), epi, "-DKV_Q8_0" in options)
+    mv_wg, mv_rows, mv_split = matvec_shape(k, n, wt in ("q4_0", "q8_0"), epi, "-DKV_Q8_0" in options,
+                                            a.get("prologue") == "rms_norm")
     tile_n = TILE_N_WIDE if math.ceil(n / TILE_N_WIDE) * math.ceil(m / TILE_M) >= TILE_N_MIN_GROUPS else 64
     if tiled:
         options.append(f"-DTN={tile_n}")
@@ -204,7 +221,8 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     if not tiled:
         _need(not (wt in ("q4_0", "q8_0")) or k <= MV_MAX_K, op, f"K = {k} is over {MV_MAX_K}, the "
               "longest row the decode matvec keeps in local memory; use --weights f16")
-        options += [f"-DMV_WG={mv_wg}", f"-DMV_ROWS={mv_rows}", f"-DMV_K={k}", f"-DMV_LOADS={MV_LOADS}"]
+        options += [f"-DMV_WG={mv_wg}", f"-DMV_ROWS={mv_rows}", f"-DMV_K={k}", f"-DMV_LOADS={MV_LOADS}",
+                    f"-DMV_SPLIT={mv_split}"]
     args = [_v(x), _v(w), nw, *e, _v(op.outputs[0]),
             {"int": m}, {"int": k}, {"int": n}, {"float": float(a.get("eps", 0.0))},
             {"int": heads[0]}, {"int": heads[1]}, {"int": heads[2]}]

@@ -1,9 +1,14 @@
 // Decode matvec; weight access, slot_row() and the epilogues come from matmul_common.cl.
 //   -DMV_WG=<threads, a multiple of 32>   -DMV_ROWS=<weight rows (slots) per group, a multiple
-//   of MV_WG / 32>   -DMV_K=<K, a multiple of 32>   -DMV_LOADS=<16-byte loads in flight per lane>
+//   of MV_WG / 32 / MV_SPLIT>   -DMV_K=<K, a multiple of 32>   -DMV_LOADS=<16-byte loads in flight
+//   per lane>   -DMV_SPLIT=<warps sharing each row's K, a power of 2 dividing MV_WG / 32>
 //
 // One token per group row (grid dim 1 = tokens), MV_ROWS weight rows per group, MV_RPW of them
-// per warp (32 threads). Two phases:
+// per warp (32 threads). Split-K (MV_SPLIT > 1, for narrow N, so that a launch still has enough
+// warps to keep DRAM busy): warp w works on the rows of row set w / MV_SPLIT over K slice
+// s = w % MV_SPLIT, i.e. on units (p * MV_SPLIT + s) * 32 + lane of pass p; the slices' warp
+// sums meet in local memory inside the group, so the epilogues see whole dot products and no
+// extra launch or scratch is needed. Two phases:
 //   1. the group prepares x once: the RMS prologue's sum of squares, then (quantized weights)
 //      x's Q8_0 blocks into local memory, one block per thread;
 //   2. each warp walks its rows along K: lane l reads blocks (units) l, l + 32, ... so a warp
@@ -20,8 +25,11 @@
 #ifndef MV_ROWS
 #define MV_ROWS 8
 #endif
+#ifndef MV_SPLIT
+#define MV_SPLIT 1
+#endif
 #define MV_WARPS (MV_WG / 32)
-#define MV_RPW (MV_ROWS / MV_WARPS)                 // rows per warp
+#define MV_RPW (MV_ROWS * MV_SPLIT / MV_WARPS)      // rows per warp
 #define MV_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define MV_MAX(a, b) ((a) > (b) ? (a) : (b))
 #ifdef W_QUANT
@@ -29,7 +37,7 @@
 #else
 #define MV_UNITS (MV_K / 8)                         // 8-value (16-byte) units per row
 #endif
-#define MV_PASSES ((MV_UNITS + 31) / 32)            // K steps of one warp
+#define MV_PASSES ((MV_UNITS + 32 * MV_SPLIT - 1) / (32 * MV_SPLIT))   // K steps of one warp
 #ifndef MV_LOADS
 #define MV_LOADS 8                                  // 16-byte weight loads in flight per lane
 #endif
@@ -75,12 +83,17 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
             int M, int K, int N, float eps, int n_heads, int n_kv_heads, int hd) {
     int lid = get_local_id(0), g = get_group_id(0), t = get_group_id(1);
     int lane = lid & 31, warp = lid >> 5;
+    int rset = warp / MV_SPLIT, split = warp % MV_SPLIT;   // row set, K slice
     __global const float4* x4 = (__global const float4*)(xb + x_off) + (size_t)t * (MV_K / 4);  // [K/4]
     gin w = wb + w_off;
 #ifdef USE_NV_PTX
     __local float red[MV_WG];                 // group_sum scratch
+#if MV_SPLIT > 1
+    __local float part[MV_WARPS * MV_RPW];    // [row set][slice][row of warp] warp sums
+#endif
 #else
-    __local float red[MV_ROWS * 32];          // [slot][lane] partial sums; group_sum scratch
+    __local float red[MV_MAX(MV_WG, MV_WARPS * MV_RPW * 32)];   // [warp][row of warp][lane]
+                                              // partial sums; group_sum scratch
 #endif
     __local float out[MV_ROWS];               // the group's finished dot products, by slot
 
@@ -99,7 +112,7 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
     float acc[MV_RPW];
 #pragma unroll
     for (int i = 0; i < MV_RPW; i++) {
-        rows[i] = max(slot_row(g, warp * MV_RPW + i, MV_ROWS, N, n_heads, n_kv_heads, hd), 0);
+        rows[i] = max(slot_row(g, rset * MV_RPW + i, MV_ROWS, N, n_heads, n_kv_heads, hd), 0);
         acc[i] = 0.0f;
     }
 
@@ -110,7 +123,7 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
     size_t nblk = (size_t)N * MV_UNITS;
 #define MV_LOAD_BATCH(p0)                                                              \
     for (int u = 0; u < MV_UNROLL; u++) {                                              \
-        int b = min(((p0) + u) * 32 + lane, MV_UNITS - 1); /* lanes past K: last block */ \
+        int b = min((((p0) + u) * MV_SPLIT + split) * 32 + lane, MV_UNITS - 1); /* past K: last */ \
         for (int i = 0; i < MV_RPW; i++) {                                             \
             size_t blk = (size_t)rows[i] * MV_UNITS + b;                               \
             wq[u][i] = WQ_LOAD(w, blk);                                                \
@@ -132,7 +145,7 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
         MV_LOAD_BATCH(p0)
 #pragma unroll
         for (int u = 0; u < MV_UNROLL; u++) {
-            int b = (p0 + u) * 32 + lane;
+            int b = ((p0 + u) * MV_SPLIT + split) * 32 + lane;
             if (b < MV_UNITS) {
                 int q[8];
                 int4 lo = vload4(2 * b, xq), hi = vload4(2 * b + 1, xq);
@@ -150,14 +163,14 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
     WU_T wu[MV_UNROLL][MV_RPW];
 #define MV_LOAD_BATCH(p0)                                                              \
     for (int u = 0; u < MV_UNROLL; u++) {                                              \
-        int un = min(((p0) + u) * 32 + lane, MV_UNITS - 1);                            \
+        int un = min((((p0) + u) * MV_SPLIT + split) * 32 + lane, MV_UNITS - 1);        \
         for (int i = 0; i < MV_RPW; i++) wu[u][i] = wunit_load(w, (size_t)rows[i] * MV_UNITS + un); \
     }
     for (int p0 = 0; p0 < MV_PASSES; p0 += MV_UNROLL) {
         MV_LOAD_BATCH(p0)
 #pragma unroll
         for (int u = 0; u < MV_UNROLL; u++) {
-            int un = (p0 + u) * 32 + lane;
+            int un = ((p0 + u) * MV_SPLIT + split) * 32 + lane;
             if (un < MV_UNITS) {
                 float4 lo = x4[2 * un], hi = x4[2 * un + 1];
 #ifdef PROLOGUE_RMS
@@ -173,18 +186,35 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #endif
 
 #ifdef USE_NV_PTX
+#if MV_SPLIT > 1
+#pragma unroll
+    for (int i = 0; i < MV_RPW; i++) {
+        float s = warp_sum(acc[i]);
+        if (lane == 0) part[warp * MV_RPW + i] = s;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int r = lid; r < MV_ROWS; r += MV_WG) {   // slot r: row r % MV_RPW of row set r / MV_RPW
+        float s = 0.0f;
+        for (int k = 0; k < MV_SPLIT; k++) s += part[((r / MV_RPW) * MV_SPLIT + k) * MV_RPW + r % MV_RPW];
+        out[r] = s;
+    }
+#else
 #pragma unroll
     for (int i = 0; i < MV_RPW; i++) {
         float s = warp_sum(acc[i]);
         if (lane == 0) out[warp * MV_RPW + i] = s;
     }
+#endif
 #else
     barrier(CLK_LOCAL_MEM_FENCE);    // red may still be group_sum's
     for (int i = 0; i < MV_RPW; i++) red[(warp * MV_RPW + i) * 32 + lane] = acc[i];
     barrier(CLK_LOCAL_MEM_FENCE);
     for (int r = lid; r < MV_ROWS; r += MV_WG) {
         float s = 0.0f;
-        for (int l = 0; l < 32; l++) s += red[r * 32 + l];
+        for (int k = 0; k < MV_SPLIT; k++) {
+            __local const float* p = red + (((r / MV_RPW) * MV_SPLIT + k) * MV_RPW + r % MV_RPW) * 32;
+            for (int l = 0; l < 32; l++) s += p[l];
+        }
         out[r] = s;
     }
 #endif

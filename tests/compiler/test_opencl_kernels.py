@@ -234,6 +234,76 @@ def test_decode_matvec_with_k_longer_than_one_pass_of_its_threads_matches_interp
     _close(got[0], want[0], _tol(wdt))
 
 
+def _matvec_splits(g: Graph) -> set[int]:
+    from llmrs.compiler.codegen.opencl import lower_graph
+    return {int(o.split("=")[1]) for launch in lower_graph(g) for o in launch.options
+            if o.startswith("-DMV_SPLIT=")}
+
+
+# Split-K decode matvec: K long enough for 4 warps per row, with a last slice that only some
+# lanes of one warp reach (q: 97 blocks; f16: 132 16-byte units, 2 passes of 4 x 32).
+SPLIT_K = {"q4_0": 3104, "q8_0": 3104, "f16": 1056}
+
+
+@pytest.mark.parametrize("wdt", ["q4_0", "q8_0", "f16"])
+@pytest.mark.parametrize("epilogue", [None, "add", "silu_mul", "rope_kv_store"])
+@pytest.mark.parametrize("max_split", [2, 4])
+def test_split_k_decode_matvec_with_each_epilogue_matches_interpreter(wdt, epilogue, max_split, monkeypatch):
+    from llmrs.compiler.codegen import opencl as codegen
+    monkeypatch.setattr(codegen, "MV_MAX_SPLIT", max_split)
+    monkeypatch.setattr(codegen, "MV_SPLIT_PREPARED_X", True)   # the kernel splits any matvec
+    rng = np.random.default_rng(17)
+    k = SPLIT_K[wdt]
+    b = OneOp(1)
+    x = b.act("x", _rand(rng, 1, k, scale=2.0))
+    nw = b.param("nw", _rand(rng, k), "f16")
+    if epilogue == "rope_kv_store":
+        h, kvh, hd, s = 4, 2, 16, 8
+        w = b.param("w", _rand(rng, (h + 2 * kvh) * hd, k, scale=0.05), wdt)
+        inv = b.param("inv_freq", rope_inv_freq(hd, 10000.0, None), "f32", kind="const")
+        kc = b.state("kc", _rand(rng, s, kvh, hd), "f32")
+        vc = b.state("vc", _rand(rng, s, kvh, hd), "f32")
+        outs = [b.out("q", (1, h * hd)), b.out("kc2", (s, kvh, hd), "f32", alias="kc"),
+                b.out("vc2", (s, kvh, hd), "f32", alias="vc")]
+        got, want = b.run("fused_matmul", [x, w, nw, inv, kc, vc], outs, 1, 5, 11, prologue="rms_norm",
+                          epilogue=epilogue, eps=1e-5, n_heads=h, n_kv_heads=kvh, head_dim=hd,
+                          theta=10000.0, scaling=None)
+    elif epilogue == "silu_mul":
+        f = 45                                  # 23 groups of 2 + 2 rows, the last half empty
+        w = b.param("w", _rand(rng, 2 * f, k, scale=0.05), wdt)
+        got, want = b.run("fused_matmul", [x, w, nw], [b.out("y", (1, f))], 1, prologue="rms_norm",
+                          epilogue=epilogue, eps=1e-5)
+    elif epilogue == "add":
+        n = 70
+        w = b.param("w", _rand(rng, n, k, scale=0.05), wdt)
+        res = b.act("res", _rand(rng, 1, n))
+        got, want = b.run("fused_matmul", [x, w, res], [b.out("y", (1, n))], 1, prologue=None, epilogue="add")
+    else:
+        w = b.param("w", _rand(rng, 70, k, scale=0.05), wdt)
+        got, want = b.run("matmul", [x, w], [b.out("y", (1, 70))], 1)
+    assert _matvec_splits(b.g) == {max_split}
+    for gt, wt in zip(got, want):
+        _close(gt.astype(np.float32), wt.astype(np.float32), _tol(wdt))
+
+
+def test_split_k_is_chosen_only_for_narrow_matrices_whose_groups_prepare_nothing_from_x():
+    from llmrs.compiler.codegen.opencl import MV_MAX_SPLIT, MV_WG, matvec_shape
+    assert matvec_shape(8192, 2048, False, "add", False) == (MV_WG, MV_WG // 32 // MV_MAX_SPLIT, MV_MAX_SPLIT)
+    assert matvec_shape(2048, 2048, False, "add", False)[2] == MV_MAX_SPLIT
+    assert matvec_shape(8192, 2048, True, "add", False)[2] == 1        # quantized: x's Q8_0 copy
+    assert matvec_shape(2048, 3072, False, "rope_kv_store", False, rms_prologue=True)[2] == 1
+    assert matvec_shape(2048, 128256, False, None, False)[2] == 1      # wide: more rows per warp
+    assert matvec_shape(2048, 3072, False, "rope_kv_store", True) == (MV_WG, 64, 1)   # q8_0 blocks
+    assert matvec_shape(128, 40, False, None, False)[2] == 1           # 16 units: nothing to split
+
+
+def test_split_k_of_prepared_x_stops_at_a_rows_passes(monkeypatch):
+    from llmrs.compiler.codegen import opencl as codegen
+    monkeypatch.setattr(codegen, "MV_SPLIT_PREPARED_X", True)
+    assert codegen.matvec_shape(2048, 2048, True, "add", False)[2] == 2     # 64 blocks: 2 passes of 32
+    assert codegen.matvec_shape(8192, 2048, True, "add", False, rms_prologue=True)[2] == codegen.MV_MAX_SPLIT
+
+
 @pytest.mark.parametrize("wdt", ["q4_0", "f16"])
 @pytest.mark.parametrize("rows,n_tokens,n_past,start_pos,wide", [(1, 1, 5, 9, False), (9, 7, 3, 3, False),
                                                                 (9, 7, 3, 3, True)])
