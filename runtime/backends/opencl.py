@@ -657,8 +657,18 @@ class OpenCLBackend:
                     self._command_buffers.pop(next(iter(self._command_buffers))).release()
                 self._command_buffers[key] = cb
         if cb is not None:
-            cb.enqueue()
-            return
+            try:
+                cb.enqueue()
+                return
+            except OpenCLError as err:
+                # PoCL refuses to re-enqueue a recording that is still pending (greedy steps
+                # queued back to back): the launches still run, one by one, from now on
+                self.use_command_buffers = False
+                for kept in self._command_buffers.values():
+                    kept.release()
+                self._command_buffers.clear()
+                warnings.warn(str(err))
+                self.build_notes.append(f"{err}; enqueuing kernel by kernel")
         cl = _cl()
         queue, launch = self.queue, cl.enqueue_nd_range_kernel
         for kern, gsize, lsize in launches:

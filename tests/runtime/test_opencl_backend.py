@@ -205,3 +205,27 @@ def test_greedy_steps_past_the_kv_cache_are_refused_in_one_line(tmp_path):
     be = OpenCLBackend(_plan(tmp_path, "golden-b", "q4_0", "f16"))
     with pytest.raises(ValueError, match="holds 32 tokens; 30 \\+ 3 steps do not fit"):
         be.run_greedy_steps(1, 30, 30, 3)
+
+
+def test_a_command_buffer_the_driver_refuses_to_replay_falls_back_to_plain_launches(tmp_path, monkeypatch):
+    """PoCL answers CL_INVALID_OPERATION when a recording is re-enqueued while still pending."""
+    import llmrs.runtime.backends.opencl as ocl
+
+    monkeypatch.setenv("LLMRS_OPENCL_NO_COMMAND_BUFFER", "1")
+    plain = OpenCLBackend(_plan(tmp_path, "golden-b", "q4_0", "f16"))
+    first = int(plain.run("prefill", PROMPT[:8], 0, 0, want="argmax")[-1])
+    want = plain.run_greedy_steps(first, 8, 8, 6).tolist()
+
+    monkeypatch.setenv("LLMRS_OPENCL_NO_COMMAND_BUFFER", "0")
+    be = OpenCLBackend(_plan(tmp_path, "golden-b", "q4_0", "f16"))
+    if not be.use_command_buffers:
+        pytest.skip(f"{be.device_name} has no cl_khr_command_buffer")
+
+    def refuse(self):
+        raise ocl.OpenCLError("clEnqueueCommandBufferKHR failed (-59)")
+
+    monkeypatch.setattr(ocl.CommandBuffer, "enqueue", refuse)
+    with pytest.warns(UserWarning, match="-59"):
+        assert int(be.run("prefill", PROMPT[:8], 0, 0, want="argmax")[-1]) == first
+    assert be.run_greedy_steps(first, 8, 8, 6).tolist() == want
+    assert not be.use_command_buffers and "kernel by kernel" in be.build_notes[-1]
