@@ -49,7 +49,9 @@ KV_TYPES = ("f32", "f16", "q8_0")
 FLOAT_TYPES = ("f32", "f16", "bf16")
 WEIGHT_TYPES = ("f32", "f16", "bf16", "q4_0", "q8_0")
 
-MV_WG = 256                   # matvec threads per group (8 warps share one prepared x)
+MV_WG = 256                   # matvec threads per group, float weights
+MV_WG_QUANT = 512             # and quantized weights: 16 warps share one Q8_0 copy of x, so half
+                              # the groups prepare it (H200, q4_0: 956 -> 997 tok/s, round 5)
 MV_MAX_RPW = 8                # weight rows per warp at most
 MV_TARGET_WARPS = 4096        # rows per warp grow while a launch keeps about this many warps
                               # (an H200: 132 SMs x 32), so every core's loads stay in flight
@@ -59,6 +61,11 @@ MV_MAX_SPLIT = 4              # this many warps per row until a launch has about
                               # (an H200 holds 132 x 64); a group keeps >= 2 rows (pair epilogues)
 MV_SPLIT_PREPARED_X = False   # split also matvecs whose groups prepare x (quantized weights: the
                               # Q8_0 copy; the RMS prologue's sum): slower on the H200 (matvec_shape)
+MV_RMS_LATE = 1               # float weights: the RMS prologue's 1 / rms scales the finished dot
+                              # products (sum of squares taken in the K loop), so those groups
+                              # prepare nothing and may split K too. 0: never; 1: where K splits
+                              # (H200 f16 qkv 242 -> 231 us per step); 2: always (gate_up,
+                              # unsplit, went 363 -> 397 us, lm_head 142 -> 132)
 MV_MAX_K = 32768              # quantized x's Q8_0 copy (1.25 B per value) fits in local memory
 TILE_M = 64                   # matmul_tiled: tokens per group (fixed in matmul.cl)
 TILE_N_WIDE = 128             # and weight rows per group: 128 where N gives enough groups,
@@ -155,18 +162,21 @@ def matvec_shape(k: int, n: int, quantized: bool, epilogue: str | None, kv_q8: b
     32-unit passes, until the launch has about MV_SPLIT_TARGET_WARPS warps) only where a group
     prepares nothing from x: S times the groups repeat the Q8_0 copy of x or the RMS sum, which
     on the H200 cost more than the extra warps gained (q4_0 down_proj 194 -> 340 us per step,
-    f16 qkv 250 -> 300 us), while f16 o_proj / down_proj gained (452 -> 367 us). Every row
-    count is even, as pair epilogues need."""
-    warps = MV_WG // 32
+    f16 qkv 250 -> 300 us), while f16 o_proj / down_proj gained (452 -> 367 us). With
+    MV_RMS_LATE float weights' RMS prologue prepares nothing (its sum rides in the K loop), so
+    f16 qkv splits as well. Every row count is even, as pair epilogues need."""
+    wg = MV_WG_QUANT if quantized else MV_WG
+    warps = wg // 32
     if epilogue == "rope_kv_store" and kv_q8:
-        return MV_WG, max(64, warps), 1
-    if n < MV_TARGET_WARPS and (MV_SPLIT_PREPARED_X or not (quantized or rms_prologue)):
+        return wg, max(64, warps), 1
+    prepares = quantized or (rms_prologue and not MV_RMS_LATE)
+    if n < MV_TARGET_WARPS and (MV_SPLIT_PREPARED_X or not prepares):
         units = k // 32 if quantized else k // 8               # a lane's loads: blocks | 16-byte units
         split = min(MV_MAX_SPLIT, warps // 2, _pow2_at_most(max(1, MV_SPLIT_TARGET_WARPS // n)),
                     _pow2_at_most(math.ceil(units / 32)))
-        return MV_WG, warps // split, split
+        return wg, warps // split, split
     rpw = min(MV_MAX_RPW, _pow2_at_most(max(1, n // MV_TARGET_WARPS)))
-    return MV_WG, warps * rpw, 1
+    return wg, warps * rpw, 1
 
 
 def _row_groups(epilogue: str | None, rw: int, n: int, a: dict[str, Any]) -> int:
@@ -223,6 +233,8 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
               "longest row the decode matvec keeps in local memory; use --weights f16")
         options += [f"-DMV_WG={mv_wg}", f"-DMV_ROWS={mv_rows}", f"-DMV_K={k}", f"-DMV_LOADS={MV_LOADS}",
                     f"-DMV_SPLIT={mv_split}"]
+        if MV_RMS_LATE == 2 or (MV_RMS_LATE == 1 and mv_split > 1):
+            options.append("-DMV_RMS_LATE")   # matvec.cl applies it to float weights' RMS prologue
     args = [_v(x), _v(w), nw, *e, _v(op.outputs[0]),
             {"int": m}, {"int": k}, {"int": n}, {"float": float(a.get("eps", 0.0))},
             {"int": heads[0]}, {"int": heads[1]}, {"int": heads[2]}]

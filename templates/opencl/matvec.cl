@@ -16,7 +16,10 @@
 //      issue their loads before any is used, so DRAM latency is paid once per batch. Each
 //      row's partial sums meet in a warp reduction; no barrier inside the K loop.
 // Float weights read x straight from global memory (every warp reads the same bytes, so they
-// come from the cache), normalised on the fly.
+// come from the cache), normalised on the fly. With -DMV_RMS_LATE (float weights with the RMS
+// prologue) nothing is prepared: dot(w, x / rms * nw) = dot(w, x * nw) / rms, so each warp
+// sums x's squares over the units it reads anyway (a row set's MV_SPLIT slices cover K once)
+// and scales its dot products at the end: no group barrier before the first weight load.
 // Grid: (groups * MV_WG, rows of x).
 
 #ifndef MV_WG
@@ -30,6 +33,11 @@
 #endif
 #define MV_WARPS (MV_WG / 32)
 #define MV_RPW (MV_ROWS * MV_SPLIT / MV_WARPS)      // rows per warp
+#if defined(PROLOGUE_RMS) && defined(MV_RMS_LATE) && !defined(W_QUANT)
+#define MV_LATE 1                                   // rms applied after the K loop
+#else
+#define MV_LATE 0
+#endif
 #define MV_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define MV_MAX(a, b) ((a) > (b) ? (a) : (b))
 #ifdef W_QUANT
@@ -95,10 +103,20 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
     __local float red[MV_MAX(MV_WG, MV_WARPS * MV_RPW * 32)];   // [warp][row of warp][lane]
                                               // partial sums; group_sum scratch
 #endif
+#if MV_LATE
+#ifdef USE_NV_PTX
+    __local float ssw[MV_WARPS];              // [row set][slice] sums of x's squares
+#else
+    __local float ssl[MV_WG];                 // [row set][slice][lane] sums of x's squares
+#endif
+    float ssq = 0.0f;                         // this lane's, over the units it reads
+#endif
     __local float out[MV_ROWS];               // the group's finished dot products, by slot
 
 #ifdef PROLOGUE_RMS
     gin nw = nwb + nw_off;
+#endif
+#if defined(PROLOGUE_RMS) && !MV_LATE
     float ss = 0.0f;
     for (int i = lid; i < MV_K / 4; i += MV_WG) {
         float4 v = x4[i];
@@ -173,7 +191,11 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
             int un = ((p0 + u) * MV_SPLIT + split) * 32 + lane;
             if (un < MV_UNITS) {
                 float4 lo = x4[2 * un], hi = x4[2 * un + 1];
-#ifdef PROLOGUE_RMS
+#if MV_LATE
+                ssq += dot(lo, lo) + dot(hi, hi);
+                lo = lo * LD4_NORM(nw, 2 * un);
+                hi = hi * LD4_NORM(nw, 2 * un + 1);
+#elif defined(PROLOGUE_RMS)
                 lo = lo / rms * LD4_NORM(nw, 2 * un);
                 hi = hi / rms * LD4_NORM(nw, 2 * un + 1);
 #endif
@@ -186,28 +208,48 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #endif
 
 #ifdef USE_NV_PTX
+#if MV_LATE
+    ssq = warp_sum(ssq);
+#endif
 #if MV_SPLIT > 1
 #pragma unroll
     for (int i = 0; i < MV_RPW; i++) {
         float s = warp_sum(acc[i]);
         if (lane == 0) part[warp * MV_RPW + i] = s;
     }
+#if MV_LATE
+    if (lane == 0) ssw[warp] = ssq;
+#endif
     barrier(CLK_LOCAL_MEM_FENCE);
     for (int r = lid; r < MV_ROWS; r += MV_WG) {   // slot r: row r % MV_RPW of row set r / MV_RPW
         float s = 0.0f;
         for (int k = 0; k < MV_SPLIT; k++) s += part[((r / MV_RPW) * MV_SPLIT + k) * MV_RPW + r % MV_RPW];
+#if MV_LATE
+        float sq = 0.0f;
+        for (int k = 0; k < MV_SPLIT; k++) sq += ssw[(r / MV_RPW) * MV_SPLIT + k];
+        s /= sqrt(sq / (float)MV_K + eps);
+#endif
         out[r] = s;
     }
 #else
+#if MV_LATE
+    float rinv = 1.0f / sqrt(ssq / (float)MV_K + eps);   // the warp read all of K
+#endif
 #pragma unroll
     for (int i = 0; i < MV_RPW; i++) {
         float s = warp_sum(acc[i]);
+#if MV_LATE
+        s *= rinv;
+#endif
         if (lane == 0) out[warp * MV_RPW + i] = s;
     }
 #endif
 #else
     barrier(CLK_LOCAL_MEM_FENCE);    // red may still be group_sum's
     for (int i = 0; i < MV_RPW; i++) red[(warp * MV_RPW + i) * 32 + lane] = acc[i];
+#if MV_LATE
+    ssl[lid] = ssq;
+#endif
     barrier(CLK_LOCAL_MEM_FENCE);
     for (int r = lid; r < MV_ROWS; r += MV_WG) {
         float s = 0.0f;
@@ -215,6 +257,11 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
             __local const float* p = red + (((r / MV_RPW) * MV_SPLIT + k) * MV_RPW + r % MV_RPW) * 32;
             for (int l = 0; l < 32; l++) s += p[l];
         }
+#if MV_LATE
+        float sq = 0.0f;              // the row set's MV_SPLIT warps, lane by lane
+        for (int l = 0; l < 32 * MV_SPLIT; l++) sq += ssl[(r / MV_RPW) * MV_SPLIT * 32 + l];
+        s /= sqrt(sq / (float)MV_K + eps);
+#endif
         out[r] = s;
     }
 #endif

@@ -286,15 +286,39 @@ def test_split_k_decode_matvec_with_each_epilogue_matches_interpreter(wdt, epilo
         _close(gt.astype(np.float32), wt.astype(np.float32), _tol(wdt))
 
 
-def test_split_k_is_chosen_only_for_narrow_matrices_whose_groups_prepare_nothing_from_x():
-    from llmrs.compiler.codegen.opencl import MV_MAX_SPLIT, MV_WG, matvec_shape
+def test_split_k_is_chosen_only_for_narrow_matrices_whose_groups_prepare_nothing_from_x(monkeypatch):
+    from llmrs.compiler.codegen import opencl as codegen
+    from llmrs.compiler.codegen.opencl import MV_MAX_SPLIT, MV_WG, MV_WG_QUANT, matvec_shape
     assert matvec_shape(8192, 2048, False, "add", False) == (MV_WG, MV_WG // 32 // MV_MAX_SPLIT, MV_MAX_SPLIT)
     assert matvec_shape(2048, 2048, False, "add", False)[2] == MV_MAX_SPLIT
     assert matvec_shape(8192, 2048, True, "add", False)[2] == 1        # quantized: x's Q8_0 copy
+    assert matvec_shape(8192, 2048, True, "add", False)[0] == MV_WG_QUANT
+    # float weights' RMS prologue rides in the K loop (MV_RMS_LATE): nothing prepared, so split
+    assert matvec_shape(2048, 3072, False, "rope_kv_store", False, rms_prologue=True)[2] > 1
+    monkeypatch.setattr(codegen, "MV_RMS_LATE", 0)
     assert matvec_shape(2048, 3072, False, "rope_kv_store", False, rms_prologue=True)[2] == 1
     assert matvec_shape(2048, 128256, False, None, False)[2] == 1      # wide: more rows per warp
     assert matvec_shape(2048, 3072, False, "rope_kv_store", True) == (MV_WG, 64, 1)   # q8_0 blocks
     assert matvec_shape(128, 40, False, None, False)[2] == 1           # 16 units: nothing to split
+
+
+@pytest.mark.parametrize("wdt", ["q4_0", "f16", "f32"])
+@pytest.mark.parametrize("rms_late", [0, 2])
+@pytest.mark.parametrize("wg_quant", [256, 512])
+def test_decode_rms_prologue_late_or_prepared_and_each_group_size_matches_interpreter(wdt, rms_late, wg_quant,
+                                                                                     monkeypatch):
+    from llmrs.compiler.codegen import opencl as codegen
+    monkeypatch.setattr(codegen, "MV_RMS_LATE", rms_late)
+    monkeypatch.setattr(codegen, "MV_WG_QUANT", wg_quant)
+    rng = np.random.default_rng(23)
+    k, f = 1056 if wdt != "q4_0" else 2080, 40        # f16: 132 units, over 4 passes of 32 lanes
+    b = OneOp(1)
+    x = b.act("x", _rand(rng, 1, k, scale=3.0))
+    w = b.param("w", _rand(rng, 2 * f, k, scale=0.05), wdt)
+    nw = b.param("nw", _rand(rng, k), "f16")
+    got, want = b.run("fused_matmul", [x, w, nw], [b.out("y", (1, f))], 1, prologue="rms_norm",
+                      epilogue="silu_mul", eps=1e-5)
+    _close(got[0], want[0], _tol(wdt))
 
 
 def test_split_k_of_prepared_x_stops_at_a_rows_passes(monkeypatch):
