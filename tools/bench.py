@@ -3,6 +3,7 @@ same process (the machine may be shared and noisy: compare figures within one ru
 
     python tools/bench.py PLAN [--backend cpu] [--threads N] [--repeats R] [--json FILE]
                                [--llama-bench BIN --gguf FILE]
+    python tools/bench.py PLAN --backend opencl [--steps N] [--json FILE]
 
 Ceilings, measured before and after the speeds (the best of both counts): memory read bandwidth (a
 generated, vectorised streaming-read kernel run by all threads over a 1 GiB buffer, best of several
@@ -12,6 +13,11 @@ for 128- and 512-token prompts, decode tok/s over 128 tokens after a 512-token p
 shown as weight bytes per token x tok/s against the bandwidth; prefill as 2 x matmul params x
 tok/s against the GEMM rate. A new back end is one `make_<name>` function
 in BACKENDS.
+
+--backend opencl measures the device instead (tools/bench_opencl.py's measure_plan): kernels per
+decode step, one empty launch's cost, weight bytes per step, device copy bandwidth, decode tok/s,
+the floor max(launches x launch cost, bytes / bandwidth) and our time over it, and prefill tok/s
+of one chunk (the plan's --prefill-chunk, at most 512 tokens).
 
 With --llama-bench, llama.cpp's `llama-bench -p 512 -n 128 -t THREADS -r R -o json` runs on the GGUF
 (same weights, made from the same model folder) between the ceiling probes, and its tok/s are
@@ -28,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -307,16 +314,45 @@ def report(r: Result) -> str:
     return "\n".join(lines)
 
 
+def bench_opencl(plan_path: str, steps: int, json_path: str | None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/ scripts share code, unpackaged
+    from bench_opencl import measure_plan
+
+    plan = Plan.open(plan_path)
+    if "opencl" not in plan.sections:
+        sys.exit(f"bench: {plan_path} has no OpenCL code; compile it with --target opencl")
+    prefill = min(512, int(plan.manifest["prefill_chunk"]))
+    if int(plan.manifest["max_seq_len"]) < prefill + 4 * steps + 8:
+        sys.exit(f"bench: {plan_path} holds {plan.manifest['max_seq_len']} tokens; recompile with "
+                 f"--max-seq-len {prefill + 4 * steps + 8} or more")
+    r = measure_plan(Path(plan_path), prefill, steps)
+    dec = r["decode"]
+    print(f"device {r['device']}: empty launch {r['launch_us']:.2f} us, copy bandwidth {r['copy_gbps']:.0f} GB/s\n"
+          f"decode  {dec['tok_s']:.1f} tok/s ({dec['ms_per_token']:.3f} ms/token), {dec['kernels_per_step']} kernels, "
+          f"{dec['weight_bytes'] / 1e6:.1f} MB of weights = {dec['weight_read_of_copy_bw']:.1%} of copy bandwidth; "
+          f"floor {dec['floor_ms']:.3f} ms, {dec['over_floor']:.2f}x over it\n"
+          f"prefill {r['prefill']['tok_s']:.1f} tok/s ({prefill} tokens in one chunk)", file=sys.stderr)
+    text = json.dumps(r, indent=1)
+    if json_path:
+        Path(json_path).write_text(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("plan")
-    ap.add_argument("--backend", choices=sorted(BACKENDS), default="cpu")
+    ap.add_argument("--backend", choices=sorted(BACKENDS) + ["opencl"], default="cpu")
     ap.add_argument("--threads", type=int, default=physical_cores())
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", metavar="FILE", help="write the figures as JSON here (default: stdout)")
     ap.add_argument("--llama-bench", metavar="BIN", help="llama.cpp's llama-bench binary: run it in the same run")
     ap.add_argument("--gguf", metavar="FILE", help="the GGUF for --llama-bench (same weights as the plan)")
+    ap.add_argument("--steps", type=int, default=64, help="opencl: timed decode steps (default 64)")
     a = ap.parse_args(argv)
+    if a.backend == "opencl":
+        return bench_opencl(a.plan, a.steps, a.json)
     if a.threads < 1 or a.repeats < 1:
         ap.error("--threads and --repeats must be at least 1")
     if (a.llama_bench is None) != (a.gguf is None):

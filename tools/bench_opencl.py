@@ -152,9 +152,18 @@ def measure(model: Path, p, d, weights: str, prefill: int, steps: int, kv: str, 
     path = workdir / f"plan-{weights}.bin"
     write_graph_plan(path, graphs, sections={"opencl": json.dumps(generate(graphs))})
     compile_s = time.perf_counter() - t0
+    r = measure_plan(path, prefill, steps)
+    r.update(model=str(model), weights=weights, kv=kv, codegen_s=round(compile_s, 1))
+    return r
+
+
+def measure_plan(path: Path, prefill: int, steps: int) -> dict:
+    """Everything above for one plan file (compiled with --target opencl): prefill of `prefill`
+    tokens in one chunk, then `steps` decode steps each way; `tools/bench.py --backend opencl`."""
     t0 = time.perf_counter()
     be = OpenCLBackend(Plan.open(path))
     load_s = time.perf_counter() - t0
+    p, d = be.graphs["prefill"], be.graphs["decode"]
     vocab = p.values[p.outputs[0]].shape[1]
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, vocab, prefill).astype(np.int32)
@@ -212,9 +221,8 @@ def measure(model: Path, p, d, weights: str, prefill: int, steps: int, kv: str, 
     floor_s = max(launches * launch_us * 1e-6, wbytes / (bw * 1e9))
     best_s = min(decode_s, decode_batched_s)
     return {
-        "device": be.device_name, "model": str(model), "weights": weights, "kv": kv,
-        "build_options": be.build_options, "build_notes": be.build_notes,
-        "codegen_s": round(compile_s, 1), "load_s": round(load_s, 1),
+        "device": be.device_name, "plan": str(path),
+        "build_options": be.build_options, "build_notes": be.build_notes, "load_s": round(load_s, 1),
         "launch_us": round(launch_us, 2), "copy_gbps": round(bw, 1),
         "decode": {"kernels_per_step": launches, "weight_bytes": wbytes,
                    "ms_per_token": round(best_s * 1e3, 3), "tok_s": round(1 / best_s, 1),
