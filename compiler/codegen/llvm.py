@@ -43,32 +43,6 @@ def weight_names(graphs: Mapping[str, Graph] | Sequence[Graph]) -> list[str]:
     return sorted(names)
 
 
-def naive_layout(graphs: Mapping[str, Graph] | Sequence[Graph]) -> None:
-    """Give graphs without a plan_memory layout one: every value its own arena slot, shared KV."""
-    gs = _graphs(graphs)
-    kv: dict[str, int] = {}
-    kv_end = 0
-    for g in gs:
-        for name in g.state:
-            if name not in kv:
-                kv[name] = kv_end
-                kv_end += _align(g.values[name].nbytes)
-    arena_bytes = 0
-    for g in gs:
-        if "layout" in g.meta:
-            continue
-        arena, end = {}, 0
-        for v in g.values.values():
-            if v.kind in ("act", "input") and v.alias is None:
-                arena[v.name] = end
-                end += _align(v.nbytes)
-        arena_bytes = max(arena_bytes, end)
-        g.meta["layout"] = {"alignment": ALIGN, "arena": arena, "arena_bytes": end, "kv": kv,
-                            "kv_bytes": kv_end, "naive_bytes": end, "lower_bound_bytes": end}
-    for g in gs:
-        g.meta["layout"]["arena_bytes"] = max(g.meta["layout"]["arena_bytes"], arena_bytes)
-
-
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 

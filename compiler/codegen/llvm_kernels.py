@@ -235,7 +235,7 @@ def _attention(kb: KernelBuilder, graph: Graph, op: Op) -> None:
         length = b.add(b.add(kb.n_past, t), kb.i64(1))
         with kb.loop(0, length, lanes) as s0:
             # past `length` a lane reads slot s0 (always written) and scores -inf
-            slots, lives = [], []
+            slots = []
             scores = [ir.Constant(fvec, None) for _ in range(E)]
             for j in range(lanes):
                 slot = b.add(s0, kb.i64(j))

@@ -452,7 +452,7 @@ class MatmulEmitter:
     # rope_kv_store: one unit is one head of the stacked [q; k; v] rows
     def rope_unit(self, head: ir.Value, t0: ir.Value, tt: int) -> None:
         s, kb = self.s, self.kb
-        b, vw, hd = kb.b, kb.vw, s.head_dim
+        b, hd = kb.b, s.head_dim
         inv_freq, k_cache, v_cache = self.extra[0], self.extra[1], self.extra[2]
         buf = kb.var(F32, count=tt * hd)                                # f32[tt, hd]
         r = self._rows_per_tile(hd, self.tile_rows)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from llmrs.compiler import quant
-from llmrs.compiler.codegen.llvm import build_module, naive_layout
+from llmrs.compiler.codegen.llvm import build_module
+from llmrs.compiler.passes.plan_memory import plan_memory
 from llmrs.compiler.codegen.llvm_target import host_target
 from llmrs.compiler.interpret import Interpreter
 from llmrs.compiler.ir import Graph, LazyTensor
@@ -53,8 +54,9 @@ def quantized(graphs: list[Graph], dtype: str) -> list[Graph]:
 
 
 def backend(model: str, wdtype: str, threads: int = 2, kv_dtype: str = "f32") -> CpuBackend:
-    p, d = quantized(list(build_graphs(load_model(DATA / model), CHUNK, 64, kv_dtype=kv_dtype)), wdtype)
-    naive_layout([p, d])
+    # the real planner: reused and in-place slots catch a kernel writing past its rows
+    p, d = (plan_memory(g) for g in quantized(list(build_graphs(load_model(DATA / model), CHUNK, 64,
+                                                                 kv_dtype=kv_dtype)), wdtype))
     ir_text = str(build_module([p, d], host_target()))
     return CpuBackend(GraphPlan({"prefill": p, "decode": d}, {"llvm-ir": ir_text.encode()}), threads=threads)
 
@@ -80,8 +82,8 @@ def test_f32_plan_logits_match_transformers_golden_data(model):
 
 @pytest.mark.parametrize("wdtype,kv_dtype", [("q4_0", "f32"), ("q8_0", "f16"), ("f16", "f16"), ("f32", "f32")])
 def test_greedy_tokens_match_interpreter_for_each_weight_format(wdtype, kv_dtype):
-    p, d = quantized(list(build_graphs(load_model(DATA / "golden-a"), CHUNK, 64, kv_dtype=kv_dtype)), wdtype)
-    naive_layout([p, d])
+    p, d = (plan_memory(g) for g in quantized(list(build_graphs(load_model(DATA / "golden-a"), CHUNK, 64,
+                                                                 kv_dtype=kv_dtype)), wdtype))
     be = CpuBackend(GraphPlan({"prefill": p, "decode": d}), threads=2, code=NativeCode(str(build_module([p, d], host_target()))))
     prompt = np.load(DATA / "golden-a.npz")["prompt_tokens"][:20]
     ip, idc = Interpreter(p), Interpreter(d)
@@ -126,9 +128,7 @@ def tiny_q4(tmp_path_factory) -> list[Graph]:
     has it, whose decode tiles are 8 rows; 2 layers keep it quick."""
     from llmrs.models.tiny import make_model
     path = make_model(tmp_path_factory.mktemp("tiny") / "m", "tiny", num_hidden_layers=2)
-    graphs = quantized(list(build_graphs(load_model(path), CHUNK, 64, kv_dtype="f16")), "q4_0")
-    naive_layout(graphs)
-    return graphs
+    return [plan_memory(g) for g in quantized(list(build_graphs(load_model(path), CHUNK, 64, kv_dtype="f16")), "q4_0")]
 
 
 def test_rows_shared_by_a_work_counter_give_interpreter_logits_on_one_and_two_threads(tiny_q4):
