@@ -468,3 +468,63 @@ def test_softmax_argmax_and_last_row_match_interpreter():
             assert got[0].tolist() == want[0].tolist()
         else:
             _close(got[0], want[0], 1e-6)
+
+
+def _kernels(g: Graph) -> list[str]:
+    from llmrs.compiler.codegen.opencl import lower_graph
+    return [launch.kernel for launch in lower_graph(g)]
+
+
+@pytest.mark.parametrize("wdt", ["q4_0", "q8_0", "f16"])
+@pytest.mark.parametrize("epilogue", ["silu_mul", "rope_kv_store"])
+def test_decode_matvec_reading_x_prepared_once_per_step_matches_interpreter(wdt, epilogue, monkeypatch):
+    from llmrs.compiler.codegen import opencl as codegen
+    monkeypatch.setattr(codegen, "MV_PREPARE_X", 3)    # float and quantized weights alike
+    rng = np.random.default_rng(29)
+    k = 1056                                            # q: 33 blocks, past one pass of 32 lanes
+    b = OneOp(1)
+    x = b.act("x", _rand(rng, 1, k, scale=3.0))
+    nw = b.param("nw", _rand(rng, k), "f16")
+    if epilogue == "rope_kv_store":
+        h, kvh, hd, s = 4, 2, 16, 8
+        w = b.param("w", _rand(rng, (h + 2 * kvh) * hd, k, scale=0.05), wdt)
+        inv = b.param("inv_freq", rope_inv_freq(hd, 10000.0, None), "f32", kind="const")
+        kc = b.state("kc", _rand(rng, s, kvh, hd), "f16")
+        vc = b.state("vc", _rand(rng, s, kvh, hd), "f16")
+        outs = [b.out("q", (1, h * hd)), b.out("kc2", (s, kvh, hd), "f16", alias="kc"),
+                b.out("vc2", (s, kvh, hd), "f16", alias="vc")]
+        got, want = b.run("fused_matmul", [x, w, nw, inv, kc, vc], outs, 1, 5, 11, prologue="rms_norm",
+                          epilogue=epilogue, eps=1e-5, n_heads=h, n_kv_heads=kvh, head_dim=hd,
+                          theta=10000.0, scaling=None)
+        tol = max(_tol(wdt), 1e-3)                      # f16 cache
+    else:
+        f = 45
+        w = b.param("w", _rand(rng, 2 * f, k, scale=0.05), wdt)
+        got, want = b.run("fused_matmul", [x, w, nw], [b.out("y", (1, f))], 1, prologue="rms_norm",
+                          epilogue=epilogue, eps=1e-5)
+        tol = _tol(wdt)
+    assert _kernels(b.g) == ["matvec_prepare", "matvec"]
+    for gt, wt in zip(got, want):
+        _close(gt.astype(np.float32), wt.astype(np.float32), tol)
+
+
+def test_x_is_prepared_only_for_the_weight_kinds_switched_on_and_never_for_prefill(monkeypatch):
+    from llmrs.compiler.codegen import opencl as codegen
+    rng = np.random.default_rng(31)
+
+    def kernels(wdt: str, rows: int) -> list[str]:
+        b = OneOp(rows)
+        x = b.act("x", _rand(rng, rows, 64))
+        w = b.param("w", _rand(rng, 8, 64), wdt)
+        nw = b.param("nw", _rand(rng, 64), "f16")
+        y = b.out("y", (rows, 4))
+        b.g.add_op("fused_matmul", [x, w, nw], [y], prologue="rms_norm", epilogue="silu_mul", eps=1e-5)
+        return _kernels(b.g)
+
+    monkeypatch.setattr(codegen, "MV_PREPARE_X", 2)
+    assert kernels("q4_0", 1) == ["matvec_prepare", "matvec"]
+    assert kernels("f16", 1) == ["matvec"]
+    assert kernels("q4_0", 8) == ["matmul_tiled"]
+    monkeypatch.setattr(codegen, "MV_PREPARE_X", 1)
+    assert kernels("q8_0", 1) == ["matvec"]
+    assert kernels("f16", 1) == ["matvec_prepare", "matvec"]
