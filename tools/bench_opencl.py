@@ -119,8 +119,7 @@ def decode_weight_bytes(graph) -> int:
 def bench(model: Path, weights: str, prefill: int, steps: int, max_seq: int, kv: str, workdir: Path,
           variants: list[tuple[int, ...]]) -> list[dict]:
     """One result per kernel-shape variant (MV_WG, MV_TARGET_WARPS, MV_LOADS, ATT_KEYS_PER_SPLIT,
-    ATT_SHARE_KV[, MV_MAX_SPLIT[, MV_SPLIT_TARGET_WARPS[, MV_SPLIT_PREPARED_X[, MV_WG_QUANT[, MV_RMS_LATE
-    [, MV_PREPARE_X]]]]]]);
+    ATT_SHARE_KV[, MV_MAX_SPLIT[, MV_SPLIT_TARGET_WARPS[, MV_SPLIT_PREPARED_X[, MV_WG_QUANT[, MV_RMS_LATE]]]]]);
     the model compiles once."""
     t0 = time.perf_counter()
     p, d = compile_graphs(model, CompileOptions(weights=weights, kv_type=kv, prefill_chunk=prefill,
@@ -128,21 +127,20 @@ def bench(model: Path, weights: str, prefill: int, steps: int, max_seq: int, kv:
     compile_s = time.perf_counter() - t0
     out = []
     defaults = (codegen.MV_MAX_SPLIT, codegen.MV_SPLIT_TARGET_WARPS, int(codegen.MV_SPLIT_PREPARED_X),
-                codegen.MV_WG_QUANT, int(codegen.MV_RMS_LATE), codegen.MV_PREPARE_X)
+                codegen.MV_WG_QUANT, int(codegen.MV_RMS_LATE))
     for variant in variants:
-        wg, warps, loads, keys, share, split, split_warps, split_prep, wg_quant, rms_late, prep_x = \
+        wg, warps, loads, keys, share, split, split_warps, split_prep, wg_quant, rms_late = \
             variant + defaults[len(variant) - 5:]
         codegen.MV_WG, codegen.MV_TARGET_WARPS, codegen.MV_LOADS = wg, warps, loads
         codegen.ATT_KEYS_PER_SPLIT, codegen.ATT_SHARE_KV = keys, bool(share)
         codegen.MV_MAX_SPLIT, codegen.MV_SPLIT_TARGET_WARPS = split, split_warps
         codegen.MV_SPLIT_PREPARED_X = bool(split_prep)
         codegen.MV_WG_QUANT, codegen.MV_RMS_LATE = wg_quant, rms_late
-        codegen.MV_PREPARE_X = prep_x
         r = measure(model, p, d, weights, prefill, steps, kv, workdir)
         r.update(compile_s=round(compile_s, 1), variant=dict(mv_wg=wg, mv_target_warps=warps, mv_loads=loads,
                  att_keys_per_split=keys, att_share_kv=bool(share), mv_max_split=split,
                  mv_split_target_warps=split_warps, mv_split_prepared_x=bool(split_prep),
-                 mv_wg_quant=wg_quant, mv_rms_late=rms_late, mv_prepare_x=prep_x))
+                 mv_wg_quant=wg_quant, mv_rms_late=rms_late))
         print(json.dumps(r), flush=True)
         out.append(r)
     return out
@@ -255,20 +253,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--variants", help="comma-separated MV_WG:MV_TARGET_WARPS:MV_LOADS:ATT_KEYS_PER_SPLIT:"
                     "ATT_SHARE_KV(0|1)[:MV_MAX_SPLIT(1: no split-K)[:MV_SPLIT_TARGET_WARPS[:MV_SPLIT_PREPARED_X(0|1)"
-                    "[:MV_WG_QUANT[:MV_RMS_LATE(0|1|2)[:MV_PREPARE_X(bits: 1 float, 2 quantized)]]]]]] "
+                    "[:MV_WG_QUANT[:MV_RMS_LATE(0|1|2)]]]]] "
                     "kernel shapes "
                     "to measure, each on the same compiled model (experiments; default: codegen's)",
                     default=f"{codegen.MV_WG}:{codegen.MV_TARGET_WARPS}:{codegen.MV_LOADS}:"
                             f"{codegen.ATT_KEYS_PER_SPLIT}:{int(codegen.ATT_SHARE_KV)}:{codegen.MV_MAX_SPLIT}:"
                             f"{codegen.MV_SPLIT_TARGET_WARPS}:{int(codegen.MV_SPLIT_PREPARED_X)}:"
-                            f"{codegen.MV_WG_QUANT}:{int(codegen.MV_RMS_LATE)}:{codegen.MV_PREPARE_X}")
+                            f"{codegen.MV_WG_QUANT}:{int(codegen.MV_RMS_LATE)}")
     ap.add_argument("--kv-list", help="comma-separated KV dtypes to run each weights dtype with (overrides --kv)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     variants = [tuple(int(v) for v in spec.split(":")) for spec in args.variants.split(",")]
     for v in variants:
-        if not 5 <= len(v) <= 11:
-            ap.error(f"--variants: {':'.join(map(str, v))} has {len(v)} fields; give 5 to 11")
+        if not 5 <= len(v) <= 10:
+            ap.error(f"--variants: {':'.join(map(str, v))} has {len(v)} fields; give 5 to 10")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for w in args.weights.split(","):

@@ -25,10 +25,6 @@ generate(graphs) returns a JSON-able dict, stored as the plan's "opencl" section
                                          # its own per launch, zero-filled at load; kernels
                                          # leave their ticket counters at 0: buffer + offset
         | {"result": nbytes}             # the back end's small result buffer (greedy tokens)
-        | {"prepared": nbytes}           # the back end's prepared-x buffer at offset 0: one
-                                         # slice every launch shares, written by a decode
-                                         # matvec_prepare and read by the matvec right after
-                                         # it (launches run in order)
         | {"int": n} | {"float": x}
 
 Quantized weights are read in the split layout common.cl describes (the back end converts
@@ -70,14 +66,6 @@ MV_RMS_LATE = 1               # float weights: the RMS prologue's 1 / rms scales
                               # prepare nothing and may split K too. 0: never; 1: where K splits
                               # (H200 f16 qkv 242 -> 231 us per step); 2: always (gate_up,
                               # unsplit, went 363 -> 397 us, lm_head 142 -> 132)
-MV_PREPARE_X = 0              # decode matvecs with the RMS prologue get a one-group matvec_prepare
-                              # launch before them (RMS, and Q8_0 copy of x for quantized
-                              # weights) instead of every group preparing x. Bits: 1 float
-                              # weights, 2 quantized weights. Off: on the H200 (round 7) the
-                              # matvecs gained (f16 qkv 233 -> 139 us per step, q4_0 195 -> 130)
-                              # but the 33 one-group launches cost more (f16 193 us, q4_0 301):
-                              # f16 753 -> 720 tok/s, q4_0 1013 -> 879
-PREP_WG = 256                 # matvec_prepare threads (its single group)
 MV_MAX_K = 32768              # quantized x's Q8_0 copy (1.25 B per value) fits in local memory
 TILE_M = 64                   # matmul_tiled: tokens per group (fixed in matmul.cl)
 TILE_N_WIDE = 128             # and weight rows per group: 128 where N gives enough groups,
@@ -165,7 +153,7 @@ def _pow2_at_most(n: int) -> int:
 
 
 def matvec_shape(k: int, n: int, quantized: bool, epilogue: str | None, kv_q8: bool,
-                 rms_prologue: bool = False, prepared: bool = False) -> tuple[int, int, int]:
+                 rms_prologue: bool = False) -> tuple[int, int, int]:
     """(threads per group, weight rows per group, warps per row) of a decode matvec (matvec.cl).
     MV_WG threads, MV_WG / 32 warps of MV_RPW rows each: one row per warp for narrow matrices
     (most groups), more for wide ones (x prepared fewer times, more loads per lane), at most
@@ -176,13 +164,12 @@ def matvec_shape(k: int, n: int, quantized: bool, epilogue: str | None, kv_q8: b
     on the H200 cost more than the extra warps gained (q4_0 down_proj 194 -> 340 us per step,
     f16 qkv 250 -> 300 us), while f16 o_proj / down_proj gained (452 -> 367 us). With
     MV_RMS_LATE float weights' RMS prologue prepares nothing (its sum rides in the K loop), so
-    f16 qkv splits as well. A prepared x (MV_PREPARE_X: matvec_prepare did the work) leaves the
-    groups nothing to prepare either. Every row count is even, as pair epilogues need."""
+    f16 qkv splits as well. Every row count is even, as pair epilogues need."""
     wg = MV_WG_QUANT if quantized else MV_WG
     warps = wg // 32
     if epilogue == "rope_kv_store" and kv_q8:
         return wg, max(64, warps), 1
-    prepares = not prepared and (quantized or (rms_prologue and not MV_RMS_LATE))
+    prepares = quantized or (rms_prologue and not MV_RMS_LATE)
     if n < MV_TARGET_WARPS and (MV_SPLIT_PREPARED_X or not prepares):
         units = k // 32 if quantized else k // 8               # a lane's loads: blocks | 16-byte units
         split = min(MV_MAX_SPLIT, warps // 2, _pow2_at_most(max(1, MV_SPLIT_TARGET_WARPS // n)),
@@ -235,54 +222,26 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     elif epi is not None:
         raise CodegenError(f"op {op.name} (fused_matmul): epilogue {epi!r} has no OpenCL kernel")
     tiled = m > 1
-    quantized = wt in ("q4_0", "q8_0")
-    prepare = not tiled and nw is not _NONE and bool(MV_PREPARE_X & (2 if quantized else 1))
-    if prepare:
-        _prepare_x(ctx, op, x, nw, k, wt, options, float(a.get("eps", 0.0)))
-        options = [o for o in options if not o.startswith(("-DPROLOGUE_RMS", "-DNORM_T="))]
-        options.append("-DMV_PREPARED")
-        x_arg, nw = {"prepared": _prepared_bytes(k, quantized)}, _NONE
-    else:
-        x_arg = _v(x)
-    mv_wg, mv_rows, mv_split = matvec_shape(k, n, quantized, epi, "-DKV_Q8_0" in options,
-                                            a.get("prologue") == "rms_norm" and not prepare, prepare)
+    mv_wg, mv_rows, mv_split = matvec_shape(k, n, wt in ("q4_0", "q8_0"), epi, "-DKV_Q8_0" in options,
+                                            a.get("prologue") == "rms_norm")
     tile_n = TILE_N_WIDE if math.ceil(n / TILE_N_WIDE) * math.ceil(m / TILE_M) >= TILE_N_MIN_GROUPS else 64
     if tiled:
         options.append(f"-DTN={tile_n}")
     rw = tile_n if tiled else mv_rows
     if not tiled:
-        _need(not quantized or k <= MV_MAX_K, op, f"K = {k} is over {MV_MAX_K}, the "
+        _need(not (wt in ("q4_0", "q8_0")) or k <= MV_MAX_K, op, f"K = {k} is over {MV_MAX_K}, the "
               "longest row the decode matvec keeps in local memory; use --weights f16")
         options += [f"-DMV_WG={mv_wg}", f"-DMV_ROWS={mv_rows}", f"-DMV_K={k}", f"-DMV_LOADS={MV_LOADS}",
                     f"-DMV_SPLIT={mv_split}"]
         if MV_RMS_LATE == 2 or (MV_RMS_LATE == 1 and mv_split > 1):
             options.append("-DMV_RMS_LATE")   # matvec.cl applies it to float weights' RMS prologue
-    args = [x_arg, _v(w), nw, *e, _v(op.outputs[0]),
+    args = [_v(x), _v(w), nw, *e, _v(op.outputs[0]),
             {"int": m}, {"int": k}, {"int": n}, {"float": float(a.get("eps", 0.0))},
             {"int": heads[0]}, {"int": heads[1]}, {"int": heads[2]}]
     ctx.launches.append(Launch(op.name, "matmul" if tiled else "matvec", "matmul_tiled" if tiled else "matvec",
                                options, args,
                                local=256 if tiled else mv_wg, groups=_row_groups(epi, rw, n, a),
                                rows=m, row_tile=TILE_M if tiled else 1))
-
-
-def _prepared_bytes(k: int, quantized: bool) -> int:
-    """Bytes matvec_prepare writes for one token of K values: f32 [K], or Q8_0 as
-    int8 [K] + f32 scales [K/32] + int32 block sums [K/32]."""
-    return k + 8 * (k // 32) if quantized else 4 * k
-
-
-def _prepare_x(ctx: _Ctx, op: Op, x: str, nw: dict[str, Any], k: int, wt: str, options: list[str],
-               eps: float) -> None:
-    """The one-group launch that normalises (and for quantized weights quantizes) the decode
-    token's x for the matvec of `op` launched right after it."""
-    _need(wt not in ("q4_0", "q8_0") or k <= MV_MAX_K, op, f"K = {k} is over {MV_MAX_K}; use --weights f16")
-    prep_options = [o for o in options if o.startswith(("-DW_", "-DPROLOGUE_RMS", "-DNORM_T="))]
-    prep_options += [f"-DMV_WG={PREP_WG}", f"-DMV_K={k}"]
-    ctx.launches.append(Launch(f"{op.name}.prepare", "matvec", "matvec_prepare", prep_options,
-                               [_v(x), nw, {"prepared": _prepared_bytes(k, wt in ("q4_0", "q8_0"))},
-                                {"float": eps}],
-                               local=PREP_WG, groups=1, rows=1))
 
 
 def _attention(ctx: _Ctx, op: Op) -> None:

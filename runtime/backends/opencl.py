@@ -11,8 +11,6 @@ Memory (all planned at compile time, graph.meta["layout"]):
              batch of greedy steps, which advance it on the device (k: the batch's step)
     scratch  kernels' partial results (split attention, greedy argmax), zero-filled once
     result   int32 [rows]: greedy tokens, the only bytes a greedy step reads back
-    prepared a decode matvec's normalised (quantized) x, written by the matvec_prepare launch
-             just before it; one slice at offset 0 that all such pairs reuse in turn
 A region larger than CL_DEVICE_MAX_MEM_ALLOC_SIZE is split over several buffers at tensor
 boundaries. Every kernel's arguments are set at load; a step writes `step` and the tokens,
 enqueues the launch table and reads the logits back.
@@ -496,8 +494,6 @@ class OpenCLBackend:
         cl.enqueue_fill_buffer(self.queue, self.scratch_buf, np.uint8(0), 0, max(scratch, ALIGN))
         scratch_at = [0]
         self.result_buf = cl.Buffer(self.ctx, mf.READ_WRITE, max(result, ALIGN))
-        prepared = max([a["prepared"] for e in entries for a in e["args"] if "prepared" in a], default=0)
-        self.prepared_buf = cl.Buffer(self.ctx, mf.READ_WRITE, max(prepared, ALIGN))
         self.steps_buf = cl.Buffer(self.ctx, mf.READ_WRITE, 4 * GREEDY_MAX_STEPS)  # int32 [steps]
         self._scratch_at: dict[tuple[str, str], int] = {}
 
@@ -540,8 +536,6 @@ class OpenCLBackend:
                     args += [self.steps_buf, np.uint64(0)]
                 elif "result" in a:
                     args += [self.result_buf, np.uint64(0)]
-                elif "prepared" in a:
-                    args += [self.prepared_buf, np.uint64(0)]
                 elif "int" in a:
                     args.append(np.int32(a["int"]))
                 else:

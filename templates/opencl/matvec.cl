@@ -54,13 +54,13 @@
 
 #ifdef W_QUANT
 // x's block b (after the RMS prologue) quantized to Q8_0 as quantize_row_q8_0_ref:
-// d = amax / 127 (kept as f16), q = round(x / d) half away from zero. Returns d; q gets the
-// block's int8 values packed 4 per int, *sum their sum (q4_0's -8 offset)
-inline float quantize_block(__global const float4* x4, int b, int q[8], int* sum
+// d = amax / 127 (kept as f16), q = round(x / d) half away from zero; into local memory
+inline void quantize_x(__global const float4* x4, int b, __local int* xq, __local float* xd,
+                       __local int* xs
 #ifdef PROLOGUE_RMS
-                            , gin nw, float rms
+                       , gin nw, float rms
 #endif
-                            ) {
+                       ) {
     float4 v[8];
     float amax = 0.0f;
     for (int i = 0; i < 8; i++) {
@@ -73,51 +73,14 @@ inline float quantize_block(__global const float4* x4, int b, int q[8], int* sum
     }
     float d = amax / 127.0f;
     float id = d != 0.0f ? 1.0f / d : 0.0f;
-    float s = 0.0f;
+    float sum = 0.0f;
     for (int i = 0; i < 8; i++) {
-        float4 r = round(v[i] * id);
-        s += (r.x + r.y) + (r.z + r.w);
-        q[i] = as_int(convert_char4(r));
+        float4 q = round(v[i] * id);
+        sum += (q.x + q.y) + (q.z + q.w);
+        xq[8 * b + i] = as_int(convert_char4(q));
     }
-    *sum = (int)s;
-    return round_to_half(d);
-}
-#endif
-
-#if defined(PROLOGUE_RMS)
-// -DMV_PREPARE_X: the decode matvec's RMS prologue (and, for quantized weights, x's Q8_0
-// copy) done once per step by one group, instead of once per group of the matvec that follows
-// (built without PROLOGUE_RMS, with -DMV_PREPARED: it reads the result as its x). Output, the
-// back end's "prepared" slice: float weights f32 x / rms * nw [K]; quantized weights
-// int8 q [K] packed 4 per int, then f32 scales [K/32], then int32 block sums [K/32].
-__kernel __attribute__((reqd_work_group_size(MV_WG, 1, 1)))
-void matvec_prepare(__global const int* step, gin xb, ulong x_off, gin nwb, ulong nw_off,
-                    gout pb, ulong p_off, float eps) {
-    int lid = get_local_id(0);
-    __global const float4* x4 = (__global const float4*)(xb + x_off);   // [K/4], the step's token
-    gin nw = nwb + nw_off;
-    __local float red[MV_WG];
-    float ss = 0.0f;
-    for (int i = lid; i < MV_K / 4; i += MV_WG) {
-        float4 v = x4[i];
-        ss += dot(v, v);
-    }
-    float rms = sqrt(group_sum(ss, red) / (float)MV_K + eps);
-#ifdef W_QUANT
-    __global int* xq = (__global int*)(pb + p_off);               // [K/4]
-    __global float* xd = (__global float*)(xq + MV_K / 4);        // [K/32]
-    __global int* xs = (__global int*)(xd + MV_K / 32);           // [K/32]
-    for (int b = lid; b < MV_K / 32; b += MV_WG) {
-        int q[8], s;
-        float d = quantize_block(x4, b, q, &s, nw, rms);
-        for (int i = 0; i < 8; i++) xq[8 * b + i] = q[i];
-        xd[b] = d;
-        xs[b] = s;
-    }
-#else
-    __global float4* y4 = (__global float4*)(pb + p_off);         // [K/4]
-    for (int i = lid; i < MV_K / 4; i += MV_WG) y4[i] = x4[i] / rms * LD4_NORM(nw, i);
-#endif
+    xd[b] = round_to_half(d);
+    xs[b] = (int)sum;
 }
 #endif
 
@@ -186,28 +149,16 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
         }                                                                              \
     }
 
-#ifdef MV_PREPARED
-    // x's Q8_0 copy as matvec_prepare wrote it; every group reads the same bytes (cached)
-    __global const int* xq = (__global const int*)(xb + x_off);          // [K/4]
-    __global const float* xd = (__global const float*)(xq + MV_K / 4);  // [K/32]
-    __global const int* xs = (__global const int*)(xd + MV_UNITS);      // [K/32]
-#else
     __local int xq[MV_K / 4];        // x as Q8_0: int8 [K] packed 4 per int
     __local float xd[MV_UNITS];      // block scales
     __local int xs[MV_UNITS];        // block sums of the int8 values (q4_0's -8 offset)
-    for (int b = lid; b < MV_UNITS; b += MV_WG) {
-        int q[8], s;
-        float d = quantize_block(x4, b, q, &s
+    for (int b = lid; b < MV_UNITS; b += MV_WG)
+        quantize_x(x4, b, xq, xd, xs
 #ifdef PROLOGUE_RMS
-                                 , nw, rms
+                   , nw, rms
 #endif
-                                 );
-        for (int i = 0; i < 8; i++) xq[8 * b + i] = q[i];
-        xd[b] = d;
-        xs[b] = s;
-    }
+                   );
     barrier(CLK_LOCAL_MEM_FENCE);
-#endif
     for (int p0 = 0; p0 < MV_PASSES; p0 += MV_UNROLL) {
         MV_LOAD_BATCH(p0)
 #pragma unroll
