@@ -13,6 +13,26 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.2f} GiB"
 
 
+def decode_weight_bytes(decode: Graph) -> tuple[int, int]:
+    """(bytes of weights one decode step reads, params of all its matmuls). An embedding table
+    counts one row unless a matmul (a tied lm_head) also reads it whole."""
+    whole, rows, params = set(), {}, 0
+    for op in decode.ops:
+        for name in op.inputs:
+            v = decode.values[name]
+            if v.kind not in ("param", "const"):
+                continue
+            if op.kind == "embedding":
+                rows[name] = v.nbytes // v.shape[0]
+            else:
+                whole.add(name)
+        if op.kind in ("matmul", "fused_matmul"):
+            w = decode.values[op.inputs[1]]
+            params += w.shape[0] * w.shape[1]
+    total = sum(decode.values[n].nbytes for n in whole) + sum(b for n, b in rows.items() if n not in whole)
+    return total, params
+
+
 def plan_stats(cfg: LlamaConfig, graphs: dict[str, Graph]) -> dict[str, float]:
     """The figures the summary prints, as plain numbers (bench.py and tests read them too)."""
     decode, prefill = graphs["decode"], graphs["prefill"]

@@ -34,14 +34,15 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable
 
 import llvmlite.ir as ir
 import numpy as np
 
 from llmrs.compiler.codegen.llvm_target import host_target
+from llmrs.compiler.summary import decode_weight_bytes
 from llmrs.runtime.backends.cpu import CpuBackend, physical_cores
 from llmrs.runtime.backends.cpu_native import NativeCode
 from llmrs.runtime.engine import Engine
@@ -157,27 +158,6 @@ def gemm_gflops(n: int = 2048, passes: int = 5) -> float:
 
 # -- the plan ---------------------------------------------------------------------------------
 
-def decode_weight_bytes(plan: Plan) -> tuple[int, int]:
-    """(bytes of weights one decode step reads, params of all its matmuls). An embedding table
-    counts one row unless a matmul (tied lm_head) reads it whole."""
-    g = plan.graphs()["decode"]
-    whole, rows, params = set(), {}, 0
-    for op in g.ops:
-        for name in op.inputs:
-            v = g.values[name]
-            if v.kind not in ("param", "const"):
-                continue
-            if op.kind == "embedding":
-                rows[name] = v.nbytes // v.shape[0]
-            else:
-                whole.add(name)
-        if op.kind in ("matmul", "fused_matmul"):
-            w = g.values[op.inputs[1]]
-            params += int(np.prod(w.shape))
-    total = sum(g.values[n].nbytes for n in whole) + sum(b for n, b in rows.items() if n not in whole)
-    return total, params
-
-
 def measure_ceilings(weights: np.ndarray, threads: int, say: Callable[[str], None]) -> tuple[float, float, float]:
     """(read GB/s over 1 GiB of anonymous memory, read GB/s over the mmapped weights, GEMM GFLOP/s)."""
     say(f"bench: ceilings ({threads} threads)")
@@ -254,7 +234,7 @@ def bench(plan_path: str, backend: str, threads: int, repeats: int,
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     weights = plan.weights_region()
     ceil = [measure_ceilings(weights, threads, say)]
-    wbytes, params = decode_weight_bytes(plan)
+    wbytes, params = decode_weight_bytes(plan.graphs()["decode"])
     engine = Engine(BACKENDS[backend](plan, threads), prefill_T, max_seq)
     vocab = next(plan.graphs()["decode"].values[op.inputs[0]].shape[0]
                  for op in plan.graphs()["decode"].ops if op.kind == "embedding")

@@ -28,6 +28,7 @@ import numpy as np
 from llmrs.compiler.codegen import opencl as codegen
 from llmrs.compiler.codegen.opencl import generate
 from llmrs.compiler.pipeline import CompileOptions, compile_graphs
+from llmrs.compiler.summary import decode_weight_bytes
 from llmrs.compiler.plan import write_graph_plan
 from llmrs.runtime.backends.opencl import OpenCLBackend
 from llmrs.runtime.plan import Plan
@@ -102,18 +103,6 @@ def matrix_bandwidth(graph, op_us: dict[str, float]) -> dict[str, dict[str, floa
         r["us"] += op_us[op.name]
         r["bytes"] += w.nbytes
     return {k: {"us": round(r["us"], 1), "gbps": round(r["bytes"] / r["us"] / 1e3, 1)} for k, r in out.items()}
-
-
-def decode_weight_bytes(graph) -> int:
-    """Weight bytes one decode step reads: every weight input, the embedding table one row."""
-    total = 0
-    for op in graph.ops:
-        for i, name in enumerate(op.inputs):
-            v = graph.values[name]
-            if v.kind not in ("param", "const"):
-                continue
-            total += v.nbytes // v.shape[0] if op.kind == "embedding" and i == 0 else v.nbytes
-    return total
 
 
 def bench(model: Path, weights: str, prefill: int, steps: int, max_seq: int, kv: str, workdir: Path,
@@ -217,7 +206,7 @@ def measure_plan(path: Path, prefill: int, steps: int) -> dict:
     launch_us = launch_cost_us(be)
     bw = copy_gbps(be)
     launches = len(be.launches["decode"]) + 1     # + the greedy argmax
-    wbytes = decode_weight_bytes(d)
+    wbytes, _ = decode_weight_bytes(d)
     floor_s = max(launches * launch_us * 1e-6, wbytes / (bw * 1e9))
     best_s = min(decode_s, decode_batched_s)
     return {

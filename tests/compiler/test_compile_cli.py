@@ -105,3 +105,14 @@ def test_bad_flag_value_is_one_line_exit_2(capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "invalid choice: 'q3_k'" in err
+
+
+def test_decode_weight_bytes_count_a_tied_table_once(llama_1b_graphs):
+    """The benchmarks' bytes per token: every matmul weight whole, an untied embedding one row."""
+    from llmrs.compiler.summary import decode_weight_bytes
+
+    _, decode = llama_1b_graphs
+    total, params = decode_weight_bytes(decode)
+    norms = (2 * 16 + 1) * 2048          # every parameter that is not a matmul weight
+    assert params == 1_235_814_400 - norms   # the tied table counts once, as the lm_head
+    assert total == 2 * (params + norms)     # bf16; the embedding adds no row of its own
