@@ -44,17 +44,23 @@ inline void tile_epilogue(__local const float* out, int t0, int rows, int g, int
 #define MMA_BODY 1
 #endif
 
+// Both bodies below (portable fp32 and tensor-core MMA) take the arguments codegen binds by
+// position, so they share one signature and prologue.
+#define MATMUL_TILED_BEGIN \
+__kernel __attribute__((reqd_work_group_size(256, 1, 1))) \
+void matmul_tiled(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off, \
+                  gin nwb, ulong nw_off, gout e0b, ulong e0_off, gout e1b, ulong e1_off, \
+                  gout e2b, ulong e2_off, gout yb, ulong y_off, \
+                  int M, int K, int N, float eps, int n_heads, int n_kv_heads, int hd) { \
+    int lid = get_local_id(0), g = get_group_id(0), t0 = get_group_id(1) * TM; \
+    int rows = min(M, STEP_N_TOKENS(step)); \
+    __global const float* x = (__global const float*)(xb + x_off); \
+    gin w = wb + w_off;
+
+
 #ifndef MMA_BODY
 
-__kernel __attribute__((reqd_work_group_size(256, 1, 1)))
-void matmul_tiled(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
-                  gin nwb, ulong nw_off, gout e0b, ulong e0_off, gout e1b, ulong e1_off,
-                  gout e2b, ulong e2_off, gout yb, ulong y_off,
-                  int M, int K, int N, float eps, int n_heads, int n_kv_heads, int hd) {
-    int lid = get_local_id(0), g = get_group_id(0), t0 = get_group_id(1) * TM;
-    int rows = min(M, STEP_N_TOKENS(step));
-    __global const float* x = (__global const float*)(xb + x_off);
-    gin w = wb + w_off;
+MATMUL_TILED_BEGIN
     size_t nb = K / 32, nblk = (size_t)N * nb;
     __local float lds[LDS_FLOATS];   // xr, xs, ws; at the end out [TM][TN]
     __local float* xr = lds;                                   // [TM][XR_STRIDE]
@@ -289,15 +295,7 @@ inline void stage_w(gin w, int K, int k0, int lid, size_t nblk, __local const in
 #endif
 }
 
-__kernel __attribute__((reqd_work_group_size(256, 1, 1)))
-void matmul_tiled(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
-                  gin nwb, ulong nw_off, gout e0b, ulong e0_off, gout e1b, ulong e1_off,
-                  gout e2b, ulong e2_off, gout yb, ulong y_off,
-                  int M, int K, int N, float eps, int n_heads, int n_kv_heads, int hd) {
-    int lid = get_local_id(0), g = get_group_id(0), t0 = get_group_id(1) * TM;
-    int rows = min(M, STEP_N_TOKENS(step));
-    __global const float* x = (__global const float*)(xb + x_off);
-    gin w = wb + w_off;
+MATMUL_TILED_BEGIN
     gin nw = nwb + nw_off;
     size_t nblk = (size_t)N * (K / 32);
     __local uint lds[MMA_LDS_WORDS];         // xq, wq; at the end out [TM][TN]

@@ -99,6 +99,24 @@ def test_activation_quantization_is_ggml_reference_bit_for_bit(wdtype):
     np.testing.assert_array_equal(got_d, want_d)
 
 
+def _block_sums(emit, target, w: np.ndarray, wdtype: str, x: np.ndarray, n: int, k: int) -> None:
+    """Run a generated probe that writes each block's int32 dot product of w's rows with x's
+    Q8_0 codes, and compare with numpy's exact integer sums (GGML's)."""
+    _, xq = quant.quantize_rows_q8_0(x)
+    _, wq = quant.split_blocks(w, wdtype)
+    want = np.einsum("nbk,bk->nb", wq.astype(np.int32), xq[0].astype(np.int32))
+    module = ir.Module("t")
+    module.triple = target.triple
+    emit(KernelBuilder(module, target, "probe", 3))
+    code = NativeCode(str(module))
+    got = np.zeros((n, k // 32), np.int32)
+    xq_flat = np.ascontiguousarray(xq[0].reshape(-1))
+    fn = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_void_p]))(
+        code.address("probe"))
+    fn(w.ctypes.data, xq_flat.ctypes.data, got.ctypes.data, 1, 0, 0, 0, 1, None)
+    np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("target", sorted(TARGETS))
 @pytest.mark.parametrize("wdtype", ["q4_0", "q8_0"])
 def test_int8_block_dot_products_are_ggml_integer_sums_exactly(target, wdtype):
@@ -107,20 +125,7 @@ def test_int8_block_dot_products_are_ggml_integer_sums_exactly(target, wdtype):
     w = quant.quantize(rng.standard_normal((n, k)).astype(np.float32), wdtype)
     x = rng.standard_normal((1, k)).astype(np.float32) * 3
     x[0, :32] = 127.0 / np.arange(1, 33)           # a block that uses the full int8 range
-    _, xq = quant.quantize_rows_q8_0(x)
-    _, wq = quant.split_blocks(w, wdtype)
-    want = np.einsum("nbk,bk->nb", wq.astype(np.int32), xq[0].astype(np.int32))
-    target_ = TARGETS[target]
-    module = ir.Module("t")
-    module.triple = target_.triple
-    emit_block_dot_probe(KernelBuilder(module, target_, "probe", 3), wdtype, k, n)
-    code = NativeCode(str(module))
-    got = np.zeros((n, k // 32), np.int32)
-    xq_flat = np.ascontiguousarray(xq[0].reshape(-1))
-    fn = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_void_p]))(
-        code.address("probe"))
-    fn(w.ctypes.data, xq_flat.ctypes.data, got.ctypes.data, 1, 0, 0, 0, 1, None)
-    np.testing.assert_array_equal(got, want)
+    _block_sums(lambda kb: emit_block_dot_probe(kb, wdtype, k, n), TARGETS[target], w, wdtype, x, n, k)
 
 
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
@@ -203,16 +208,4 @@ def test_grouped_q4_0_block_sums_are_ggml_integer_sums_exactly():
     x = rng.standard_normal((1, k)).astype(np.float32) * 3
     x[0, :32] = 127.0 / np.arange(1, 33)           # a block that uses the full int8 range
     w[0, 2:18] = 0xFF                               # a block of 15s: the largest u8 x s8 products
-    _, xq = quant.quantize_rows_q8_0(x)
-    _, wq = quant.split_blocks(w, "q4_0")
-    want = np.einsum("nbk,bk->nb", wq.astype(np.int32), xq[0].astype(np.int32))
-    module = ir.Module("t")
-    module.triple = TARGETS["host"].triple
-    emit_q4_group_probe(KernelBuilder(module, TARGETS["host"], "probe", 3), k, n)
-    code = NativeCode(str(module))
-    got = np.zeros((n, k // 32), np.int32)
-    xq_flat = np.ascontiguousarray(xq[0].reshape(-1))
-    fn = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_void_p]))(
-        code.address("probe"))
-    fn(w.ctypes.data, xq_flat.ctypes.data, got.ctypes.data, 1, 0, 0, 0, 1, None)
-    np.testing.assert_array_equal(got, want)
+    _block_sums(lambda kb: emit_q4_group_probe(kb, k, n), TARGETS["host"], w, "q4_0", x, n, k)
