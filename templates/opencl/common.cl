@@ -55,20 +55,6 @@ inline float ld_q8_0_split(gin p, size_t i, size_t nblk) {
     return (float)((__global const char*)p)[i] * vload_half(b, (__global const half*)(p + nblk * 32));
 }
 
-// -- 4 consecutive float elements, index counted in 4s ----------------------------------------
-inline float4 ld4_f32(gin p, size_t i4) { return vload4(i4, (__global const float*)p); }
-inline float4 ld4_f16(gin p, size_t i4) { return vload_half4(i4, (__global const half*)p); }
-inline float4 ld4_bf16(gin p, size_t i4) {
-    return as_float4(convert_uint4(vload4(i4, (__global const ushort*)p)) << 16);
-}
-
-// -- 16 consecutive float elements, index counted in 16s -------------------------------------
-inline float16 ld16_f32(gin p, size_t i16) { return vload16(i16, (__global const float*)p); }
-inline float16 ld16_f16(gin p, size_t i16) { return vload_half16(i16, (__global const half*)p); }
-inline float16 ld16_bf16(gin p, size_t i16) {
-    return as_float16(convert_uint16(vload16(i16, (__global const ushort*)p)) << 16);
-}
-
 // -- stores (KV caches) ----------------------------------------------------------------------
 inline void st_f32(gout p, size_t i, float v) { ((__global float*)p)[i] = v; }
 inline void st_f16(gout p, size_t i, float v) { vstore_half_rte(v, i, (__global half*)p); }
@@ -146,6 +132,12 @@ inline float warp_max(float v) {
     }
     return v;
 }
+// lane src's v, to every lane of the warp
+inline float warp_bcast(float v, int src) {
+    float t;
+    asm volatile("shfl.sync.idx.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(t) : "f"(v), "r"(src));
+    return t;
+}
 // c + dot of 4 unsigned bytes of a with 4 signed bytes of b (one dp4a)
 inline int dot4_us(uint a, int b, int c) {
     int d;
@@ -178,6 +170,31 @@ inline float2 half2_bits_to_float2(uint u) {
     return vload_half2(0, (__private const half*)&u);
 }
 #endif
+
+// -- 4 and 16 consecutive float elements, index counted in 4s / 16s --------------------------
+// Every tensor starts 64-byte aligned (plan.py, galloc), so these are whole-vector loads:
+// vload4 and vload_half4 may only assume element alignment, and NVIDIA's compiler then
+// issues one load per element (H200, the f16 qkv matvec with its RMS prologue alone:
+// 13.4 -> 10.7 us per launch).
+inline float4 ld4_f32(gin p, size_t i4) { return ((__global const float4*)p)[i4]; }
+inline float4 ld4_f16(gin p, size_t i4) {
+    uint2 u = ((__global const uint2*)p)[i4];
+    return (float4)(half2_bits_to_float2(u.x), half2_bits_to_float2(u.y));
+}
+inline float4 ld4_bf16(gin p, size_t i4) {
+    uint2 u = ((__global const uint2*)p)[i4];
+    return as_float4((uint4)(u.x << 16, u.x & 0xFFFF0000u, u.y << 16, u.y & 0xFFFF0000u));
+}
+inline float16 ld16_f32(gin p, size_t i16) {
+    __global const float4* q = (__global const float4*)p + 4 * i16;
+    return (float16)(q[0], q[1], q[2], q[3]);
+}
+inline float16 ld16_f16(gin p, size_t i16) {
+    return (float16)(ld4_f16(p, 4 * i16), ld4_f16(p, 4 * i16 + 1), ld4_f16(p, 4 * i16 + 2), ld4_f16(p, 4 * i16 + 3));
+}
+inline float16 ld16_bf16(gin p, size_t i16) {
+    return (float16)(ld4_bf16(p, 4 * i16), ld4_bf16(p, 4 * i16 + 1), ld4_bf16(p, 4 * i16 + 2), ld4_bf16(p, 4 * i16 + 3));
+}
 
 // Sum over the work-group (any size that is a multiple of 32 with USE_NV_PTX); red holds
 // get_local_size(0) floats.
