@@ -105,31 +105,41 @@ def matrix_bandwidth(graph, op_us: dict[str, float]) -> dict[str, dict[str, floa
     return {k: {"us": round(r["us"], 1), "gbps": round(r["bytes"] / r["us"] / 1e3, 1)} for k, r in out.items()}
 
 
+def parse_variant(spec: str) -> dict[str, object]:
+    """'default' or NAME=VALUE[+NAME=VALUE...]: codegen constants (compiler/codegen/opencl.py)
+    to override, each value parsed as the constant's own type."""
+    out: dict[str, object] = {}
+    if spec == "default":
+        return out
+    for item in spec.split("+"):
+        name, sep, value = item.partition("=")
+        if not sep or not name.isupper() or not hasattr(codegen, name):
+            raise ValueError(f"{item!r} is not NAME=VALUE for a constant of compiler/codegen/opencl.py")
+        kind = type(getattr(codegen, name))
+        out[name] = bool(int(value)) if kind is bool else kind(value)
+    return out
+
+
 def bench(model: Path, weights: str, prefill: int, steps: int, max_seq: int, kv: str, workdir: Path,
-          variants: list[tuple[int, ...]]) -> list[dict]:
-    """One result per kernel-shape variant (MV_WG, MV_TARGET_WARPS, MV_LOADS, ATT_KEYS_PER_SPLIT,
-    ATT_SHARE_KV[, MV_MAX_SPLIT[, MV_SPLIT_TARGET_WARPS[, MV_SPLIT_PREPARED_X[, MV_WG_QUANT[, MV_RMS_LATE]]]]]);
-    the model compiles once."""
+          variants: list[str]) -> list[dict]:
+    """One result per variant (codegen constants overridden; see parse_variant); the model
+    compiles once, each variant regenerates the kernels."""
     t0 = time.perf_counter()
     p, d = compile_graphs(model, CompileOptions(weights=weights, kv_type=kv, prefill_chunk=prefill,
                                                 max_seq_len=max_seq))
     compile_s = time.perf_counter() - t0
     out = []
-    defaults = (codegen.MV_MAX_SPLIT, codegen.MV_SPLIT_TARGET_WARPS, int(codegen.MV_SPLIT_PREPARED_X),
-                codegen.MV_WG_QUANT, int(codegen.MV_RMS_LATE))
-    for variant in variants:
-        wg, warps, loads, keys, share, split, split_warps, split_prep, wg_quant, rms_late = \
-            variant + defaults[len(variant) - 5:]
-        codegen.MV_WG, codegen.MV_TARGET_WARPS, codegen.MV_LOADS = wg, warps, loads
-        codegen.ATT_KEYS_PER_SPLIT, codegen.ATT_SHARE_KV = keys, bool(share)
-        codegen.MV_MAX_SPLIT, codegen.MV_SPLIT_TARGET_WARPS = split, split_warps
-        codegen.MV_SPLIT_PREPARED_X = bool(split_prep)
-        codegen.MV_WG_QUANT, codegen.MV_RMS_LATE = wg_quant, rms_late
-        r = measure(model, p, d, weights, prefill, steps, kv, workdir)
-        r.update(compile_s=round(compile_s, 1), variant=dict(mv_wg=wg, mv_target_warps=warps, mv_loads=loads,
-                 att_keys_per_split=keys, att_share_kv=bool(share), mv_max_split=split,
-                 mv_split_target_warps=split_warps, mv_split_prepared_x=bool(split_prep),
-                 mv_wg_quant=wg_quant, mv_rms_late=rms_late))
+    for spec in variants:
+        overrides = parse_variant(spec)
+        saved = {name: getattr(codegen, name) for name in overrides}
+        for name, value in overrides.items():
+            setattr(codegen, name, value)
+        try:
+            r = measure(model, p, d, weights, prefill, steps, kv, workdir)
+        finally:
+            for name, value in saved.items():
+                setattr(codegen, name, value)
+        r.update(compile_s=round(compile_s, 1), variant=spec)
         print(json.dumps(r), flush=True)
         out.append(r)
     return out
@@ -240,22 +250,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", type=int, default=512, help="prompt tokens (one prefill chunk)")
     ap.add_argument("--steps", type=int, default=64, help="timed decode steps")
     ap.add_argument("--max-seq-len", type=int, default=1024)
-    ap.add_argument("--variants", help="comma-separated MV_WG:MV_TARGET_WARPS:MV_LOADS:ATT_KEYS_PER_SPLIT:"
-                    "ATT_SHARE_KV(0|1)[:MV_MAX_SPLIT(1: no split-K)[:MV_SPLIT_TARGET_WARPS[:MV_SPLIT_PREPARED_X(0|1)"
-                    "[:MV_WG_QUANT[:MV_RMS_LATE(0|1|2)]]]]] "
-                    "kernel shapes "
-                    "to measure, each on the same compiled model (experiments; default: codegen's)",
-                    default=f"{codegen.MV_WG}:{codegen.MV_TARGET_WARPS}:{codegen.MV_LOADS}:"
-                            f"{codegen.ATT_KEYS_PER_SPLIT}:{int(codegen.ATT_SHARE_KV)}:{codegen.MV_MAX_SPLIT}:"
-                            f"{codegen.MV_SPLIT_TARGET_WARPS}:{int(codegen.MV_SPLIT_PREPARED_X)}:"
-                            f"{codegen.MV_WG_QUANT}:{int(codegen.MV_RMS_LATE)}")
+    ap.add_argument("--variants", default="default",
+                    help="comma-separated kernel-shape variants, each measured on the same compiled model: "
+                         "'default' (codegen's constants) or NAME=VALUE[+NAME=VALUE...] overriding constants "
+                         "of compiler/codegen/opencl.py, e.g. default,ATT_DECODE=split,MV_LOADS=8+MV_WG=512")
     ap.add_argument("--kv-list", help="comma-separated KV dtypes to run each weights dtype with (overrides --kv)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    variants = [tuple(int(v) for v in spec.split(":")) for spec in args.variants.split(",")]
-    for v in variants:
-        if not 5 <= len(v) <= 10:
-            ap.error(f"--variants: {':'.join(map(str, v))} has {len(v)} fields; give 5 to 10")
+    variants = args.variants.split(",")
+    for spec in variants:
+        try:
+            parse_variant(spec)
+        except ValueError as e:
+            ap.error(f"--variants: {e}")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for w in args.weights.split(","):

@@ -72,6 +72,10 @@ TILE_N_WIDE = 128             # and weight rows per group: 128 where N gives eno
 TILE_N_MIN_GROUPS = 512       # (this many at 512 tokens: ~4 per SM of an H200), else 64
 ATT_WG, ATT_BQ = 128, 32      # attention_split threads; attention_tiled query rows per group
 ATT_KEYS_PER_SPLIT, ATT_MAX_SPLITS = 64, 32   # decode attention: splits = S / 64
+ATT_DECODE = "warp"           # decode attention kernel: "warp" (attention_decode: a key per
+                              # lane, K and V loads in flight together, splits only where the
+                              # context has keys; HEAD_DIM % 32 == 0) or "split" (attention_split)
+ATT_DEC_WG, ATT_DEC_MAX_SPLITS = 128, 64      # attention_decode: keys per split and pass; splits
 ATT_SHARE_KV = False          # decode attention: one group scores all query heads of a KV head
                               # (measured slower on the H200 at 1B shapes: fewer, longer groups)
 NORM_WG, RED_WG, ELT_WG = 64, 256, 64
@@ -260,6 +264,14 @@ def _attention(ctx: _Ctx, op: Op) -> None:
     if m > 1:
         ctx.launches.append(Launch(op.name, "attention", "attention_tiled", options, args + scalars,
                                    local=ATT_BQ, groups=h, rows=m, row_tile=ATT_BQ))
+    elif ATT_DECODE == "warp" and hd % 32 == 0 and hd <= ATT_DEC_WG:
+        splits = max(1, min(ATT_DEC_MAX_SPLITS, math.ceil(ctx.shape(k)[0] / ATT_DEC_WG)))
+        scratch = 4 * m * h + 4 * m * h * splits * (hd + 2)   # counters, then partials
+        ctx.launches.append(Launch(op.name, "attention", "attention_decode",
+                                   [f"-DHEAD_DIM={hd}", *_kv_options(kv), f"-DATT_WG={ATT_DEC_WG}",
+                                    f"-DATT_SPLITS={splits}", "-DATT_DECODE_WARP"],
+                                   args + [{"scratch": scratch}] + scalars,
+                                   local=ATT_DEC_WG, groups=h * splits, rows=m))
     else:
         splits = max(1, min(ATT_MAX_SPLITS, ctx.shape(k)[0] // ATT_KEYS_PER_SPLIT))
         scratch = 4 * m * h + 4 * m * h * splits * (hd + 2)   # counters, then partials

@@ -150,7 +150,7 @@ inline void epilogue(int t, int g, int r, int RW, __local const float* vals, int
         int head = p / hh, j = p % hh;
         float x1 = vals[r * stride], x2 = vals[(r + half_rw) * stride];
         float ang = (float)(start_pos + t) * ((__global const float*)e0)[j];
-        float c = cos(ang), s = sin(ang);
+        float c, s = sincos(ang, &c);   // one range reduction for both
         float o1 = x1 * c - x2 * s, o2 = x2 * c + x1 * s;
         if (head < n_heads) {
             __global float* q = (__global float*)y + (size_t)t * n_heads * hd + head * hd;
@@ -206,7 +206,7 @@ inline void epilogue_chunk(int t, int g, int c, int RW, __local const float* val
             int rl = r0 % half_rw + i;
             float x1 = vals[rl * stride], x2 = vals[(rl + half_rw) * stride];
             float ang = pos * ((__global const float*)e0)[j0 + i];
-            float cs = cos(ang), sn = sin(ang);
+            float cs, sn = sincos(ang, &cs);
             o[i] = high ? x2 * cs + x1 * sn : x1 * cs - x2 * sn;
         }
         int j = j0 + (high ? hh : 0);

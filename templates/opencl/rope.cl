@@ -17,7 +17,7 @@ __kernel void rope(__global const int* step, gin xb, ulong x_off, gin fb, ulong 
     __global const float* x = (__global const float*)(xb + x_off);
     __global float* y = (__global float*)(yb + y_off);
     float ang = (float)(STEP_START_POS(step) + t) * ((__global const float*)(fb + f_off))[j];
-    float c = cos(ang), s = sin(ang);
+    float c, s = sincos(ang, &c);   // one range reduction for both
     float x1 = x[base], x2 = x[base + hh];
     y[base] = x1 * c - x2 * s;
     y[base + hh] = x2 * c + x1 * s;

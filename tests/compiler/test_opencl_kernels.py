@@ -75,6 +75,7 @@ class OneOp:
         g.verify()
         start_pos = n_past if start_pos is None else start_pos
         be = OpenCLBackend.from_graphs({g.name: g})
+        self.kernels = [b.kernel.function_name for b in be.launches[g.name]]
         for name, arr in self.data.items():
             be.write_value(g.name, name, arr)
         be.enqueue(g.name, np.zeros(n_tokens, np.int32), n_past, start_pos)
@@ -383,6 +384,38 @@ def test_decode_attention_shares_kv_heads_across_any_gqa_group_size(h, kvh, shar
     vc = b.state("vc", _rand(rng, s, kvh, hd), "f16")
     o = b.out("o", (1, h * hd))
     got, want = b.run("attention", [q, kc, vc], [o], 1, 70, n_heads=h, n_kv_heads=kvh,
+                      head_dim=hd, scale=1.0 / math.sqrt(hd))
+    _close(got[0], want[0], 1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype,hd", [("f16", 64), ("f32", 32), ("q8_0", 64), ("f16", 128)])
+@pytest.mark.parametrize("n_past", [0, 70, 127, 128, 600])
+def test_decode_attention_key_per_lane_matches_interpreter(kv_dtype, hd, n_past):
+    # attention_decode (HEAD_DIM % 32 == 0): one split, several (ticket merge), split edges
+    rng = np.random.default_rng(15)
+    h, kvh, s = 4, 2, 640
+    b = OneOp(1)
+    q = b.act("q", _rand(rng, 1, h * hd, scale=0.5))
+    kc = b.state("kc", _rand(rng, s, kvh, hd), kv_dtype)
+    vc = b.state("vc", _rand(rng, s, kvh, hd), kv_dtype)
+    o = b.out("o", (1, h * hd))
+    got, want = b.run("attention", [q, kc, vc], [o], 1, n_past, n_heads=h, n_kv_heads=kvh,
+                      head_dim=hd, scale=1.0 / math.sqrt(hd))
+    assert b.kernels == ["attention_decode"]
+    _close(got[0], want[0], 1e-4)
+
+
+def test_decode_attention_key_per_lane_over_several_passes_matches_interpreter(monkeypatch):
+    from llmrs.compiler.codegen import opencl as codegen
+    monkeypatch.setattr(codegen, "ATT_DEC_MAX_SPLITS", 2)   # 3 passes of 128 keys per split
+    rng = np.random.default_rng(16)
+    h, kvh, hd, s = 2, 1, 64, 768
+    b = OneOp(1)
+    q = b.act("q", _rand(rng, 1, h * hd, scale=0.5))
+    kc = b.state("kc", _rand(rng, s, kvh, hd), "f16")
+    vc = b.state("vc", _rand(rng, s, kvh, hd), "f16")
+    o = b.out("o", (1, h * hd))
+    got, want = b.run("attention", [q, kc, vc], [o], 1, 700, n_heads=h, n_kv_heads=kvh,
                       head_dim=hd, scale=1.0 / math.sqrt(hd))
     _close(got[0], want[0], 1e-4)
 
