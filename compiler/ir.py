@@ -34,6 +34,8 @@ Fused kinds (made by passes, never by model builders):
 
     fused_matmul(x[T,K], w[N,K], *extra; prologue, epilogue, ...)
         prologue None | "rms_norm"      extra: norm_w[K]; attrs eps. x is normalised first.
+                                        norm_folded: norm_w is ones, its real values already
+                                        multiplied into w (fuse.py norm_weight_fold).
         epilogue None                   -> y[T,N]
                  "add"                  extra: residual[T,N]; -> residual + x @ w.T
                  "silu_mul"             w = [gate; up] stacked, N = 2F; -> silu(g) * u, [T,F]

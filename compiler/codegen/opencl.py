@@ -57,20 +57,24 @@ MV_TARGET_WARPS = 4096        # rows per warp grow while a launch keeps about th
                               # (an H200: 132 SMs x 32), so every core's loads stay in flight
 MV_LOADS = 16                 # 16-byte weight loads a lane keeps in flight (registers allowing)
 MV_SPLIT_TARGET_WARPS = 8192  # narrow matrices (N under MV_TARGET_WARPS) split K over up to
-MV_MAX_SPLIT = 4              # this many warps per row until a launch has about this many warps
-                              # (an H200 holds 132 x 64); a group keeps >= 2 rows (pair epilogues)
+MV_MAX_SPLIT = 2              # this many warps per row until a launch has about this many warps
+                              # (an H200 holds 132 x 64); a group keeps >= 2 rows (pair epilogues).
+                              # H200 f16 decode, same run: 2 gave 866.7 tok/s, 4 852.8 (down_proj
+                              # 232 vs 247 us per step, o_proj 119 vs 114)
 MV_SPLIT_PREPARED_X = False   # split also matvecs whose groups prepare x (quantized weights: the
                               # Q8_0 copy; the RMS prologue's sum): slower on the H200 (matvec_shape)
 MV_RMS_LATE = 1               # float weights: the RMS prologue's 1 / rms scales the finished dot
                               # products (sum of squares taken in the K loop), so those groups
                               # prepare nothing and may split K too. 0: never; 1: where K splits
-                              # (H200 f16 qkv 242 -> 231 us per step); 2: always (gate_up,
-                              # unsplit, went 363 -> 397 us, lm_head 142 -> 132)
+                              # (H200 f16 qkv 242 -> 231 us per step) or the norm weight is
+                              # folded (nothing left to load per unit); 2: always (gate_up,
+                              # unsplit, with its norm weight, went 363 -> 397 us)
 MV_MAX_K = 32768              # quantized x's Q8_0 copy (1.25 B per value) fits in local memory
 TILE_M = 64                   # matmul_tiled: tokens per group (fixed in matmul.cl)
 TILE_N_WIDE = 128             # and weight rows per group: 128 where N gives enough groups,
 TILE_N_MIN_GROUPS = 512       # (this many at 512 tokens: ~4 per SM of an H200), else 64
-ATT_WG, ATT_BQ = 128, 32      # attention_split threads; attention_tiled query rows per group
+ATT_WG, ATT_BQ = 128, 128     # attention_split threads; attention_tiled query rows per group
+                              # (H200 q4_0 prefill 512: attention 4.0 ms with 32, 3.5 with 128)
 ATT_KEYS_PER_SPLIT, ATT_MAX_SPLITS = 64, 32   # decode attention: splits = S / 64
 ATT_DECODE = "warp"           # decode attention kernel: "warp" (attention_decode: a key per
                               # lane, K and V loads in flight together, splits only where the
@@ -206,6 +210,8 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     if a.get("prologue") == "rms_norm":
         nw_name = extra.pop(0)
         options += ["-DPROLOGUE_RMS", f"-DNORM_T={_float_type(ctx, op, nw_name, 'norm weight')}"]
+        if a.get("norm_folded"):
+            options.append("-DNORM_UNIT")      # nw is ones (fuse.py norm_weight_fold): not loaded
         nw = _v(nw_name)
     e = [_NONE, _NONE, _NONE]
     epi = a.get("epilogue")
@@ -237,7 +243,7 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
               "longest row the decode matvec keeps in local memory; use --weights f16")
         options += [f"-DMV_WG={mv_wg}", f"-DMV_ROWS={mv_rows}", f"-DMV_K={k}", f"-DMV_LOADS={MV_LOADS}",
                     f"-DMV_SPLIT={mv_split}"]
-        if MV_RMS_LATE == 2 or (MV_RMS_LATE == 1 and mv_split > 1):
+        if MV_RMS_LATE == 2 or (MV_RMS_LATE == 1 and (mv_split > 1 or a.get("norm_folded"))):
             options.append("-DMV_RMS_LATE")   # matvec.cl applies it to float weights' RMS prologue
     args = [_v(x), _v(w), nw, *e, _v(op.outputs[0]),
             {"int": m}, {"int": k}, {"int": n}, {"float": float(a.get("eps", 0.0))},
@@ -262,7 +268,8 @@ def _attention(ctx: _Ctx, op: Op) -> None:
     args = [_v(q), _v(k), _v(v), _v(op.outputs[0])]
     scalars = [{"int": h}, {"int": a["n_kv_heads"]}, {"float": float(a["scale"])}, {"int": m}]
     if m > 1:
-        ctx.launches.append(Launch(op.name, "attention", "attention_tiled", options, args + scalars,
+        ctx.launches.append(Launch(op.name, "attention", "attention_tiled", options + [f"-DATT_BQ={ATT_BQ}"],
+                                   args + scalars,
                                    local=ATT_BQ, groups=h, rows=m, row_tile=ATT_BQ))
     elif ATT_DECODE == "warp" and hd % 32 == 0 and hd <= ATT_DEC_WG:
         splits = max(1, min(ATT_DEC_MAX_SPLITS, math.ceil(ctx.shape(k)[0] / ATT_DEC_WG)))

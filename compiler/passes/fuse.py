@@ -246,6 +246,35 @@ def _norm_prologue(g: Graph, m: Match) -> list[Op] | None:
                      prologue="rms_norm", eps=norm.attrs["eps"])]
 
 
+def _norm_weight_fold(g: Graph, m: Match) -> list[Op] | None:
+    """rms_norm's weight folded into the float matmul weight it feeds: dot(w, x / rms * nw) =
+    dot(w * nw, x) / rms, so a decode kernel loads no norm weight (on the H200 those loads cost
+    an f16 matvec ~4 us a launch). The norm input becomes a shared const of ones, which every
+    back end multiplies by exactly as before; `norm_folded` lets a back end skip it. Quantized
+    weights keep GGML's bytes, and a weight or norm read elsewhere (a tied lm_head) stays."""
+    mm, w, nw = m["mm"], m["w"], m["norm_w"]
+    wv, nv = g.values[w], g.values[nw]
+    if (mm.attrs.get("norm_folded") or wv.dtype not in ("f32", "f16")
+            or wv.kind not in ("param", "const") or nv.kind not in ("param", "const")
+            or sum(op.inputs.count(w) + op.inputs.count(nw) for op in g.ops) != 2):
+        return None
+    folded = f"{w}.normed"
+    if folded not in g.values:
+        src_w, src_n = g.weights[w], g.weights[nw]
+
+        def make(src_w=src_w, src_n=src_n, nd=nv.dtype, wd=wv.dtype) -> np.ndarray:
+            n = src_n.load()
+            n = (n.astype(np.uint32) << 16).view(np.float32) if nd == "bf16" else n.astype(np.float32)
+            return (src_w.load().astype(np.float32) * n[None, :]).astype(np.float16 if wd == "f16" else np.float32)
+        g.add_value(folded, wv.shape, wv.dtype, kind="const")
+        g.weights[folded] = LazyTensor(wv.shape, wv.dtype, make)
+    ones = f"norm.ones.{nv.shape[0]}"
+    if ones not in g.values:
+        g.add_value(ones, nv.shape, "f32", kind="const")
+        g.weights[ones] = LazyTensor.of(np.ones(nv.shape, np.float32), "f32")
+    return [_as_fused(mm, [m["x"], folded, ones, *m["extra"]], mm.outputs, norm_folded=True)]
+
+
 _MATMUL = ("matmul", "fused_matmul")
 
 RULES: list[Rule] = [
@@ -275,6 +304,10 @@ RULES: list[Rule] = [
     Rule("norm_prologue", Pat(_MATMUL, "mm", attrs={"prologue": None}, rest="extra", src=(
         Pat("rms_norm", "norm", src=(Val("x"), Val("norm_w"))), Val("w"))),
          _norm_prologue),
+    # the norm's weight multiplied into the (float) matmul weight it feeds
+    Rule("norm_weight_fold", Pat("fused_matmul", "mm", attrs={"prologue": "rms_norm"}, rest="extra",
+                                 src=(Val("x"), Val("w"), Val("norm_w"))),
+         _norm_weight_fold),
 ]
 RULE_NAMES = tuple(r.name for r in RULES)
 

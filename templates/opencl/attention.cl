@@ -399,7 +399,9 @@ void attention_decode(__global const int* step, gin qb, ulong q_off, gin kb, ulo
 // Prefill: one group per (query head, tile of ATT_BQ rows); each thread owns one query row and
 // walks the keys in tiles of ATT_BK staged in local memory, with an online softmax per row.
 // Grid: (H * ATT_BQ, ceil(rows / ATT_BQ)).
-#define ATT_BQ 32
+#ifndef ATT_BQ
+#define ATT_BQ 32              // query rows (threads) per group: more rows share each staged tile
+#endif
 #define ATT_BK 32
 
 __kernel __attribute__((reqd_work_group_size(ATT_BQ, 1, 1)))
@@ -414,24 +416,26 @@ void attention_tiled(__global const int* step, gin qb, ulong q_off, gin kb, ulon
     size_t kv_stride = (size_t)n_kv_heads * HEAD_DIM;
     gin k = kb + k_off;
     gin v = vb + v_off;
-    __local float ks[ATT_BK][HEAD_DIM];
-    __local float vs[ATT_BK][HEAD_DIM];
+    // float4-typed tiles: each key row is read as 16-byte local loads (scalar indexing of a
+    // float array gave one 4-byte load per element)
+    __local float4 ks[ATT_BK][HEAD_DIM / 4];
+    __local float4 vs[ATT_BK][HEAD_DIM / 4];
 
-    float qr[HEAD_DIM], acc[HEAD_DIM];
-    __global const float* q = (__global const float*)(qb + q_off) + ((size_t)t * n_heads + h) * HEAD_DIM;
-    for (int e = 0; e < HEAD_DIM; e++) {
-        qr[e] = t < rows ? q[e] : 0.0f;
-        acc[e] = 0.0f;
+    float4 qr[HEAD_DIM / 4], acc[HEAD_DIM / 4];
+    __global const float4* q = (__global const float4*)(qb + q_off) + ((size_t)t * n_heads + h) * (HEAD_DIM / 4);
+    for (int e = 0; e < HEAD_DIM / 4; e++) {
+        qr[e] = t < rows ? q[e] : (float4)(0.0f);
+        acc[e] = (float4)(0.0f);
     }
     float m_run = -INFINITY, l_run = 0.0f;
     int last = n_past + min(rows, t0 + ATT_BQ) - 1;    // the tile's last visible slot
     for (int c0 = 0; c0 <= last; c0 += ATT_BK) {
-        for (int e = lid; e < ATT_BK * HEAD_DIM; e += ATT_BQ) {
-            int i = e / HEAD_DIM, dd = e % HEAD_DIM;
-            size_t at = (size_t)(c0 + i) * kv_stride + kvh * HEAD_DIM + dd;
+        for (int e = lid; e < ATT_BK * HEAD_DIM / 4; e += ATT_BQ) {   // 4 elements a load
+            int i = e / (HEAD_DIM / 4), d4 = e % (HEAD_DIM / 4);
+            size_t at = (size_t)(c0 + i) * kv_stride + kvh * HEAD_DIM + 4 * d4;
             bool in = c0 + i <= last;
-            ks[i][dd] = in ? LD_KV(k, at) : 0.0f;
-            vs[i][dd] = in ? LD_KV(v, at) : 0.0f;
+            ks[i][d4] = in ? ld_kv4(k, at) : (float4)(0.0f);
+            vs[i][d4] = in ? ld_kv4(v, at) : (float4)(0.0f);
         }
         barrier(CLK_LOCAL_MEM_FENCE);
         int visible = min(ATT_BK, n_past + t - c0 + 1);   // keys of this tile row t sees
@@ -439,26 +443,26 @@ void attention_tiled(__global const int* step, gin qb, ulong q_off, gin kb, ulon
             float s[ATT_BK];
             float m_tile = -INFINITY;
             for (int i = 0; i < ATT_BK; i++) {
-                float dot = 0.0f;
-                for (int e = 0; e < HEAD_DIM; e++) dot += qr[e] * ks[i][e];
-                s[i] = i < visible ? dot * scale : -INFINITY;
+                float d = 0.0f;
+                for (int e = 0; e < HEAD_DIM / 4; e++) d += dot(qr[e], ks[i][e]);
+                s[i] = i < visible ? d * scale : -INFINITY;
                 m_tile = fmax(m_tile, s[i]);
             }
             float m_new = fmax(m_run, m_tile);
             float alpha = exp(m_run - m_new);
             l_run *= alpha;
-            for (int e = 0; e < HEAD_DIM; e++) acc[e] *= alpha;
+            for (int e = 0; e < HEAD_DIM / 4; e++) acc[e] *= alpha;
             for (int i = 0; i < ATT_BK; i++) {
                 float p = exp(s[i] - m_new);
                 l_run += p;
-                for (int e = 0; e < HEAD_DIM; e++) acc[e] += p * vs[i][e];
+                for (int e = 0; e < HEAD_DIM / 4; e++) acc[e] += p * vs[i][e];
             }
             m_run = m_new;
         }
         barrier(CLK_LOCAL_MEM_FENCE);
     }
     if (t < rows) {
-        __global float* o = (__global float*)(ob + o_off) + ((size_t)t * n_heads + h) * HEAD_DIM;
-        for (int e = 0; e < HEAD_DIM; e++) o[e] = acc[e] / l_run;
+        __global float4* o = (__global float4*)(ob + o_off) + ((size_t)t * n_heads + h) * (HEAD_DIM / 4);
+        for (int e = 0; e < HEAD_DIM / 4; e++) o[e] = acc[e] / l_run;
     }
 }

@@ -51,8 +51,16 @@ def test_fusing_folded_q4_0_graphs_gives_the_same_logits(golden):
 def test_each_rule_switched_off_still_gives_the_same_logits(golden, rule):
     p, d = _graphs(golden[0])
     fp, fd = fuse(p, disabled=[rule]), fuse(d, disabled=[rule])
-    assert fd.kernel_count() > fuse(d).kernel_count() or rule == "last_token_logits"
+    if rule == "norm_weight_fold":      # a fold, not a fusion: same kernels, no folded weights
+        foldable = {v.dtype for v in d.values.values() if v.kind == "param"} <= {"f32", "f16"}   # not bf16
+        assert not _folded(fd) and bool(_folded(fuse(d))) == foldable
+    else:
+        assert fd.kernel_count() > fuse(d).kernel_count() or rule == "last_token_logits"
     _check_same_logits(p, d, fp, fd)
+
+
+def _folded(g):
+    return [op.inputs[1] for op in g.ops if op.attrs.get("norm_folded")]
 
 
 @pytest.mark.parametrize("rule", RULE_NAMES)
@@ -62,6 +70,8 @@ def test_each_rule_alone_gives_the_same_logits(golden, rule):
     fp, fd = fuse(p, disabled=others), fuse(d, disabled=others)
     if rule == "last_token_logits":     # the slice is no kernel: the head reads one row
         assert fp.values["logits"].shape[0] == 1
+    elif rule == "norm_weight_fold":    # needs norm_prologue's fused ops: alone it changes nothing
+        assert not _folded(fd) and fd.kernel_count() == d.kernel_count()
     else:
         assert fp.kernel_count() < p.kernel_count()
     _check_same_logits(p, d, fp, fd)
@@ -124,7 +134,7 @@ def test_fuse_leaves_its_input_graph_untouched(golden):
 
 def test_an_unknown_rule_is_a_one_line_error_listing_the_rules(golden):
     with pytest.raises(ValueError, match=r"^unknown fusion rule 'qkv'; the rules are qkv_rope_kv, "
-                                         r"gate_up_silu, residual_epilogue, last_token_logits, norm_prologue$"):
+                                         r"gate_up_silu, residual_epilogue, last_token_logits, norm_prologue, norm_weight_fold$"):
         fuse(_graphs(golden[0])[1], disabled=["qkv"])
 
 
@@ -139,3 +149,19 @@ def test_llama_1b_graphs_build_in_under_a_second_and_decode_in_5_kernels_a_layer
         per_layer = (f.kernel_count() - 2) / cfg.num_hidden_layers   # less embedding and head
         assert per_layer <= 5, f"{g.name}: {per_layer} kernels per layer"
     assert f.kernel_count() == 16 * 5 + 2
+
+
+@pytest.mark.parametrize("fmt", ["f16", "f32"])
+def test_norm_weights_fold_into_float_weights_but_not_into_a_tied_head_or_quantized_ones(golden, fmt):
+    # a head tied to the embedding keeps its norm weight; f16 rounds w * nw once more
+    p, d = (quantize(g, fmt) for g in _graphs(golden[0]))
+    fp, fd = fuse(p), fuse(d)
+    cfg = fd.meta["config"]
+    folded = _folded(fd)
+    assert len(folded) == 2 * cfg["num_hidden_layers"] + (not cfg["tie_word_embeddings"])
+    assert all(n.endswith(".normed") for n in folded)
+    head = [op for op in fd.ops if op.outputs == ["logits"]][0]
+    assert head.attrs.get("prologue") == "rms_norm"
+    assert bool(head.attrs.get("norm_folded")) != cfg["tie_word_embeddings"]
+    _check_same_logits(p, d, fp, fd, tol=1e-5 if fmt == "f32" else 2e-3)
+    assert not _folded(fuse(quantize(_graphs(golden[0])[1], "q4_0")))

@@ -322,6 +322,21 @@ def test_decode_rms_prologue_late_or_prepared_and_each_group_size_matches_interp
     _close(got[0], want[0], _tol(wdt))
 
 
+@pytest.mark.parametrize("wdt", ["f16", "f32", "q4_0"])
+@pytest.mark.parametrize("rows", [1, 9])
+def test_rms_prologue_with_a_folded_norm_weight_matches_interpreter(wdt, rows):
+    # norm_folded (fuse.py norm_weight_fold): the kernels load no norm weight (-DNORM_UNIT)
+    rng = np.random.default_rng(24)
+    k, n = 2080, 72
+    b = OneOp(rows)
+    x = b.act("x", _rand(rng, rows, k, scale=3.0))
+    w = b.param("w", _rand(rng, n, k, scale=0.05), wdt)
+    ones = b.param("ones", np.ones(k, np.float32), "f32", kind="const")
+    got, want = b.run("fused_matmul", [x, w, ones], [b.out("y", (rows, n))], rows, prologue="rms_norm",
+                      eps=1e-5, norm_folded=True)
+    _close(got[0], want[0], _tol(wdt))
+
+
 def test_split_k_of_prepared_x_stops_at_a_rows_passes(monkeypatch):
     from llmrs.compiler.codegen import opencl as codegen
     monkeypatch.setattr(codegen, "MV_SPLIT_PREPARED_X", True)
@@ -384,6 +399,22 @@ def test_decode_attention_shares_kv_heads_across_any_gqa_group_size(h, kvh, shar
     vc = b.state("vc", _rand(rng, s, kvh, hd), "f16")
     o = b.out("o", (1, h * hd))
     got, want = b.run("attention", [q, kc, vc], [o], 1, 70, n_heads=h, n_kv_heads=kvh,
+                      head_dim=hd, scale=1.0 / math.sqrt(hd))
+    _close(got[0], want[0], 1e-4)
+
+
+@pytest.mark.parametrize("bq", [64, 128])
+def test_prefill_attention_with_more_query_rows_per_group_matches_interpreter(bq, monkeypatch):
+    from llmrs.compiler.codegen import opencl as codegen
+    monkeypatch.setattr(codegen, "ATT_BQ", bq)
+    rng = np.random.default_rng(17)
+    h, kvh, hd, s, rows = 4, 2, 64, 320, 150
+    b = OneOp(rows, name="prefill")
+    q = b.act("q", _rand(rng, rows, h * hd, scale=0.5))
+    kc = b.state("kc", _rand(rng, s, kvh, hd), "f16")
+    vc = b.state("vc", _rand(rng, s, kvh, hd), "f16")
+    o = b.out("o", (rows, h * hd))
+    got, want = b.run("attention", [q, kc, vc], [o], 141, 30, n_heads=h, n_kv_heads=kvh,
                       head_dim=hd, scale=1.0 / math.sqrt(hd))
     _close(got[0], want[0], 1e-4)
 

@@ -15,7 +15,8 @@ SMALL = dict(max_seq_len=64, prefill_chunk=8)
 
 def test_the_passes_run_in_the_documented_order():
     assert [name for name, _ in PASSES] == ["verify", "quantize", "fold", "fuse", "schedule", "plan_memory"]
-    assert RULES == ("qkv_rope_kv", "gate_up_silu", "residual_epilogue", "last_token_logits", "norm_prologue")
+    assert RULES == ("qkv_rope_kv", "gate_up_silu", "residual_epilogue", "last_token_logits", "norm_prologue",
+                     "norm_weight_fold")
 
 
 def test_compiled_f32_graphs_give_the_built_graphs_logits(golden):

@@ -128,9 +128,11 @@ def test_untied_embedding_and_head_take_their_own_formats():
 
 
 def test_quantize_before_or_after_fuse_gives_the_same_bytes_and_logits(golden):
+    # norm_weight_fold multiplies float weights by the norm's, which would then be quantized:
+    # the pipeline quantizes first, and the orders agree with that rule off
     p, d = _graphs(golden[0])
-    before = [fuse(quantize(g, "q4_0")) for g in (p, d)]
-    after = [quantize(fuse(g), "q4_0") for g in (p, d)]
+    before = [fuse(quantize(g, "q4_0"), disabled=["norm_weight_fold"]) for g in (p, d)]
+    after = [quantize(fuse(g, disabled=["norm_weight_fold"]), "q4_0") for g in (p, d)]
     stacked = "model.layers.1.self_attn.qkv_proj.weight"
     assert np.array_equal(before[1].weights[stacked].load(), after[1].weights[stacked].load())
     assert rel_err(_logits(*after), _logits(*before)) < 1e-6
