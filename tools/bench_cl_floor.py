@@ -31,8 +31,7 @@ __kernel void empty(__global int* p) { }
 
 // Every thread issues its LOADS loads before using any; one word per group is written only
 // if the xor of everything read has a value the data never gives, so the loads stay.
-__kernel void stream(__global const uint4* w, ulong off, ulong n, __global uint* out) {
-    w += off;
+uint stream_xor(__global const uint4* w, ulong n) {
     size_t gid = get_global_id(0), gs = get_global_size(0);
     uint acc = 0;
     for (size_t i = gid; i < n; i += LOADS * gs) {
@@ -43,6 +42,12 @@ __kernel void stream(__global const uint4* w, ulong off, ulong n, __global uint*
         }
         for (int u = 0; u < LOADS; u++) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
     }
+    return acc;
+}
+
+__kernel void stream(__global const uint4* w, ulong off, ulong n, __global uint* out) {
+    w += off;
+    uint acc = stream_xor(w, n);
     if (acc == 0x9e3779b9u) out[get_group_id(0)] = acc;
 }
 
@@ -60,16 +65,7 @@ void stream_prologue(__global const uint4* w, ulong off, ulong n, __global uint*
         barrier(CLK_LOCAL_MEM_FENCE);
     }
     float rms = red[0];
-    size_t gid = get_global_id(0), gs = get_global_size(0);
-    uint acc = 0;
-    for (size_t i = gid; i < n; i += LOADS * gs) {
-        uint4 v[LOADS];
-        for (int u = 0; u < LOADS; u++) {
-            size_t j = i + u * gs;
-            v[u] = j < n ? w[j] : (uint4)(0);
-        }
-        for (int u = 0; u < LOADS; u++) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-    }
+    uint acc = stream_xor(w, n);
     if (acc == 0x9e3779b9u || rms < 0.0f) out[get_group_id(0)] = acc;
 }
 """
