@@ -17,6 +17,7 @@ import numpy as np
 
 from ..ir import Graph, IRError, LazyTensor, Op
 from .fold import inv_freq_const
+from .quantize import decode_rows, encode_rows
 
 Match = dict[str, Any]  # pattern name -> Op (a Pat), value name (a Val), list of value names (a rest)
 
@@ -263,9 +264,8 @@ def _norm_weight_fold(g: Graph, m: Match) -> list[Op] | None:
         src_w, src_n = g.weights[w], g.weights[nw]
 
         def make(src_w=src_w, src_n=src_n, nd=nv.dtype, wd=wv.dtype) -> np.ndarray:
-            n = src_n.load()
-            n = (n.astype(np.uint32) << 16).view(np.float32) if nd == "bf16" else n.astype(np.float32)
-            return (src_w.load().astype(np.float32) * n[None, :]).astype(np.float16 if wd == "f16" else np.float32)
+            n = decode_rows(src_n.load(), nd)
+            return encode_rows(decode_rows(src_w.load(), wd) * n[None, :], wd)
         g.add_value(folded, wv.shape, wv.dtype, kind="const")
         g.weights[folded] = LazyTensor(wv.shape, wv.dtype, make)
     ones = f"norm.ones.{nv.shape[0]}"

@@ -11,7 +11,7 @@ _CHUNK_VALUES = 1 << 22  # rows are converted in pieces of ~4M values: ~16 MB of
 _FLAG = {"weights": "--weights", "embedding": "--embedding", "lm_head": "--lm-head"}
 
 
-def _decode(raw: np.ndarray, dtype: str) -> np.ndarray:
+def decode_rows(raw: np.ndarray, dtype: str) -> np.ndarray:
     """Stored rows of any weight dtype -> float32 rows."""
     if dtype == "bf16":  # raw bf16 bits are the high half of an f32
         return (raw.astype(np.uint32) << 16).view(np.float32)
@@ -20,7 +20,7 @@ def _decode(raw: np.ndarray, dtype: str) -> np.ndarray:
     return raw.astype(np.float32)
 
 
-def _encode(x: np.ndarray, dtype: str) -> np.ndarray:
+def encode_rows(x: np.ndarray, dtype: str) -> np.ndarray:
     if dtype in quant.BLOCK_BYTES:
         return quant.quantize(x, dtype)
     return x.astype({"f32": np.float32, "f16": np.float16}[dtype])
@@ -40,7 +40,7 @@ def converted(src: LazyTensor, dtype: str) -> LazyTensor:
         rows_in, rows_out = raw.reshape(-1, raw.shape[-1]), out.reshape(-1, out.shape[-1])
         step = max(1, _CHUNK_VALUES // shape[-1])
         for s in range(0, rows_in.shape[0], step):
-            rows_out[s:s + step] = _encode(_decode(rows_in[s:s + step], src.dtype), dtype)
+            rows_out[s:s + step] = encode_rows(decode_rows(rows_in[s:s + step], src.dtype), dtype)
         return out
 
     return LazyTensor(shape, dtype, make)

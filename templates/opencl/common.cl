@@ -171,7 +171,7 @@ inline float2 half2_bits_to_float2(uint u) {
 }
 #endif
 
-// -- 4 and 16 consecutive float elements, index counted in 4s / 16s --------------------------
+// -- 4 consecutive float elements, index counted in 4s --------------------------------------
 // Every tensor starts 64-byte aligned (plan.py, galloc), so these are whole-vector loads:
 // vload4 and vload_half4 may only assume element alignment, and NVIDIA's compiler then
 // issues one load per element (H200, the f16 qkv matvec with its RMS prologue alone:
@@ -184,16 +184,6 @@ inline float4 ld4_f16(gin p, size_t i4) {
 inline float4 ld4_bf16(gin p, size_t i4) {
     uint2 u = ((__global const uint2*)p)[i4];
     return as_float4((uint4)(u.x << 16, u.x & 0xFFFF0000u, u.y << 16, u.y & 0xFFFF0000u));
-}
-inline float16 ld16_f32(gin p, size_t i16) {
-    __global const float4* q = (__global const float4*)p + 4 * i16;
-    return (float16)(q[0], q[1], q[2], q[3]);
-}
-inline float16 ld16_f16(gin p, size_t i16) {
-    return (float16)(ld4_f16(p, 4 * i16), ld4_f16(p, 4 * i16 + 1), ld4_f16(p, 4 * i16 + 2), ld4_f16(p, 4 * i16 + 3));
-}
-inline float16 ld16_bf16(gin p, size_t i16) {
-    return (float16)(ld4_bf16(p, 4 * i16), ld4_bf16(p, 4 * i16 + 1), ld4_bf16(p, 4 * i16 + 2), ld4_bf16(p, 4 * i16 + 3));
 }
 
 // Sum over the work-group (any size that is a multiple of 32 with USE_NV_PTX); red holds

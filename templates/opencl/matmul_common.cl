@@ -101,11 +101,9 @@ inline float wscale(gin w, size_t blk, size_t nblk) {
 #if defined(PROLOGUE_RMS) && defined(NORM_UNIT)
 // the norm weight is ones, its values already in the matmul weight (fuse.py norm_weight_fold)
 #define LD4_NORM(p, i4) ((float4)(1.0f))
-#define LD16_NORM(p, i16) ((float16)(1.0f))
 #define LD_NORM(p, i) 1.0f
 #elif defined(PROLOGUE_RMS)
 #define LD4_NORM(p, i4) CAT(ld4_, NORM_T)(p, i4)
-#define LD16_NORM(p, i16) CAT(ld16_, NORM_T)(p, i16)
 #define LD_NORM(p, i) CAT(ld_, NORM_T)(p, i)
 #endif
 #if defined(EPI_ROPE_KV) && !defined(KV_Q8_0)
