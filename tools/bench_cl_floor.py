@@ -6,7 +6,9 @@ Replays the launch sequence of one decode step (embedding, per layer qkv / atten
 gate_up / down, lm_head, argmax) with kernels that only stream each launch's weight bytes from
 distinct device memory (16-byte loads, every thread's loads issued before any is used, one word
 written per group so nothing is optimised away). Reported, per weights dtype:
-    empty_launch_us   back-to-back empty kernels (one group), as tools/bench_opencl.py measures it
+    empty_launch_us   back-to-back empty kernels (one group), launched as the runtime launches
+                      (no events: runtime/backends/opencl_launch.py), as tools/bench_opencl.py
+                      measures it; empty_launch_us_pyopencl: the same through pyopencl
     per_kernel        for each launch kind alone, repeated back to back: wall us per launch and
                       the device's own time (profiling events) per launch
     step_us           the whole sequence, many steps enqueued then drained: wall us per step
@@ -25,6 +27,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from llmrs.runtime.backends.opencl_launch import DirectLaunches
 
 SOURCE = r"""
 __kernel void empty(__global int* p) { }
@@ -135,15 +139,18 @@ def main(argv: list[str] | None = None) -> int:
     x = cl.Buffer(ctx, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR,
                   hostbuf=np.random.default_rng(0).standard_normal(2048).astype(np.float32))
 
+    direct = DirectLaunches(queue)
     empty = cl.Kernel(prg, "empty")
     empty.set_args(out)
-    for _ in range(100):
-        cl.enqueue_nd_range_kernel(queue, empty, (64,), (64,))
-    empty_us = median_wall_us(queue, lambda: [cl.enqueue_nd_range_kernel(queue, empty, (64,), (64,))
-                                             for _ in range(2000)] and 2000, 5)
+    empties = direct.prepare([(empty, (64, 1), (64, 1))] * 2000)
+    direct.enqueue(empties[:100])
+    empty_us = median_wall_us(queue, lambda: direct.enqueue(empties) or len(empties), 5)
+    empty_py_us = median_wall_us(queue, lambda: [cl.enqueue_nd_range_kernel(queue, empty, (64,), (64,))
+                                                for _ in range(2000)] and 2000, 5)
     result: dict = {"device": dev.name, "compute_units": sms, "loads_in_flight": args.loads,
-                    "empty_launch_us": round(empty_us, 2), "weights": {}}
-    print(f"{dev.name}: empty launch {empty_us:.2f} us", flush=True)
+                    "empty_launch_us": round(empty_us, 2), "empty_launch_us_pyopencl": round(empty_py_us, 2),
+                    "weights": {}}
+    print(f"{dev.name}: empty launch {empty_us:.2f} us ({empty_py_us:.2f} us through pyopencl)", flush=True)
 
     for dtype in args.weights.split(","):
         seq = launch_sequence(args.preset, dtype, args.context)
@@ -164,10 +171,13 @@ def main(argv: list[str] | None = None) -> int:
             off += -(-n16 * 16 // 256) * 256     # each launch's bytes start 256-byte aligned
         queue.finish()
 
+        steps = {p: direct.prepare([(kp if p and rms else k, (g, 1), (256, 1))
+                                    for (kind, k, kp, g), (_, _, rms) in zip(launches, seq)])
+                 for p in (False, True)}
+
         def step(with_prologue: bool, n: int) -> int:
             for _ in range(n):
-                for (kind, k, kp, g), (_, _, rms) in zip(launches, seq):
-                    cl.enqueue_nd_range_kernel(queue, kp if with_prologue and rms else k, (g,), (256,))
+                direct.enqueue(steps[with_prologue])
             return n
 
         step(False, 5)
@@ -177,14 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         per_kernel = {}
         for kind in dict.fromkeys(k for k, _, _ in seq):
             kind_launches = [(k, g) for kk, k, _, g in launches if kk == kind]
-            n = 200
-
-            def rep() -> int:
-                for i in range(n):
-                    k, g = kind_launches[i % len(kind_launches)]
-                    cl.enqueue_nd_range_kernel(queue, k, (g,), (256,))
-                return n
-            wall = median_wall_us(queue, rep, 3)
+            reps = direct.prepare([(k, (g, 1), (256, 1)) for i in range(200)
+                                   for k, g in [kind_launches[i % len(kind_launches)]]])
+            wall = median_wall_us(queue, lambda: direct.enqueue(reps) or len(reps), 3)
             evs = [cl.enqueue_nd_range_kernel(pqueue, k, (g,), (256,)) for k, g in kind_launches * 4]
             pqueue.finish()
             dev_us = statistics.median((e.profile.end - e.profile.start) / 1e3 for e in evs)

@@ -4,7 +4,8 @@
 
 For each weights dtype: compile the model (pipeline + OpenCL codegen) into a plan, load it with
 OpenCLBackend, then measure
-    launch_us         one empty kernel launch through pyopencl (mean of many, queue drained)
+    launch_us         one empty kernel launch as the runtime launches (no events; mean of many,
+                      queue drained); launch_us_pyopencl: the same through pyopencl, with events
     copy_gbps         device buffer-to-buffer copy, (read + written bytes) / time
     decode            kernels per step, weight bytes read per step, tok/s of greedy steps (argmax
                       on the device, 4 bytes read back; the better of step by step and
@@ -36,17 +37,25 @@ from llmrs.runtime.plan import Plan
 EMPTY_KERNEL = "__kernel void empty(__global int* p) { }"
 
 
-def launch_cost_us(be: OpenCLBackend, n: int = 2000) -> float:
+def launch_cost_us(be: OpenCLBackend, n: int = 2000, pyopencl: bool = False) -> float:
+    """One empty launch, back to back: as the back end launches kernel by kernel (with no
+    event, where it can: what a step pays, the floor's launch cost) or through pyopencl's
+    enqueue, which makes an event per launch."""
     import pyopencl as cl
     prg = cl.Program(be.ctx, EMPTY_KERNEL).build()
     k = cl.Kernel(prg, "empty")
     k.set_args(be.step_buf)
-    for _ in range(100):
-        cl.enqueue_nd_range_kernel(be.queue, k, (64,), (64,))
+    if be.direct is not None and not pyopencl:
+        prepared = be.direct.prepare([(k, (64, 1), (64, 1))] * n)
+        enqueue = lambda m: be.direct.enqueue(prepared[:m])   # noqa: E731
+    else:
+        def enqueue(m: int) -> None:
+            for _ in range(m):
+                cl.enqueue_nd_range_kernel(be.queue, k, (64,), (64,))
+    enqueue(100)
     be.queue.finish()
     t = time.perf_counter()
-    for _ in range(n):
-        cl.enqueue_nd_range_kernel(be.queue, k, (64,), (64,))
+    enqueue(n)
     be.queue.finish()
     return (time.perf_counter() - t) / n * 1e6
 
@@ -190,11 +199,18 @@ def measure_plan(path: Path, prefill: int, steps: int) -> dict:
     decode_batched_s = (time.perf_counter() - t) / steps
     decode_batched_plain_s = None
     if be.use_command_buffers:   # the same batch enqueued kernel by kernel, for comparison
-        kept, be.use_command_buffers = be._command_buffers.pop(("greedy", steps)), False
+        kept, be.use_command_buffers = be._command_buffers.pop((("greedy",), steps)), False
         t = time.perf_counter()
         be.run_greedy_steps(int(tok[0]), n, n, steps)
         decode_batched_plain_s = (time.perf_counter() - t) / steps
-        be._command_buffers[("greedy", steps)], be.use_command_buffers = kept, True
+        be._command_buffers[(("greedy",), steps)], be.use_command_buffers = kept, True
+    decode_batched_pyopencl_s = None
+    if be.direct is not None and not be.use_command_buffers:   # launched through pyopencl, with events
+        direct, be.direct = be.direct, None
+        t = time.perf_counter()
+        be.run_greedy_steps(int(tok[0]), n, n, steps)
+        decode_batched_pyopencl_s = (time.perf_counter() - t) / steps
+        be.direct = direct
     tok[0] = chosen[-1]
     n += steps
     t = time.perf_counter()
@@ -214,6 +230,7 @@ def measure_plan(path: Path, prefill: int, steps: int) -> dict:
                "prefill": kernel_profile(be, "prefill", prompt, 0)}
     profile["decode_matrices"] = matrix_bandwidth(d, decode_op_us)
     launch_us = launch_cost_us(be)
+    launch_py_us = launch_cost_us(be, pyopencl=True)
     bw = copy_gbps(be)
     launches = len(be.launches["decode"]) + 1     # + the greedy argmax
     wbytes, _ = decode_weight_bytes(d)
@@ -222,13 +239,15 @@ def measure_plan(path: Path, prefill: int, steps: int) -> dict:
     return {
         "device": be.device_name, "plan": str(path),
         "build_options": be.build_options, "build_notes": be.build_notes, "load_s": round(load_s, 1),
-        "launch_us": round(launch_us, 2), "copy_gbps": round(bw, 1),
+        "launch_us": round(launch_us, 2), "launch_us_pyopencl": round(launch_py_us, 2), "copy_gbps": round(bw, 1),
         "decode": {"kernels_per_step": launches, "weight_bytes": wbytes,
                    "ms_per_token": round(best_s * 1e3, 3), "tok_s": round(1 / best_s, 1),
                    "ms_per_token_step_by_step": round(decode_s * 1e3, 3),
                    "ms_per_token_batched": round(decode_batched_s * 1e3, 3),
                    "ms_per_token_batched_without_command_buffer": decode_batched_plain_s and
                    round(decode_batched_plain_s * 1e3, 3),
+                   "ms_per_token_batched_pyopencl_launches": decode_batched_pyopencl_s and
+                   round(decode_batched_pyopencl_s * 1e3, 3),
                    "command_buffers": be.use_command_buffers,
                    "ms_per_token_logits_read": round(decode_logits_s * 1e3, 3),
                    "ms_per_token_enqueue_only": round(decode_enqueue_s * 1e3, 3),

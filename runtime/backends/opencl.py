@@ -17,8 +17,6 @@ enqueues the launch table and reads the logits back.
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import hashlib
 import json
 import math
@@ -32,6 +30,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from ...compiler.ir import Graph, IRError, storage_shape
+from .opencl_launch import CommandBuffer, DirectLaunches, OpenCLError
 
 ALIGN = 64
 GREEDY_MAX_STEPS = 4096   # run_greedy_steps: tokens one batch may produce
@@ -55,10 +54,6 @@ def from_split_blocks(data: np.ndarray, dtype: str) -> np.ndarray:
     out[:, 2:] = data[:n * qb].reshape(n, qb)
     out[:, :2] = data[n * qb:].reshape(n, 2)
     return out.reshape(-1)
-
-
-class OpenCLError(RuntimeError):
-    """A device-side failure; str() is one line naming the device and what to do."""
 
 
 def _cl():
@@ -255,82 +250,6 @@ def build_program(ctx: Any, dev: Any, source: str, options: list[str], label: st
     return prg
 
 
-# -- cl_khr_command_buffer ------------------------------------------------------------------
-
-_c = ctypes
-
-
-def _icd_loader() -> Any:
-    """The OpenCL ICD loader pyopencl uses (a wheel bundles its own under pyopencl.libs)."""
-    import pyopencl
-    bundled = sorted((Path(pyopencl.__file__).resolve().parent.parent / "pyopencl.libs").glob("libOpenCL*"))
-    for name in [str(p) for p in bundled] + [ctypes.util.find_library("OpenCL") or "", "libOpenCL.so.1"]:
-        if name:
-            try:
-                return ctypes.CDLL(name)
-            except OSError:
-                continue
-    raise OpenCLError("cannot load the OpenCL ICD loader (libOpenCL.so.1) through ctypes; "
-                      "set LLMRS_OPENCL_NO_COMMAND_BUFFER=1")
-
-
-class CommandBuffer:
-    """Launches recorded once with cl_khr_command_buffer (which pyopencl does not wrap, hence
-    ctypes) and replayed by one enqueue: the driver gets the whole list, the host issues one
-    call instead of one per kernel."""
-
-    def __init__(self, queue: Any, launches: list[tuple[Any, tuple[int, int], tuple[int, int]]]):
-        lib = _icd_loader()
-        get = lib.clGetExtensionFunctionAddressForPlatform
-        get.restype, get.argtypes = _c.c_void_p, [_c.c_void_p, _c.c_char_p]
-        platform = queue.device.platform.int_ptr
-
-        def fn(name: str, *argtypes: Any, restype: Any = _c.c_int32) -> Any:
-            addr = get(_c.c_void_p(platform), name.encode())
-            if not addr:
-                raise OpenCLError(f"{queue.device.name.strip()}: the driver has no {name}; "
-                                  "set LLMRS_OPENCL_NO_COMMAND_BUFFER=1")
-            return _c.CFUNCTYPE(restype, *argtypes)(addr)
-
-        vp, u32, sz = _c.c_void_p, _c.c_uint32, _c.POINTER(_c.c_size_t)
-        create = fn("clCreateCommandBufferKHR", u32, _c.POINTER(vp), vp, _c.POINTER(_c.c_int32), restype=vp)
-        record = fn("clCommandNDRangeKernelKHR", vp, vp, vp, vp, u32, vp, sz, sz, u32,
-                    _c.POINTER(u32), _c.POINTER(u32), vp)
-        finalize = fn("clFinalizeCommandBufferKHR", vp)
-        self._enqueue = fn("clEnqueueCommandBufferKHR", u32, _c.POINTER(vp), vp, u32, vp, vp)
-        self._release = fn("clReleaseCommandBufferKHR", vp)
-        self.queue = queue
-        queues = (vp * 1)(queue.int_ptr)
-        err = _c.c_int32(0)
-        self.handle = create(1, queues, None, _c.byref(err))
-        if err.value != 0 or not self.handle:
-            raise OpenCLError(f"clCreateCommandBufferKHR failed ({err.value}); set LLMRS_OPENCL_NO_COMMAND_BUFFER=1")
-        prev, point = u32(0), u32(0)
-        for i, (kern, gsize, lsize) in enumerate(launches):
-            g, l = (_c.c_size_t * 2)(*gsize), (_c.c_size_t * 2)(*lsize)
-            # each launch waits for the one before: the order holds whatever the queue's mode
-            rc = record(self.handle, None, None, _c.c_void_p(kern.int_ptr), 2, None, g, l,
-                        1 if i else 0, _c.byref(prev) if i else None, _c.byref(point), None)
-            if rc != 0:
-                raise OpenCLError(f"clCommandNDRangeKernelKHR failed ({rc}) on kernel "
-                                  f"{kern.function_name}; set LLMRS_OPENCL_NO_COMMAND_BUFFER=1")
-            prev = u32(point.value)
-        rc = finalize(self.handle)
-        if rc != 0:
-            raise OpenCLError(f"clFinalizeCommandBufferKHR failed ({rc}); set LLMRS_OPENCL_NO_COMMAND_BUFFER=1")
-
-    def enqueue(self) -> None:
-        queues = (_c.c_void_p * 1)(self.queue.int_ptr)
-        rc = self._enqueue(1, queues, self.handle, 0, None, None)
-        if rc != 0:
-            raise OpenCLError(f"clEnqueueCommandBufferKHR failed ({rc}); set LLMRS_OPENCL_NO_COMMAND_BUFFER=1")
-
-    def release(self) -> None:
-        if self.handle:
-            self._release(self.handle)
-            self.handle = None
-
-
 # -- the back end -----------------------------------------------------------------------------
 
 @dataclass
@@ -445,6 +364,7 @@ class OpenCLBackend:
         self._limits: dict[str, tuple[int, int, int | None]] = {}
         self._sized: dict[tuple[str, int], list[Any]] = {}
         self._command_buffers: dict[tuple[Any, ...], CommandBuffer] = {}
+        self._prepared: dict[tuple[Any, ...], list[Any]] = {}
         self.use_command_buffers = ("cl_khr_command_buffer" in self.device.extensions.split()
                                     and os.environ.get("LLMRS_OPENCL_NO_COMMAND_BUFFER", "") in ("", "0"))
         self.reset()
@@ -480,6 +400,11 @@ class OpenCLBackend:
         extra = device_options(self.device)
         self.build_options = extra
         self.build_notes: list[str] = []   # build fallbacks taken, for benchmarks and reports
+        try:
+            self.direct: DirectLaunches | None = DirectLaunches(self.queue)
+        except OpenCLError as err:   # no loader reachable by ctypes: pyopencl enqueues, with events
+            self.direct = None
+            self.build_notes.append(f"{err}; launching through pyopencl")
         built: dict[tuple[str, tuple[str, ...]], Any] = {}
         self.launches: dict[str, list[_Bound]] = {}
         self.kernel_table = program["graphs"]
@@ -638,16 +563,18 @@ class OpenCLBackend:
                 self._in_flight.append(tokens)   # released by the next blocking read
                 cl.enqueue_copy(self.queue, buf, tokens, dst_offset=off, is_blocking=False)
         if kernels:
-            self._enqueue_launches((phase, n_tokens), self._step_launches(phase, n_tokens))
+            self._enqueue_launches((phase, n_tokens, "logits"), self._step_launches(phase, n_tokens))
 
-    def _enqueue_launches(self, key: tuple[Any, ...], launches: list[tuple[Any, tuple[int, int], tuple[int, int]]]) -> None:
-        """Enqueue a launch list: replayed from a command buffer recorded on first use where the
-        driver has cl_khr_command_buffer (LLMRS_OPENCL_NO_COMMAND_BUFFER=1: never), else one
-        enqueue per kernel."""
-        cb = self._command_buffers.get(key)
+    def _enqueue_launches(self, key: tuple[Any, ...], launches: list[tuple[Any, tuple[int, int], tuple[int, int]]],
+                          repeat: int = 1) -> None:
+        """Enqueue a launch list `repeat` times over: replayed from a command buffer recorded on
+        first use where the driver has cl_khr_command_buffer (LLMRS_OPENCL_NO_COMMAND_BUFFER=1:
+        never), else kernel by kernel with no events (opencl_launch.DirectLaunches), else
+        through pyopencl."""
+        cb = self._command_buffers.get((key, repeat))
         if cb is None and self.use_command_buffers:
             try:
-                cb = CommandBuffer(self.queue, launches)
+                cb = CommandBuffer(self.queue, launches * repeat)
             except OpenCLError as err:   # a driver whose extension misbehaves still runs, launch by launch
                 self.use_command_buffers = False
                 warnings.warn(str(err))
@@ -655,7 +582,7 @@ class OpenCLBackend:
             else:
                 if len(self._command_buffers) >= COMMAND_BUFFERS_KEPT:
                     self._command_buffers.pop(next(iter(self._command_buffers))).release()
-                self._command_buffers[key] = cb
+                self._command_buffers[(key, repeat)] = cb
         if cb is not None:
             try:
                 cb.enqueue()
@@ -669,10 +596,18 @@ class OpenCLBackend:
                 self._command_buffers.clear()
                 warnings.warn(str(err))
                 self.build_notes.append(f"{err}; enqueuing kernel by kernel")
+        if self.direct is not None:
+            prepared = self._prepared.get(key)
+            if prepared is None:
+                prepared = self._prepared[key] = self.direct.prepare(launches)
+            for _ in range(repeat):
+                self.direct.enqueue(prepared)
+            return
         cl = _cl()
         queue, launch = self.queue, cl.enqueue_nd_range_kernel
-        for kern, gsize, lsize in launches:
-            launch(queue, kern, gsize, lsize)
+        for _ in range(repeat):
+            for kern, gsize, lsize in launches:
+                launch(queue, kern, gsize, lsize)
 
     def run_greedy_steps(self, token: int, n_past: int, start_pos: int, n: int) -> np.ndarray:
         """n greedy decode steps enqueued back to back, one read at the end: step i feeds the
@@ -692,7 +627,7 @@ class OpenCLBackend:
         self.enqueue("decode", np.array([token], np.int32), n_past, start_pos, kernels=False)
         a = self.advance
         step = self._step_launches("decode", 1) + [(a.kernel, a.global_size(1), (a.local, 1))]
-        self._enqueue_launches(("greedy", n), step * n)
+        self._enqueue_launches(("greedy",), step, repeat=n)
         out = np.empty(n, np.int32)
         cl.enqueue_copy(self.queue, out, self.steps_buf, is_blocking=True)
         self._in_flight.clear()
@@ -717,10 +652,13 @@ class OpenCLBackend:
             raise ValueError(f"run(want={want!r}): choose 'logits' or 'argmax'")
         if want == "argmax" and phase not in self.greedy:
             raise OpenCLError(f"graph {phase} has no device argmax in this plan; recompile it or use want='logits'")
-        self.enqueue(phase, tokens, n_past, n_past if start_pos is None else start_pos)
+        self.enqueue(phase, tokens, n_past, n_past if start_pos is None else start_pos, kernels=False)
+        launches = self._step_launches(phase, len(tokens))
         if want == "argmax":
             b = self.greedy[phase]
-            cl.enqueue_nd_range_kernel(self.queue, b.kernel, b.global_size(len(tokens)), (b.local, 1))
+            launches = launches + [(b.kernel, b.global_size(len(tokens)), (b.local, 1))]
+        self._enqueue_launches((phase, len(tokens), want), launches)
+        if want == "argmax":
             rows = min(len(tokens), b.rows)
             out = np.empty(rows, np.int32)
             cl.enqueue_copy(self.queue, out, self.result_buf, is_blocking=True)

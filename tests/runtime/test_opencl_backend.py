@@ -182,13 +182,16 @@ def test_q8_0_kv_cache_runs_end_to_end_with_the_interpreters_greedy_tokens(tmp_p
     assert toks_cl == toks_ref
 
 
-@pytest.mark.parametrize("command_buffers", ["1", "0"])
-def test_greedy_steps_enqueued_at_once_give_the_tokens_of_step_by_step_greedy(tmp_path, monkeypatch,
-                                                                              command_buffers):
-    monkeypatch.setenv("LLMRS_OPENCL_NO_COMMAND_BUFFER", "0" if command_buffers == "1" else "1")
+@pytest.mark.parametrize("launch", ["command_buffers", "no_events", "pyopencl"])
+def test_greedy_steps_enqueued_at_once_give_the_tokens_of_step_by_step_greedy(tmp_path, monkeypatch, launch):
+    monkeypatch.setenv("LLMRS_OPENCL_NO_COMMAND_BUFFER", "0" if launch == "command_buffers" else "1")
     be = OpenCLBackend(_plan(tmp_path, "golden-b", "q4_0", "f16"))
-    if command_buffers == "1" and not be.use_command_buffers:
+    if launch == "command_buffers" and not be.use_command_buffers:
         pytest.skip(f"{be.device_name} has no cl_khr_command_buffer")
+    if launch == "no_events":
+        assert be.direct is not None
+    if launch == "pyopencl":
+        be.direct = None
     first = int(be.run("prefill", PROMPT[:8], 0, 0, want="argmax")[-1])
     want, tok = [], np.array([first], np.int32)
     for n in range(8, 20):
@@ -229,3 +232,15 @@ def test_a_command_buffer_the_driver_refuses_to_replay_falls_back_to_plain_launc
         assert int(be.run("prefill", PROMPT[:8], 0, 0, want="argmax")[-1]) == first
     assert be.run_greedy_steps(first, 8, 8, 6).tolist() == want
     assert not be.use_command_buffers and "kernel by kernel" in be.build_notes[-1]
+
+
+def test_a_launch_the_driver_refuses_is_one_line_naming_the_device_and_kernel(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMRS_OPENCL_NO_COMMAND_BUFFER", "1")
+    be = OpenCLBackend(_plan(tmp_path, "golden-b", "q4_0", "f16"))
+    b = be.launches["decode"][0]
+    too_big = be.device.max_work_group_size * 2   # a group size no device takes
+    with pytest.raises(OpenCLError) as err:
+        be._enqueue_launches(("bad",), [(b.kernel, (too_big, 1), (too_big, 1))])
+    msg = str(err.value)
+    assert "\n" not in msg and be.device_name in msg and b.kernel.function_name in msg
+    assert "CL_INVALID_WORK_GROUP_SIZE" in msg
