@@ -73,6 +73,9 @@ MV_MAX_K = 32768              # quantized x's Q8_0 copy (1.25 B per value) fits 
 TILE_M = 64                   # matmul_tiled: tokens per group (fixed in matmul.cl)
 TILE_N_WIDE = 128             # and weight rows per group: 128 where N gives enough groups,
 TILE_N_MIN_GROUPS = 512       # (this many at 512 tokens: ~4 per SM of an H200), else 64
+MMA_PREFETCH_QUANT = ""       # tensor-core matmul: stages fetched a stage ahead, x and/or w,
+MMA_PREFETCH_F16 = "xw"       # by weights (H200, prefill 512: q4_0 17.6 ms with none, 18.3 w,
+                              # 21.6 xw; f16 15.8 ms with xw, 16.4 none, 17.5 w)
 ATT_WG, ATT_BQ = 128, 128     # attention_split threads; attention_tiled query rows per group
                               # (H200 q4_0 prefill 512: attention 4.0 ms with 32, 3.5 with 128)
 ATT_KEYS_PER_SPLIT, ATT_MAX_SPLITS = 64, 32   # decode attention: splits = S / 64
@@ -237,6 +240,8 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     tile_n = TILE_N_WIDE if math.ceil(n / TILE_N_WIDE) * math.ceil(m / TILE_M) >= TILE_N_MIN_GROUPS else 64
     if tiled:
         options.append(f"-DTN={tile_n}")
+        prefetch = MMA_PREFETCH_QUANT if wt in ("q4_0", "q8_0") else MMA_PREFETCH_F16
+        options += [f"-DMMA_PREFETCH_{part.upper()}" for part in prefetch]
     rw = tile_n if tiled else mv_rows
     if not tiled:
         _need(not (wt in ("q4_0", "q8_0")) or k <= MV_MAX_K, op, f"K = {k} is over {MV_MAX_K}, the "

@@ -204,29 +204,50 @@ MATMUL_TILED_BEGIN
 // issues at full rate where int-to-float conversion runs at a quarter
 inline float small_int_to_float(int s) { return as_float(s + 0x4B400000) - 12582912.0f; }
 
-// Stage the activations of tokens t0.. for K values k0..k0 + STAGE_K. Warp wp owns tokens
-// 8 wp .. 8 wp + 7 and reads each token's stage row as one contiguous run (lanes 4 floats
-// apart), so every load instruction touches whole lines; inv_rms [TM] is 1 / rms (prologue).
+// A stage is fetched into registers (fetch_x, fetch_w) and written to local memory (put_x,
+// put_w). -DMMA_PREFETCH_X / -DMMA_PREFETCH_W fetch the activations / weights one stage ahead,
+// during the previous stage's MMAs, so global latency hides behind tensor-core work (at the
+// cost of the registers that hold them).
+//
+// Activations of tokens t0.. for K values k0..k0 + STAGE_K. Warp wp owns tokens 8 wp .. 8 wp + 7
+// and reads each token's stage row as one contiguous run (lanes 4 floats apart), so every load
+// instruction touches whole lines; inv_rms [TM] is 1 / rms (prologue).
 //   quantized: lane l holds values 4l..4l+3, block l / 8; 8 lanes find the block's amax
 //   f16:       lanes 0..15 and 16..31 hold two tokens, values 4 (l % 16)..
-inline void stage_x(__global const float* x, int t0, int rows, int K, int k0, int lid,
-                    __local uint* xq, __local float* xd, __local const float* inv_rms, gin nw) {
-    int lane = lid & 31, wp = lid >> 5;
 #ifdef W_QUANT
-    int k = k0 + 4 * lane;
+#define X_FETCH 8
+#define X_LANE_K(lane) (4 * (lane))
+#define X_TOKEN(wp, lane, i) (8 * (wp) + (i))
+#else
+#define X_FETCH 4
+#define X_LANE_K(lane) (4 * ((lane) & 15))
+#define X_TOKEN(wp, lane, i) (8 * (wp) + 2 * (i) + ((lane) >> 4))
+#endif
+typedef struct { float4 v[X_FETCH]; float4 nv; } x_stage;
+
+inline void fetch_x(__global const float* x, int t0, int rows, int K, int k0, int lid, gin nw, x_stage* r) {
+    int lane = lid & 31, wp = lid >> 5, k = k0 + X_LANE_K(lane);
     bool k_live = k < K;
 #ifdef PROLOGUE_RMS
-    float4 nv = k_live ? LD4_NORM(nw, k / 4) : (float4)0.0f;
+    r->nv = k_live ? LD4_NORM(nw, k / 4) : (float4)0.0f;
 #endif
-    for (int i = 0; i < 8; i++) {
-        int tt = 8 * wp + i;
-        float4 v = (float4)0.0f;
-        if (k_live && t0 + tt < rows) {
-            v = vload4(0, x + (size_t)(t0 + tt) * K + k);
+#pragma unroll
+    for (int i = 0; i < X_FETCH; i++) {
+        int tt = X_TOKEN(wp, lane, i);
+        r->v[i] = k_live && t0 + tt < rows ? vload4(0, x + (size_t)(t0 + tt) * K + k) : (float4)0.0f;
+    }
+}
+
+inline void put_x(const x_stage* r, int lid, __local uint* xq, __local float* xd, __local const float* inv_rms) {
+    int lane = lid & 31, wp = lid >> 5;
+#pragma unroll
+    for (int i = 0; i < X_FETCH; i++) {
+        int tt = X_TOKEN(wp, lane, i);
+        float4 v = r->v[i];
 #ifdef PROLOGUE_RMS
-            v = v * inv_rms[tt] * nv;
+        v = v * inv_rms[tt] * r->nv;
 #endif
-        }
+#ifdef W_QUANT
         float4 av = fabs(v);
         float amax = fmax(fmax(av.x, av.y), fmax(av.z, av.w));
         for (int o = 4; o > 0; o >>= 1) {   // over the 8 lanes of the block
@@ -238,61 +259,63 @@ inline void stage_x(__global const float* x, int t0, int rows, int K, int k0, in
         float id = d != 0.0f ? 1.0f / d : 0.0f;
         xq[tt * MMA_ROW_W + lane] = as_uint(convert_char4(round(v * id)));
         if ((lane & 7) == 0) xd[tt * 4 + (lane >> 3)] = round_to_half(d);
-    }
 #else
-    int second = lane >> 4, k = k0 + 4 * (lane & 15);
-    bool k_live = k < K;
-#ifdef PROLOGUE_RMS
-    float4 nv = k_live ? LD4_NORM(nw, k / 4) : (float4)0.0f;
-#endif
-    for (int i = 0; i < 4; i++) {
-        int tt = 8 * wp + 2 * i + second;
-        float4 v = (float4)0.0f;
-        if (k_live && t0 + tt < rows) {
-            v = vload4(0, x + (size_t)(t0 + tt) * K + k);
-#ifdef PROLOGUE_RMS
-            v = v * inv_rms[tt] * nv;
-#endif
-        }
         vstore_half4_rte(v, 0, (__local half*)(xq + tt * MMA_ROW_W + 2 * (lane & 15)));
-    }
 #endif
+    }
 }
 
-// Stage the weight rows of the tile's slots for K values k0..k0 + STAGE_K.
-inline void stage_w(gin w, int K, int k0, int lid, size_t nblk, __local const int* rowmap,
-                    __local uint* wq, __local float* wd) {
+// The weight rows of the tile's slots for K values k0..k0 + STAGE_K.
+//   quantized: thread e owns (slot e / 4, block e % 4) of the stage, TN / 64 of them
+//   f16:       thread e owns (slot e / 8, 16-byte unit e % 8), TN / 32 of them
 #ifdef W_QUANT
-    size_t nb = K / 32;
-    for (int e = lid; e < TN * 4; e += 256) {   // (slot, block): 4 threads read a row's 4 blocks
-        int n = e >> 2, part = e & 3, row = rowmap[n], kb = k0 / 32 + part;
-        uint8 q = (uint8)0;
-        float d = 0.0f;
-        if (row >= 0 && kb < nb) {
-            size_t blk = (size_t)row * nb + kb;
-#ifdef W_Q4_0
-            uint4 p = WQ_LOAD(w, blk);           // byte j: value j (low nibble), j + 16 (high)
-            // nibble n -> n - 8 as int8 in each byte: n + 120 never carries, ^ 0x80 subtracts 128
-            q.lo = ((p & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u;
-            q.hi = (((p >> 4) & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u;
+#define W_FETCH (TN / 64)
+typedef struct { WQ_T q[W_FETCH]; float d[W_FETCH]; } w_stage;
 #else
-            q = as_uint8(WQ_LOAD(w, blk));
+#define W_FETCH (TN / 32)
+typedef struct { uint4 u[W_FETCH]; } w_stage;
 #endif
-            d = wscale(w, blk, nblk);
-        }
+
+inline void fetch_w(gin w, int K, int k0, int lid, size_t nblk, __local const int* rowmap, w_stage* r) {
+#pragma unroll
+    for (int i = 0; i < W_FETCH; i++) {
+        int e = lid + 256 * i;
+#ifdef W_QUANT
+        int row = rowmap[e >> 2], kb = k0 / 32 + (e & 3);
+        bool live = row >= 0 && kb < K / 32;
+        size_t blk = (size_t)max(row, 0) * (K / 32) + kb;
+        r->q[i] = live ? WQ_LOAD(w, blk) : (WQ_T)0;
+        r->d[i] = live ? wscale(w, blk, nblk) : 0.0f;
+#else
+        int row = rowmap[e >> 3], k = k0 + (e & 7) * 8;
+        r->u[i] = row >= 0 && k < K ? ((__global const uint4*)w)[((size_t)row * K + k) / 8] : (uint4)0;
+#endif
+    }
+}
+
+inline void put_w(const w_stage* r, int lid, __local uint* wq, __local float* wd) {
+#pragma unroll
+    for (int i = 0; i < W_FETCH; i++) {
+        int e = lid + 256 * i;
+#ifdef W_QUANT
+        int n = e >> 2, part = e & 3;
+#ifdef W_Q4_0
+        uint4 p = r->q[i];                   // byte j: value j (low nibble), j + 16 (high)
+        // nibble n -> n - 8 as int8 in each byte: n + 120 never carries, ^ 0x80 subtracts 128
+        uint8 q;
+        q.lo = ((p & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u;
+        q.hi = (((p >> 4) & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u;
+#else
+        uint8 q = as_uint8(r->q[i]);
+#endif
         __local uint* dst = wq + n * MMA_ROW_W + part * 8;
         vstore4(q.lo, 0, dst);
         vstore4(q.hi, 1, dst);
-        wd[n * 4 + part] = d;
-    }
+        wd[n * 4 + part] = r->d[i];
 #else
-    for (int e = lid; e < TN * 8; e += 256) {   // (slot, 16-byte unit of 8 halves)
-        int n = e >> 3, part = e & 7, row = rowmap[n], k = k0 + part * 8;
-        uint4 u = (uint4)0;
-        if (row >= 0 && k < K) u = ((__global const uint4*)w)[((size_t)row * K + k) / 8];
-        vstore4(u, 0, wq + n * MMA_ROW_W + part * 4);
-    }
+        vstore4(r->u[i], 0, wq + (e >> 3) * MMA_ROW_W + (e & 7) * 4);
 #endif
+    }
 }
 
 MATMUL_TILED_BEGIN
@@ -331,10 +354,32 @@ MATMUL_TILED_BEGIN
 #pragma unroll
             for (int i = 0; i < 4; i++) acc[mi][ni][i] = 0.0f;
 
+    x_stage xr;
+    w_stage wr;
+#ifdef MMA_PREFETCH_X
+    fetch_x(x, t0, rows, K, 0, lid, nw, &xr);
+#endif
+#ifdef MMA_PREFETCH_W
+    fetch_w(w, K, 0, lid, nblk, rowmap, &wr);
+#endif
     for (int k0 = 0; k0 < K; k0 += STAGE_K) {
-        stage_x(x, t0, rows, K, k0, lid, xq, xd, rms, nw);
-        stage_w(w, K, k0, lid, nblk, rowmap, wq, wd);
+#ifndef MMA_PREFETCH_X
+        fetch_x(x, t0, rows, K, k0, lid, nw, &xr);
+#endif
+#ifndef MMA_PREFETCH_W
+        fetch_w(w, K, k0, lid, nblk, rowmap, &wr);
+#endif
+        put_x(&xr, lid, xq, xd, rms);
+        put_w(&wr, lid, wq, wd);
         barrier(CLK_LOCAL_MEM_FENCE);
+        if (k0 + STAGE_K < K) {   // the next stage's loads fly during this stage's MMAs
+#ifdef MMA_PREFETCH_X
+            fetch_x(x, t0, rows, K, k0 + STAGE_K, lid, nw, &xr);
+#endif
+#ifdef MMA_PREFETCH_W
+            fetch_w(w, K, k0 + STAGE_K, lid, nblk, rowmap, &wr);
+#endif
+        }
 #pragma unroll
         for (int c = 0; c < 4; c++) {
             uint a[2][4];
