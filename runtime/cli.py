@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..child import python_argv
 from ..compiler.cliutil import OneLineParser
 from .engine import Engine, EngineError
 from .plan import Plan, PlanError
@@ -60,7 +61,8 @@ def default_plan() -> Path:
           file=sys.stderr)
     make_model(model_dir, "tiny")
     # the compiler is a separate tool: the runtime only ever reads plans
-    cmd = [sys.executable, "-m", "llmrs.compiler.cli", str(model_dir), "-o", str(plan), "--quiet"]
+    cmd = python_argv("from llmrs.compiler.cli import main; sys.exit(main())",
+                      str(model_dir), "-o", str(plan), "--quiet")
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise PlanError(f"compiling the built-in model failed: {done.stderr.strip().splitlines()[-1]}")

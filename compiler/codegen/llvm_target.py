@@ -8,10 +8,11 @@ here, not a dead compiler.
 from __future__ import annotations
 
 import subprocess
-import sys
 from dataclasses import dataclass
 
 import llvmlite.binding as llvm
+
+from ...child import python_argv
 
 
 class TargetError(ValueError):
@@ -136,9 +137,9 @@ def _emit_in_process(ir_text: str, triple: str, cpu: str, features: str, kind: s
 def emit(ir_text: str, target: Target, kind: str = "obj") -> bytes:
     """Optimised object code (or assembly) for target, generated in a child process: LLVM aborts
     the whole process on some bad cpu/feature combinations."""
-    code = ("import sys; from llmrs.compiler.codegen.llvm_target import _emit_in_process as e, init_llvm;"
+    code = ("from llmrs.compiler.codegen.llvm_target import _emit_in_process as e, init_llvm;"
             "init_llvm(); a = sys.argv[1:]; sys.stdout.buffer.write(e(sys.stdin.read(), *a))")
-    proc = subprocess.run([sys.executable, "-c", code, target.triple, target.cpu, target.features, kind],
+    proc = subprocess.run(python_argv(code, target.triple, target.cpu, target.features, kind),
                           input=ir_text.encode(), capture_output=True)
     if proc.returncode != 0:
         last = (proc.stderr.decode(errors="replace").strip().splitlines() or ["(no message)"])[-1]
