@@ -21,11 +21,17 @@ def _dumps(tmp_path, weights):
 
 
 def test_one_f16_plan_gives_the_same_tokens_on_cpu_and_opencl(tmp_path, capsys):
+    cl = pytest.importorskip("pyopencl")
+    from llmrs.runtime.backends.opencl import device_options, pick_device
     d = _dumps(tmp_path, "f16")
-    assert "no OpenCL GPU found; running on" in capsys.readouterr().err  # PoCL stands in, with a notice
+    device = pick_device()
+    if not device.type & cl.device_type.GPU:   # PoCL stands in, with a notice
+        assert "no OpenCL GPU found; running on" in capsys.readouterr().err
+    # NVIDIA's tensor cores take f16-weight prefill with activations rounded to f16
+    tol = {"cpu": 1e-3, "opencl": 1e-2 if "-DUSE_NV_MMA" in device_options(device) else 1e-3}
     for backend in ("cpu", "opencl"):
         np.testing.assert_array_equal(d[backend]["tokens"], d["reference"]["tokens"])
-        assert rel_err(d[backend]["logits"], d["reference"]["logits"]) <= 1e-3
+        assert rel_err(d[backend]["logits"], d["reference"]["logits"]) <= tol[backend]
 
 
 @pytest.mark.parametrize("weights", ["q8_0", "q4_0"])
