@@ -16,7 +16,7 @@ from .plan import PlanWriteError, write_graph_plan
 from .cliutil import OneLineParser, Progress
 from .summary import summarize
 
-WEIGHT_TYPES = ("q4_0", "q8_0", "f16", "f32")
+WEIGHT_TYPES = ("q4_0", "q4_1", "q8_0", "f16", "f32")
 TARGETS = ("cpu", "opencl")
 
 EPILOG = """examples:

@@ -45,7 +45,8 @@ Fused kinds (made by passes, never by model builders):
         Extra inputs come in the order: norm_w (if prologue), then the epilogue's.
 
 Weights whose dtype is q4_0 or q8_0 are multiplied as GGML does: each activation row is
-quantized to Q8_0 and block dot products are summed as integers, then scaled.
+quantized to Q8_0 and block dot products are summed as integers, then scaled. q4_1 weights take
+Q8_1 activations and add each block's minimum times the activation block's sum (quant.py).
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ from typing import Any, Callable, Iterable
 import networkx as nx
 import numpy as np
 
-DTYPES = ("f32", "f16", "bf16", "q4_0", "q8_0", "i32")
+DTYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q8_0", "i32")
 VALUE_KINDS = ("input", "param", "const", "state", "act")
 BASE_KINDS = ("embedding", "rms_norm", "matmul", "rope", "kv_store", "attention", "add", "mul",
               "silu", "silu_mul", "softmax", "argmax", "slice")
@@ -64,7 +65,7 @@ FUSED_KINDS = ("fused_matmul",)
 SCALARS = ("n_tokens", "n_past", "start_pos")
 
 QK = 32  # values per quantization block (GGML's QK4_0 == QK8_0 == 32)
-_BLOCK_BYTES = {"q4_0": 18, "q8_0": 34}
+_BLOCK_BYTES = {"q4_0": 18, "q8_0": 34, "q4_1": 20}
 _ELEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4}
 
 

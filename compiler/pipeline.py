@@ -26,7 +26,7 @@ KV_TYPES = ("f32", "f16", "q8_0")
 
 @dataclass(frozen=True)
 class CompileOptions:
-    weights: str = "q4_0"                  # matmul weights: q4_0 | q8_0 | f16 | f32
+    weights: str = "q4_0"                  # matmul weights: q4_0 | q4_1 | q8_0 | f16 | f32
     embedding: str | None = None           # token embedding table; None: as weights
     lm_head: str | None = None             # output head; None: as weights
     kv_type: str = "f16"                   # KV cache: f32 | f16 | q8_0

@@ -9,7 +9,7 @@ Shape = tuple[int, ...]
 Rule = Callable[[Graph, Op, list], list]
 
 FLOAT = ("f32", "f16", "bf16")
-WEIGHT = ("f32", "f16", "bf16", "q4_0", "q8_0")
+WEIGHT = ("f32", "f16", "bf16", "q4_0", "q4_1", "q8_0")
 
 
 def _need(cond: bool, op: Op, msg: str) -> None:

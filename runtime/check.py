@@ -30,7 +30,7 @@ BACKENDS = ("cpu", "opencl")
 
 # max |out - ref| / max |ref| allowed, by what the kernel computes
 TOL_FLOAT = 1e-4     # f32/f16/bf16 weights: the same float math in another order
-TOL_QUANT = 2e-3     # q4_0/q8_0 weights: activations are quantized to Q8_0 as GGML does on every
+TOL_QUANT = 2e-3     # quantized weights: activations are quantized to Q8_0/Q8_1 as GGML does on every
                      # back end, but a rounding tie resolved differently moves a block one step
 TOL_F16_OUT = 1e-3   # an f16 output (KV cache) may round one value to the neighbouring f16
 TOL_Q8_OUT = 2e-2    # a q8_0 cache may put one value one quantization step (1/127 of a block) off
@@ -39,7 +39,7 @@ HELP_TOLERANCES = f"""\
 error: max |backend - interpreter| / max |interpreter| over a kernel's outputs (dimensionless).
 tolerance per kernel, the largest that applies:
   {TOL_FLOAT:.0e}  every kernel (f32/f16/bf16 weights, attention, norms, elementwise)
-  {TOL_QUANT:.0e}  matmuls with q4_0/q8_0 weights (Q8_0 activations; a rounding tie may differ)
+  {TOL_QUANT:.0e}  matmuls with q4_0/q4_1/q8_0 weights (Q8 activations; a rounding tie may differ)
   {TOL_F16_OUT:.0e}  kernels writing an f16 KV cache
   {TOL_Q8_OUT:.0e}  kernels writing a q8_0 KV cache
   exact  i32 outputs (argmax): error is the fraction of entries that differ

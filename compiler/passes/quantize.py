@@ -1,4 +1,4 @@
-"""Convert weights to the compile target's dtypes (GGML Q4_0 / Q8_0, f16, f32), lazily."""
+"""Convert weights to the compile target's dtypes (GGML Q4_0 / Q4_1 / Q8_0, f16, f32), lazily."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +6,7 @@ import numpy as np
 from .. import quant
 from ..ir import QK, Graph, IRError, LazyTensor, storage_shape
 
-WEIGHT_DTYPES = ("q4_0", "q8_0", "f16", "f32")
+WEIGHT_DTYPES = ("q4_0", "q4_1", "q8_0", "f16", "f32")
 _CHUNK_VALUES = 1 << 22  # rows are converted in pieces of ~4M values: ~16 MB of f32 at a time
 _FLAG = {"weights": "--weights", "embedding": "--embedding", "lm_head": "--lm-head"}
 
