@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
