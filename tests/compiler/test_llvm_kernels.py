@@ -172,9 +172,10 @@ def test_attention_with_an_odd_gqa_group_matches_interpreter():
 
 
 # (n_heads, n_kv_heads, head_dim, kv dtype): head dims that are no multiple of the vector width
-# (100 on AVX2 / AVX-512, 120 and 80 on AVX-512's 16 lanes), MHA, MQA and a GQA group of 3
+# (100 on AVX2 / AVX-512, 120 and 80 on AVX-512's 16 lanes, 34 ending in 2 lanes), MHA, MQA and
+# a GQA group of 3
 ODD_HEADS = [(3, 3, 48, "f16"), (2, 1, 80, "f32"), (9, 3, 96, "q8_0"), (2, 2, 100, "f16"), (8, 1, 100, "f32"),
-             (3, 1, 120, "f16"), (2, 1, 256, "q8_0")]
+             (3, 1, 120, "f16"), (2, 1, 256, "q8_0"), (2, 2, 34, "f32")]
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
@@ -187,7 +188,8 @@ def test_attention_for_any_head_dim_and_group_matches_interpreter(target, h, kvh
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
 @pytest.mark.parametrize("wdtype,cache_dtype", [("q8_0", "f16"), ("f32", "f32")])
-@pytest.mark.parametrize("heads", [(2, 2, 100), (3, 1, 48), (9, 3, 40)], ids=["2.2x100", "3.1x48", "9.3x40"])
+@pytest.mark.parametrize("heads", [(2, 2, 100), (3, 1, 48), (9, 3, 40), (3, 1, 34)],
+                         ids=["2.2x100", "3.1x48", "9.3x40", "3.1x34"])
 @pytest.mark.parametrize("T,n_tokens", [(1, 1), (6, 5)])
 def test_rope_kv_store_epilogue_for_any_head_dim_matches_interpreter(target, wdtype, cache_dtype, heads, T, n_tokens):
     # head_dim 100: RoPE halves of 50 and cache rows of 100 end in narrower vectors
