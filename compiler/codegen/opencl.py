@@ -218,8 +218,12 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     n = ctx.shape(w)[0]
     wt = ctx.dtype(w)
     _need(wt in WEIGHT_TYPES, op, f"weight {w!r} is {wt}; expected one of {', '.join(WEIGHT_TYPES)}")
-    _need(k % 32 == 0, op, f"K = {k} is not a multiple of 32, which the OpenCL matmul kernels need")
+    quantized = wt in ("q4_0", "q8_0")
+    _need(k % (32 if quantized else 4) == 0, op, f"K = {k} is not a multiple of {32 if quantized else 4}, "
+          "which the OpenCL matmul kernels need")
     options = [f"-DW_T={wt}", f"-DW_{wt.upper()}"]
+    if k % 32:
+        options.append("-DK_TAIL")             # float weights: matmul.cl cuts the last block at K
     nw = _NONE
     if a.get("prologue") == "rms_norm":
         nw_name = extra.pop(0)
@@ -246,9 +250,10 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     elif epi is not None:
         raise CodegenError(f"op {op.name} (fused_matmul): epilogue {epi!r} has no OpenCL kernel")
     # a group per head is a matvec (its RW = hd is no tile width), prefill too: one token a group
-    # row, weights read once per token; only Q8_0 caches of head_dim % 64 == 32 take it
-    tiled = m > 1 and not rope_heads
-    quantized = wt in ("q4_0", "q8_0")
+    # row, weights read once per token; only Q8_0 caches of head_dim % 64 == 32 take it. Rows of
+    # float weights that are no whole 16-byte units (K % 8, e.g. 9 heads x 100) only the tiled
+    # kernel reads, in decode too
+    tiled = (m > 1 or k % 8 != 0) and not rope_heads
     if rope_heads:
         mv_wg, mv_rows, mv_split = (MV_WG_QUANT if quantized else MV_WG), heads[2], 1
         options.append("-DROPE_HEADS")

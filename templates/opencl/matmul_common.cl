@@ -95,6 +95,9 @@ inline float welem(gin w, size_t blk, int k, size_t nblk) { return ld_f32(w, blk
 inline float8 wunit_load(gin w, size_t unit) { return ((__global const float8*)w)[unit]; }
 inline float wunit_dot_bits(float8 u, float8 x) { return dot(u.lo, x.lo) + dot(u.hi, x.hi); }
 #endif
+#ifndef W_QUANT
+inline float wval(gin w, size_t i) { return CAT(ld_, W_T)(w, i); }   // element i of a float tensor
+#endif
 #ifdef W_QUANT
 inline float wscale(gin w, size_t blk, size_t nblk) {
     return vload_half(blk, (__global const half*)(w + nblk * W_QBYTES));

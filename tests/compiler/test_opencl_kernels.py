@@ -224,6 +224,21 @@ def test_fused_qkv_rope_kv_store_matches_interpreter(wdt, kv_dtype, rows, n_toke
         _close(gt.astype(np.float32), wt.astype(np.float32), tol)
 
 
+@pytest.mark.parametrize("wdt", ["f32", "f16"])
+@pytest.mark.parametrize("k", [900, 360])       # o_proj of 9 heads x 100 (no whole 16-byte units) and x 40
+@pytest.mark.parametrize("rows,n_tokens", [(1, 1), (70, 67)])
+def test_float_matmul_with_k_not_a_multiple_of_32_matches_interpreter(wdt, k, rows, n_tokens):
+    rng = np.random.default_rng(k)
+    n = 72
+    b = OneOp(rows)
+    x = b.act("x", _rand(rng, rows, k))
+    res = b.act("res", _rand(rng, rows, n))
+    w = b.param("w", _rand(rng, n, k, scale=0.1), wdt)
+    y = b.out("y", (rows, n))
+    got, want = b.run("fused_matmul", [x, w, res], [y], n_tokens, prologue=None, epilogue="add")
+    _close(got[0], want[0], _tol(wdt))
+
+
 @pytest.mark.parametrize("wdt,k", [("q4_0", 8256), ("q8_0", 8256), ("f16", 2304), ("f32", 2304)])
 def test_decode_matvec_with_k_longer_than_one_pass_of_its_threads_matches_interpreter(wdt, k):
     rng = np.random.default_rng(11)

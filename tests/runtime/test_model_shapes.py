@@ -1,6 +1,7 @@
 """Llama shapes beyond head_dim 64 / 128, end to end: tiny random models with head_dim 48, 80, 96
-and 100 (OpenLLaMA-3B's), each as MHA and MQA, and SmolLM2-135M's layer (9 query heads on 3 KV
-heads, hidden 576), compiled by llmrs-compile for its default targets and run on the CPU (LLVM)
+and 100 (OpenLLaMA-3B's), each as MHA and MQA, 9 heads of 100 on 3 KV heads, and SmolLM2-135M's
+layer (9 query heads of 64 on 3 KV heads, hidden 576), compiled by llmrs-compile for its default
+targets and run on the CPU (LLVM)
 and on OpenCL (PoCL here), logits against the interpreter running the plan's own graphs:
 a prefill of two chunks, then decode steps."""
 from __future__ import annotations
@@ -27,6 +28,7 @@ SHAPES = {  # name: (n_heads, n_kv_heads, head_dim, hidden, intermediate)
     "hd96-mqa": (3, 1, 96, 128, 128),
     "hd100-mha": (8, 8, 100, 128, 128),
     "hd100-mqa": (8, 1, 100, 128, 128),
+    "hd100-gqa9.3": (9, 3, 100, 128, 128),     # attention width 900: no multiple of 32 (or of 8)
     "smollm2-gqa9.3": (9, 3, 64, 576, 1536),
 }
 
