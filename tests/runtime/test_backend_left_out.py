@@ -13,6 +13,7 @@ from llmrs.compiler.interpret import Interpreter
 from llmrs.models.tiny import make_model
 from llmrs.runtime.backends.cpu import CpuBackend
 from llmrs.runtime.cli import main as run_main
+from llmrs.runtime.inspect import main as inspect_main
 from llmrs.runtime.plan import Plan
 
 from ..conftest import rel_err
@@ -44,6 +45,8 @@ def test_compile_leaves_opencl_out_with_one_notice_and_the_cpu_plan_matches_the_
     opts = plan.manifest["compile_options"]
     assert opts["targets"] == ["cpu"] and "head_dim 34" in opts["left_out"]["opencl"]
     assert "opencl" not in plan.sections
+    assert inspect_main([str(tmp_path / "plan.bin")]) == 0
+    assert f"  no OpenCL code: {opts['left_out']['opencl']}; the plan runs on cpu\n" in capfd.readouterr().out
 
     graphs = plan.graphs()
     pre, dec = Interpreter(graphs["prefill"]), Interpreter(graphs["decode"])
