@@ -60,19 +60,48 @@ def _targets(text: str) -> tuple[str, ...]:
     return targets
 
 
-def _code_sections(graphs, targets: tuple[str, ...], triples: list[str] | None) -> dict[str, bytes | str]:
+TARGET_LABELS = {"cpu": "CPU", "opencl": "OpenCL"}
+
+
+def _cpu_sections(graphs, triples: list[str] | None) -> dict[str, bytes | str]:
+    from .codegen import llvm
+    from .codegen.llvm_target import host_target, parse_target
     sections: dict[str, bytes | str] = {}
-    if "cpu" in targets:
-        from .codegen import llvm
-        from .codegen.llvm_target import host_target, parse_target
-        for target in [parse_target(t) for t in triples] if triples else [host_target()]:
-            ir_text, obj = llvm.generate(graphs, target)
-            sections.setdefault("llvm-ir", ir_text)  # the first target's IR, for JIT fallback
-            sections[f"llvm.{target.triple}"] = obj
-    if "opencl" in targets:
-        from .codegen import opencl
-        sections["opencl"] = json.dumps(opencl.generate(graphs))
+    for target in [parse_target(t) for t in triples] if triples else [host_target()]:
+        ir_text, obj = llvm.generate(graphs, target)
+        sections.setdefault("llvm-ir", ir_text)  # the first target's IR, for JIT fallback
+        sections[f"llvm.{target.triple}"] = obj
     return sections
+
+
+def _opencl_sections(graphs, triples: list[str] | None) -> dict[str, bytes | str]:
+    from .codegen import opencl
+    return {"opencl": json.dumps(opencl.generate(graphs))}
+
+
+def _code_sections(graphs, targets: tuple[str, ...],
+                   triples: list[str] | None) -> tuple[dict[str, bytes | str], dict[str, str]]:
+    """(sections, {target: why it was left out}). A back end whose kernels cannot serve the
+    model (a CodegenError) is left out while another one can, so the plan still runs there."""
+    from .codegen.llvm_kernels import CodegenError as CpuCodegenError
+    from .codegen.opencl import CodegenError as OpenCLCodegenError
+    make = {"cpu": _cpu_sections, "opencl": _opencl_sections}
+    sections: dict[str, bytes | str] = {}
+    left_out: dict[str, str] = {}
+    errors: list[Exception] = []
+    for target in targets:
+        try:
+            sections.update(make[target](graphs, triples))
+        except (CpuCodegenError, OpenCLCodegenError) as e:
+            left_out[target] = str(e)
+            errors.append(e)
+    if len(left_out) == len(targets):
+        raise errors[0]
+    return sections, left_out
+
+
+def left_out_notice(target: str, why: str, kept: list[str]) -> str:
+    return f"llmrs-compile: notice: no {TARGET_LABELS[target]} code: {why}; the plan runs on {', '.join(kept)}"
 
 
 def compile_model(args: argparse.Namespace, argv: list[str]) -> str:
@@ -85,14 +114,17 @@ def compile_model(args: argparse.Namespace, argv: list[str]) -> str:
     prefill, decode = compile_graphs(model, opts)
     graphs = {"prefill": prefill, "decode": decode}
     targets = _targets(args.target)
-    sections = _code_sections(graphs, targets, args.triple)
+    sections, left_out = _code_sections(graphs, targets, args.triple)
+    kept = [t for t in targets if t not in left_out]
+    for target, why in left_out.items():
+        print(left_out_notice(target, why, kept), file=sys.stderr)
     tokenizer = args.model_dir / "tokenizer.json"
     if tokenizer.is_file():
         sections["tokenizer.json"] = tokenizer.read_text()
     cfg = model.config
     manifest = {
         "model": cfg.to_json(),
-        "compile_options": {**opts.to_json(), "targets": list(targets)},
+        "compile_options": {**opts.to_json(), "targets": kept, "left_out": left_out},
         "compile_command": "llmrs-compile " + shlex.join(argv),
         "stop_ids": list(cfg.eos_token_ids),
         "bos_id": cfg.bos_token_id,

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..models.llama import LlamaModel, build_graphs, load_model
-from .ir import Graph, IRError
+from .ir import QK, Graph, IRError
 from .passes.fold import fold
 from .passes.fuse import RULE_NAMES, check_rule_names, fuse
 from .passes.plan_memory import plan_memory
@@ -86,6 +86,10 @@ def compile_graphs(model: LlamaModel | str | Path, opts: CompileOptions = Compil
     opts.check()
     if not isinstance(model, LlamaModel):
         model = load_model(model)
+    hd = model.config.head_dim
+    if opts.kv_type == "q8_0" and hd % QK:
+        raise IRError(f"--kv-type q8_0 stores each head's row in {QK}-value blocks, but head_dim is {hd}; "
+                      "use --kv-type f16")
     built = build_graphs(model, opts.prefill_chunk, opts.max_seq_len, opts.kv_type)
     prefill, decode = (run_passes(g, opts) for g in built)
     kv = [g.meta.get("layout", {}).get("kv") for g in (prefill, decode)]

@@ -270,8 +270,9 @@ class CpuRunner:
     name = "cpu"
 
     def __init__(self, plan: Plan, threads: int):
-        if not any(s == "llvm-ir" or s.startswith("llvm.") for s in plan.sections):
-            raise Unavailable("the plan has no CPU code (compiled without --target cpu)")
+        missing = plan.missing_code("cpu")
+        if missing:
+            raise Unavailable(missing)
         try:
             from ..compiler.codegen.llvm import build_module
             from ..compiler.codegen.llvm_target import host_target
@@ -323,8 +324,9 @@ class OpenCLRunner:
     name = "opencl"
 
     def __init__(self, plan: Plan, device: int | str | None):
-        if "opencl" not in plan.sections:
-            raise Unavailable("the plan has no OpenCL code (compiled without --target opencl)")
+        missing = plan.missing_code("opencl")
+        if missing:
+            raise Unavailable(missing)
         try:
             from .backends.opencl import OpenCLBackend, OpenCLError, list_devices, pick_device
             dev = pick_device(device)

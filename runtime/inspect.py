@@ -56,6 +56,10 @@ def _print_summary(plan: Plan, graphs: dict[str, Graph], out: TextIO) -> None:
     print(f"sections (weights checksum: {plan.verification}):", file=out)
     for name, sec in sorted(plan.sections.items(), key=lambda kv: kv[1].offset):
         print(f"  {name:<28} offset {sec.offset:>12}  {human_bytes(sec.size):>12}  crc32 {sec.crc32:08x}", file=out)
+    for backend in ("cpu", "opencl"):
+        missing = plan.missing_code(backend)
+        if missing:
+            print(f"  {missing}", file=out)
 
     print("kernels per step:", file=out)
     for phase, g in graphs.items():

@@ -178,6 +178,24 @@ class Plan:
         base = self.sections[WEIGHTS].offset + t.offset
         return self._mm[base:base + t.nbytes].view(np_dtype).reshape(sshape)
 
+    def missing_code(self, backend: str) -> str | None:
+        """None if the plan carries code for backend ("cpu" | "opencl"), else one line saying
+        why not: the compiler's reason where it left that back end out (a shape its kernels
+        cannot serve), or that it was never asked for."""
+        if backend == "cpu":
+            has = any(s == "llvm-ir" or s.startswith("llvm.") for s in self.sections)
+        else:
+            has = backend in self.sections
+        if has:
+            return None
+        label = {"cpu": "CPU", "opencl": "OpenCL"}.get(backend, backend)
+        opts = self.manifest.get("compile_options") or {}
+        why = (opts.get("left_out") or {}).get(backend)
+        if why:
+            runs_on = ", ".join(opts.get("targets") or ()) or "no back end"
+            return f"no {label} code: {why}; the plan runs on {runs_on}"
+        return f"no {label} code (compiled without --target {backend}); recompile with it"
+
     def section(self, name: str) -> memoryview:
         """A section's bytes, read-only (e.g. "opencl" source, "llvm.<triple>" objects)."""
         sec = self.sections.get(name)

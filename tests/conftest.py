@@ -13,7 +13,7 @@ from llmrs.models.llama import build_graph, expected_tensors
 from llmrs.models.tiny import make_config
 
 DATA = Path(__file__).parent / "data"
-GOLDEN = ("golden-a", "golden-b")
+GOLDEN = ("golden-a", "golden-b", "golden-c")
 
 
 @pytest.fixture(params=GOLDEN)

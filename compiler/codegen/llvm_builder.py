@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import llvmlite.ir as ir
 
@@ -21,6 +21,19 @@ SCALAR_ARGS = ("n_tokens", "n_past", "start_pos", "tid", "nth")
 
 def vec(t: ir.Type, n: int) -> ir.VectorType:
     return ir.VectorType(t, n)
+
+
+def tail_widths(n: int, width: int) -> list[int]:
+    """Vector widths, halving from width / 2, that together cover the n % width values a loop
+    of `width`-wide steps leaves over (binary digits of the remainder, largest first)."""
+    rest, w, out = n % width, width // 2, []
+    while rest:
+        if w <= rest:
+            out.append(w)
+            rest -= w
+        else:
+            w //= 2
+    return out
 
 
 def _type_name(t: ir.Type) -> str:
@@ -102,6 +115,19 @@ class KernelBuilder:
         i.add_incoming(nxt, b.block)
         b.branch(cond)
         b.position_at_end(end)
+
+    def for_chunks(self, n: int, body: Callable[[ir.Value, int], None], width: int | None = None) -> None:
+        """body(index, lanes) over [0, n): a loop of `width`-lane steps (default VW), then the rest
+        in narrower vectors, unrolled, so a row length need not be a multiple of the vector width
+        (head_dim 100 on AVX2). Where it is, this is the plain loop alone."""
+        w = width or self.vw
+        main = n - n % w
+        if main:
+            with self.loop(0, main, w) as j:
+                body(j, w)
+        for lanes in tail_widths(n, w):
+            body(self.i64(main), lanes)
+            main += lanes
 
     @contextmanager
     def if_(self, cond: ir.Value) -> Iterator[None]:

@@ -8,7 +8,7 @@ import llvmlite.ir as ir
 
 from ...models.rope import rope_inv_freq
 from ..ir import QK, Graph, Op
-from .llvm_builder import F32, I8, I32, KernelBuilder, vec
+from .llvm_builder import F32, I8, I32, KernelBuilder, tail_widths, vec
 from .llvm_matmul import (BLOCK_BYTES, MatmulSpec, cache_row_bytes, check_matmul, emit_matmul,
                           load_weight_block, normalized, prefetch, rms_scale_row, rope_row,
                           store_cache_row)
@@ -87,8 +87,10 @@ def _rms_norm(kb: KernelBuilder, graph: Graph, op: Op) -> None:
     with kb.loop(lo, hi) as t:
         row = b.mul(t, kb.i64(d * 4))
         den = rms_scale_row(kb, x, row, d, float(op.attrs["eps"]))
-        with kb.loop(0, d, kb.vw) as k:
-            kb.store(normalized(kb, x, row, k, den, w, wdt), out, b.add(row, b.mul(k, kb.i64(4))))
+
+        def norm_chunk(k: ir.Value, lanes: int) -> None:
+            kb.store(normalized(kb, x, row, k, den, w, wdt, lanes), out, b.add(row, b.mul(k, kb.i64(4))))
+        kb.for_chunks(d, norm_chunk)
 
 
 def _elementwise(kind: str):
@@ -199,37 +201,52 @@ def load_kv(kb: KernelBuilder, dtype: str, cache: ir.Value, slot: ir.Value, kh: 
 ATTN_PREFETCH_SLOTS = 32
 
 
+def head_chunks(hd: int, lanes: int) -> list[tuple[int, int]]:
+    """(offset, width) pieces of a head row: `lanes`-wide vectors, then narrower ones for the rest
+    (head_dim 100 on AVX2: twelve of 8 and one of 4)."""
+    chunks = [(k * lanes, lanes) for k in range(hd // lanes)]
+    off = hd - hd % lanes
+    for w in tail_widths(hd, lanes):
+        chunks.append((off, w))
+        off += w
+    return chunks
+
+
 def _attention(kb: KernelBuilder, graph: Graph, op: Op) -> None:
     """Causal GQA with an online softmax. One work item is one token and E query heads of one KV
     group (E = 2 where the group allows): each K/V vector is loaded and converted once for the E
     heads, whose independent FMA chains keep the core busy. KV slots go in blocks of L (the
     vector width; 16 on AVX-512): L scores per head, one max and one vector exp per block (not
-    two scalar exps per slot), and each head's output row stays in registers."""
+    two scalar exps per slot), and each head's output row stays in registers, as L-wide pieces
+    plus narrower ones where L does not divide head_dim."""
     q, k_cache, v_cache, out = kb.bufs
     b = kb.b
     a = op.attrs
     h, kvh, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
     lanes = 16 if kb.target.has("avx512f") and hd % 16 == 0 else kb.vw
-    if hd % lanes:
-        raise CodegenError(f"op {op.name} (attention): head_dim {hd} is not a multiple of {lanes}")
     kdt, vdt = cache_dtype(graph, op.inputs[1]), cache_dtype(graph, op.inputs[2])
-    group, nv = h // kvh, hd // lanes
+    group, chunks = h // kvh, head_chunks(hd, lanes)
     E = 2 if group % 2 == 0 else 1
     fvec = vec(F32, lanes)
+    zeros = {w: ir.Constant(vec(F32, w), [0.0] * w) for _, w in chunks}
     zero = ir.Constant(fvec, [0.0] * lanes)
-    acc = [[kb.var(fvec) for _ in range(nv)] for _ in range(E)]   # E x o[hd]: sum of p * v so far
-    m = [kb.var(F32) for _ in range(E)]                           # largest score so far
-    total = [kb.var(F32) for _ in range(E)]                       # sum of exp(score - m) so far
+    acc = [[kb.var(vec(F32, w)) for _, w in chunks] for _ in range(E)]   # E x o[hd]: sum of p * v so far
+    m = [kb.var(F32) for _ in range(E)]                                 # largest score so far
+    total = [kb.var(F32) for _ in range(E)]                             # sum of exp(score - m) so far
+
+    def splats(x: ir.Value) -> dict[int, ir.Value]:
+        return {w: kb.splat(x, w) for w in zeros}
+
     lo, hi = kb.split(b.mul(kb.n_tokens, kb.i64(h // E)))
     with kb.loop(lo, hi) as i:
         t, hh = b.udiv(i, kb.i64(h // E)), b.mul(b.urem(i, kb.i64(h // E)), kb.i64(E))
         kh = b.udiv(hh, kb.i64(group))
         row0 = b.add(b.mul(t, kb.i64(h)), hh)                     # q / out row of head hh
-        qv = [[kb.load(fvec, q, kb.idx((row0, hd * 4), (e * hd + k * lanes, 4))) for k in range(nv)]
+        qv = [[kb.load(vec(F32, w), q, kb.idx((row0, hd * 4), (e * hd + off, 4))) for off, w in chunks]
               for e in range(E)]
         for e in range(E):
-            for x in acc[e]:
-                b.store(zero, x)
+            for x, (_, w) in zip(acc[e], chunks):
+                b.store(zeros[w], x)
             b.store(kb.f32(-math.inf), m[e])
             b.store(kb.f32(0.0), total[e])
         length = b.add(b.add(kb.n_past, t), kb.i64(1))
@@ -249,12 +266,17 @@ def _attention(kb: KernelBuilder, graph: Graph, op: Op) -> None:
                         prefetch(kb, cache, b.add(ahead, kb.i64(line)))
                 live = b.icmp_signed("<", slot, length)
                 slot = b.select(live, slot, s0)
-                kv = [load_kv(kb, kdt, k_cache, slot, kh, kvh, hd, kb.i64(k * lanes), lanes) for k in range(nv)]
+                kv = [load_kv(kb, kdt, k_cache, slot, kh, kvh, hd, kb.i64(off), w) for off, w in chunks]
                 for e in range(E):
-                    dot = kb.fma(qv[e][0], kv[0], zero)
-                    for k in range(1, nv):
-                        dot = kb.fma(qv[e][k], kv[k], dot)
-                    sc = b.select(live, b.fmul(kb.hsum(dot), kb.f32(a["scale"])), kb.f32(-math.inf))
+                    dot = zero
+                    for (_, w), qk, kk in zip(chunks, qv[e], kv):
+                        if w == lanes:
+                            dot = kb.fma(qk, kk, dot)
+                    score = kb.hsum(dot)
+                    for (_, w), qk, kk in zip(chunks, qv[e], kv):
+                        if w != lanes:
+                            score = b.fadd(score, kb.hsum(b.fmul(qk, kk)))
+                    sc = b.select(live, b.fmul(score, kb.f32(a["scale"])), kb.f32(-math.inf))
                     scores[e] = b.insert_element(scores[e], sc, ir.Constant(I32, j))
                 slots.append(slot)
             ps, o = [], []
@@ -265,22 +287,22 @@ def _attention(kb: KernelBuilder, graph: Graph, op: Op) -> None:
                 p = kb.exp(b.fsub(scores[e], kb.splat(m_new, lanes)))
                 b.store(m_new, m[e])
                 b.store(b.fadd(b.fmul(b.load(total[e]), corr), kb.hsum(p)), total[e])
-                corr_v = kb.splat(corr, lanes)
+                corr_v = splats(corr)
                 ps.append(p)
-                o.append([b.fmul(b.load(x), corr_v) for x in acc[e]])
+                o.append([b.fmul(b.load(x), corr_v[w]) for x, (_, w) in zip(acc[e], chunks)])
             for j, slot in enumerate(slots):
-                vv = [load_kv(kb, vdt, v_cache, slot, kh, kvh, hd, kb.i64(k * lanes), lanes) for k in range(nv)]
+                vv = [load_kv(kb, vdt, v_cache, slot, kh, kvh, hd, kb.i64(off), w) for off, w in chunks]
                 for e in range(E):
-                    p_j = kb.splat(b.extract_element(ps[e], ir.Constant(I32, j)), lanes)
-                    o[e] = [kb.fma(p_j, vv[k], o[e][k]) for k in range(nv)]
+                    p_j = splats(b.extract_element(ps[e], ir.Constant(I32, j)))
+                    o[e] = [kb.fma(p_j[w], vk, ok) for (_, w), vk, ok in zip(chunks, vv, o[e])]
             for e in range(E):
                 for x, val in zip(acc[e], o[e]):
                     b.store(val, x)
         for e in range(E):
-            inv = kb.splat(b.load(total[e]), lanes)
+            inv = splats(b.load(total[e]))
             base = b.mul(b.add(row0, kb.i64(e)), kb.i64(hd * 4))
-            for k in range(nv):
-                kb.store(b.fdiv(b.load(acc[e][k]), inv), out, b.add(base, kb.i64(k * lanes * 4)))
+            for x, (off, w) in zip(acc[e], chunks):
+                kb.store(b.fdiv(b.load(x), inv[w]), out, b.add(base, kb.i64(off * 4)))
 
 
 _EMITTERS = {

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import llvmlite.ir as ir
 
 from ..ir import QK, Graph, Op
-from .llvm_builder import F16, F32, I8, I16, I32, KernelBuilder, vec
+from .llvm_builder import F16, F32, I8, I16, I32, KernelBuilder, tail_widths, vec
 from .llvm_target import Target
 
 BLOCK_BYTES = {"q4_0": 18, "q8_0": 34}
@@ -88,12 +88,13 @@ def _align(n: int, a: int = 64) -> int:
 
 
 def check_matmul(spec: MatmulSpec, where: str) -> None:
-    if spec.K % QK:
-        raise ValueError(f"{where}: K={spec.K} is not a multiple of {QK}; the CPU kernels need it")
+    if spec.quantized and spec.K % QK:
+        raise ValueError(f"{where}: K={spec.K} is not a multiple of {QK}, so {spec.wdtype} rows do not "
+                         "split into blocks; use --weights f16")
     if spec.wdtype not in BLOCK_BYTES and spec.wdtype not in FLOAT_WEIGHTS:
         raise ValueError(f"{where}: weight dtype {spec.wdtype} has no CPU matmul kernel")
-    if spec.epilogue == "rope_kv_store" and spec.head_dim % 8:
-        raise ValueError(f"{where}: head_dim {spec.head_dim} must be a multiple of 8")
+    if spec.epilogue == "rope_kv_store" and spec.head_dim % 2:
+        raise ValueError(f"{where}: head_dim {spec.head_dim} is odd; RoPE rotates pairs")
 
 
 def prefetch(kb: KernelBuilder, ptr: ir.Value, byte_offset: ir.Value) -> None:
@@ -233,21 +234,35 @@ def quantize_block(kb: KernelBuilder, vals: list[ir.Value]) -> tuple[ir.Value, i
     return d, qs[0]
 
 
+def fma_into(kb: KernelBuilder, acc: ir.Value, a: ir.Value, c: ir.Value) -> None:
+    """acc (a VW-lane variable) += a * c; a narrower tail vector's products go into lane 0 as
+    one sum."""
+    b = kb.b
+    if a.type.count == kb.vw:
+        b.store(kb.fma(a, c, b.load(acc)), acc)
+        return
+    cur = b.load(acc)
+    lane0 = b.fadd(b.extract_element(cur, ir.Constant(I32, 0)), kb.hsum(b.fmul(a, c)))
+    b.store(b.insert_element(cur, lane0, ir.Constant(I32, 0)), acc)
+
+
 def rms_scale_row(kb: KernelBuilder, x: ir.Value, row_off: ir.Value, K: int, eps: float) -> ir.Value:
     """sqrt(mean(x^2) + eps) of the f32 row at byte offset row_off."""
     b, vw = kb.b, kb.vw
     acc = kb.var(vec(F32, vw), ir.Constant(vec(F32, vw), [0.0] * vw))
-    with kb.loop(0, K, vw) as k:
-        v = kb.load(vec(F32, vw), x, b.add(row_off, b.mul(k, kb.i64(4))))
-        b.store(kb.fma(v, v, b.load(acc)), acc)
+
+    def squares(k: ir.Value, lanes: int) -> None:
+        v = kb.load(vec(F32, lanes), x, b.add(row_off, b.mul(k, kb.i64(4))))
+        fma_into(kb, acc, v, v)
+    kb.for_chunks(K, squares)
     var = b.fdiv(kb.hsum(b.load(acc)), kb.f32(K))
     return kb.sqrt(b.fadd(var, kb.f32(eps)))
 
 
 def normalized(kb: KernelBuilder, x: ir.Value, row_off: ir.Value, k: ir.Value, den: ir.Value | None,
-               norm_w: ir.Value | None, norm_dtype: str) -> ir.Value:
-    """VW floats of row x at element k, as x / den * w when a norm is fused in."""
-    b, vw = kb.b, kb.vw
+               norm_w: ir.Value | None, norm_dtype: str, lanes: int | None = None) -> ir.Value:
+    """`lanes` (default VW) floats of row x at element k, as x / den * w when a norm is fused in."""
+    b, vw = kb.b, lanes or kb.vw
     v = kb.load(vec(F32, vw), x, b.add(row_off, b.mul(k, kb.i64(4))))
     if den is None:
         return v
@@ -334,9 +349,10 @@ class MatmulEmitter:
             row_off = b.mul(t, kb.i64(s.K * 4))
             den = rms_scale_row(kb, self.x, row_off, s.K, s.eps) if s.prologue else None
             if not s.quantized:
-                with kb.loop(0, s.K, kb.vw) as k:
-                    v = normalized(kb, self.x, row_off, k, den, self.norm_w, s.norm_dtype)
+                def norm_chunk(k: ir.Value, lanes: int) -> None:
+                    v = normalized(kb, self.x, row_off, k, den, self.norm_w, s.norm_dtype, lanes)
                     kb.store(v, self.xf, b.add(row_off, b.mul(k, kb.i64(4))))
+                kb.for_chunks(s.K, norm_chunk)
             else:
                 with kb.loop(0, self.nb) as blk:
                     k0 = b.mul(blk, kb.i64(QK))
@@ -374,12 +390,14 @@ class MatmulEmitter:
                         b.store(kb.fma(p, sc, b.load(accs[r][t])), accs[r][t])
         else:
             x = self.xf if s.prologue else self.x
-            with kb.loop(0, s.K, vw) as k:
-                ws = [kb.load_floats(s.wdtype, self.w, b.add(b.mul(r, kb.i64(s.K)), k), vw) for r in rows]
+
+            def dots(k: ir.Value, lanes: int) -> None:
+                ws = [kb.load_floats(s.wdtype, self.w, b.add(b.mul(r, kb.i64(s.K)), k), lanes) for r in rows]
                 for t in range(tt):
-                    xv = kb.load(vec(F32, vw), x, b.mul(kb.idx((t0, s.K), (t, s.K), (k, 1)), kb.i64(4)))
+                    xv = kb.load(vec(F32, lanes), x, b.mul(kb.idx((t0, s.K), (t, s.K), (k, 1)), kb.i64(4)))
                     for r, wv in enumerate(ws):
-                        b.store(kb.fma(wv, xv, b.load(accs[r][t])), accs[r][t])
+                        fma_into(kb, accs[r][t], wv, xv)
+            kb.for_chunks(s.K, dots)
         return [[kb.hsum(b.load(accs[r][t])) for t in range(tt)] for r in range(len(rows))]
 
     def tile_q4_groups(self, rows: list[ir.Value], t0: ir.Value, tt: int, run: int) -> list[list[ir.Value]]:
@@ -483,25 +501,29 @@ class MatmulEmitter:
 
 def copy_row(kb: KernelBuilder, src: ir.Value, dst: ir.Value, n: int) -> None:
     b = kb.b
-    with kb.loop(0, n, kb.vw) as j:
+
+    def copy(j: ir.Value, lanes: int) -> None:
         off = b.mul(j, kb.i64(4))
-        kb.store(kb.load(vec(F32, kb.vw), src, off), dst, off)
+        kb.store(kb.load(vec(F32, lanes), src, off), dst, off)
+    kb.for_chunks(n, copy)
 
 
 def rope_row(kb: KernelBuilder, src: ir.Value, dst: ir.Value, pos: ir.Value, inv_freq: ir.Value,
              inv_dtype: str, hd: int) -> None:
     """HF rotate_half on one head row: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), angle pos * inv_freq."""
-    b, vw = kb.b, kb.vw
+    b = kb.b
     half = hd // 2
-    n = vw if half % vw == 0 else 4 if half % 4 == 0 else 1
-    posf = kb.splat(b.sitofp(pos, F32), n)
-    with kb.loop(0, half, n) as j:
-        ang = b.fmul(posf, kb.load_floats(inv_dtype, inv_freq, j, n))
+    posf = b.sitofp(pos, F32)
+    posv = {n: kb.splat(posf, n) for n in (kb.vw, *tail_widths(half, kb.vw))}
+
+    def rotate(j: ir.Value, n: int) -> None:
+        ang = b.fmul(posv[n], kb.load_floats(inv_dtype, inv_freq, j, n))
         c, s = kb.call_math("cos", ang), kb.call_math("sin", ang)
         o1, o2 = b.mul(j, kb.i64(4)), b.mul(b.add(j, kb.i64(half)), kb.i64(4))
         x1, x2 = kb.load(vec(F32, n), src, o1), kb.load(vec(F32, n), src, o2)
         kb.store(b.fsub(b.fmul(x1, c), b.fmul(x2, s)), dst, o1)
         kb.store(b.fadd(b.fmul(x2, c), b.fmul(x1, s)), dst, o2)
+    kb.for_chunks(half, rotate)
 
 
 def cache_row_bytes(dtype: str, hd: int) -> int:
@@ -515,9 +537,9 @@ def store_cache_row(kb: KernelBuilder, row: ir.Value, cache: ir.Value, slot: ir.
     rb = cache_row_bytes(dtype, hd)
     base = kb.idx((slot, kvh * rb), (kh, rb))
     if dtype in ("f32", "f16"):
-        with kb.loop(0, hd, vw) as j:
-            v = kb.load(vec(F32, vw), row, b.mul(j, kb.i64(4)))
-            kb.store_floats(dtype, v, kb.at(cache, base), j)
+        def store(j: ir.Value, lanes: int) -> None:
+            kb.store_floats(dtype, kb.load(vec(F32, lanes), row, b.mul(j, kb.i64(4))), kb.at(cache, base), j)
+        kb.for_chunks(hd, store)
         return
     if dtype != "q8_0":
         raise ValueError(f"KV cache dtype {dtype} has no CPU kernel (f32, f16, q8_0)")

@@ -79,6 +79,8 @@ MMA_PREFETCH_F16 = "xw"       # by weights (H200, prefill 512: q4_0 17.6 ms with
                               # 21.6 xw; f16 15.8 ms with xw, 16.4 none, 17.5 w)
 ATT_WG, ATT_BQ = 128, 128     # attention_split threads; attention_tiled query rows per group
                               # (H200 q4_0 prefill 512: attention 4.0 ms with 32, 3.5 with 128)
+ATT_TILE_BYTES = 32 << 10     # attention_tiled: local memory for a tile of K and V rows (f32);
+                              # 32 keys of head_dim 128, fewer keys for wider heads
 ATT_KEYS_PER_SPLIT, ATT_MAX_SPLITS = 64, 32   # decode attention: splits = S / 64
 ATT_DECODE = "warp"           # decode attention kernel: "warp" (attention_decode: a key per
                               # lane, K and V loads in flight together, splits only where the
@@ -191,10 +193,18 @@ def matvec_shape(k: int, n: int, quantized: bool, epilogue: str | None, kv_q8: b
     return wg, warps * rpw, 1
 
 
-def _row_groups(epilogue: str | None, rw: int, n: int, a: dict[str, Any]) -> int:
+def rope_heads_q8(a: dict[str, Any], kv: str) -> bool:
+    """Whether a rope_kv_store epilogue into Q8_0 caches needs a group per head (ROPE_HEADS in
+    matmul_common.cl): where head_dim % 64 == 32 a 32-value block spans both RoPE halves."""
+    return kv == "q8_0" and a["head_dim"] % 64 != 0
+
+
+def _row_groups(epilogue: str | None, rw: int, n: int, a: dict[str, Any], rope_heads: bool = False) -> int:
     """Groups along dim 0 of a matmul launch, by the slot rule of matmul.cl's slot_row()."""
     if epilogue == "silu_mul":
         return math.ceil(n // 2 / (rw // 2))
+    if rope_heads:
+        return a["n_heads"] + 2 * a["n_kv_heads"]
     if epilogue == "rope_kv_store":
         h, kvh, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
         return math.ceil((h + kvh) * hd // 2 / (rw // 2)) + math.ceil(kvh * hd / rw)
@@ -208,8 +218,12 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     n = ctx.shape(w)[0]
     wt = ctx.dtype(w)
     _need(wt in WEIGHT_TYPES, op, f"weight {w!r} is {wt}; expected one of {', '.join(WEIGHT_TYPES)}")
-    _need(k % 32 == 0, op, f"K = {k} is not a multiple of 32, which the OpenCL matmul kernels need")
+    quantized = wt in ("q4_0", "q8_0")
+    _need(k % (32 if quantized else 4) == 0, op, f"K = {k} is not a multiple of {32 if quantized else 4}, "
+          "which the OpenCL matmul kernels need")
     options = [f"-DW_T={wt}", f"-DW_{wt.upper()}"]
+    if k % 32:
+        options.append("-DK_TAIL")             # float weights: matmul.cl cuts the last block at K
     nw = _NONE
     if a.get("prologue") == "rms_norm":
         nw_name = extra.pop(0)
@@ -220,6 +234,7 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     e = [_NONE, _NONE, _NONE]
     epi = a.get("epilogue")
     heads = (0, 0, 0)
+    rope_heads = False
     if epi == "add":
         options.append("-DEPI_ADD")
         e[0] = _v(extra[0])
@@ -228,16 +243,23 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     elif epi == "rope_kv_store":
         kv = _kv_type(ctx, op, extra[1])
         _need(ctx.dtype(extra[2]) == kv, op, "k and v caches must share one dtype")
-        _need(kv != "q8_0" or a["head_dim"] % 64 == 0, op, f"a q8_0 KV cache needs head_dim a multiple "
-              f"of 64 (it is {a['head_dim']}); compile with --kv-type f16")
         options += ["-DEPI_ROPE_KV", *_kv_options(kv)]
         e = [_v(extra[0]), _v(extra[1]), _v(extra[2])]
         heads = (a["n_heads"], a["n_kv_heads"], a["head_dim"])
+        rope_heads = rope_heads_q8(a, kv)
     elif epi is not None:
         raise CodegenError(f"op {op.name} (fused_matmul): epilogue {epi!r} has no OpenCL kernel")
-    tiled = m > 1
-    mv_wg, mv_rows, mv_split = matvec_shape(k, n, wt in ("q4_0", "q8_0"), epi, "-DKV_Q8_0" in options,
-                                            a.get("prologue") == "rms_norm")
+    # a group per head is a matvec (its RW = hd is no tile width), prefill too: one token a group
+    # row, weights read once per token; only Q8_0 caches of head_dim % 64 == 32 take it. Rows of
+    # float weights that are no whole 16-byte units (K % 8, e.g. 9 heads x 100) only the tiled
+    # kernel reads, in decode too
+    tiled = (m > 1 or k % 8 != 0) and not rope_heads
+    if rope_heads:
+        mv_wg, mv_rows, mv_split = (MV_WG_QUANT if quantized else MV_WG), heads[2], 1
+        options.append("-DROPE_HEADS")
+    else:
+        mv_wg, mv_rows, mv_split = matvec_shape(k, n, quantized, epi, "-DKV_Q8_0" in options,
+                                                a.get("prologue") == "rms_norm")
     tile_n = TILE_N_WIDE if math.ceil(n / TILE_N_WIDE) * math.ceil(m / TILE_M) >= TILE_N_MIN_GROUPS else 64
     if tiled:
         options.append(f"-DTN={tile_n}")
@@ -256,7 +278,7 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
             {"int": heads[0]}, {"int": heads[1]}, {"int": heads[2]}]
     ctx.launches.append(Launch(op.name, "matmul" if tiled else "matvec", "matmul_tiled" if tiled else "matvec",
                                options, args,
-                               local=256 if tiled else mv_wg, groups=_row_groups(epi, rw, n, a),
+                               local=256 if tiled else mv_wg, groups=_row_groups(epi, rw, n, a, rope_heads),
                                rows=m, row_tile=TILE_M if tiled else 1))
 
 
@@ -267,14 +289,17 @@ def _attention(ctx: _Ctx, op: Op) -> None:
     hd, h = a["head_dim"], a["n_heads"]
     kv = _kv_type(ctx, op, k)
     _need(ctx.dtype(v) == kv, op, "k and v caches must share one dtype")
-    _need(ATT_WG % hd == 0 and hd % 4 == 0, op, f"head_dim {hd} must divide {ATT_WG} for the OpenCL attention kernel")
+    _need(hd % 4 == 0 and hd <= 4 * ATT_WG, op, f"head_dim {hd}: the OpenCL attention kernels need a "
+          f"multiple of 4 (they read K/V rows 4 values at a time) of at most {4 * ATT_WG}")
     kvh = a["n_kv_heads"]
     _need(h % kvh == 0, op, f"n_heads {h} is not a multiple of n_kv_heads {kvh}")
     options = [f"-DHEAD_DIM={hd}", *_kv_options(kv), f"-DATT_WG={ATT_WG}"]
     args = [_v(q), _v(k), _v(v), _v(op.outputs[0])]
     scalars = [{"int": h}, {"int": a["n_kv_heads"]}, {"float": float(a["scale"])}, {"int": m}]
     if m > 1:
-        ctx.launches.append(Launch(op.name, "attention", "attention_tiled", options + [f"-DATT_BQ={ATT_BQ}"],
+        keys = min(32, _pow2_at_most(ATT_TILE_BYTES // (2 * 4 * hd)))
+        tile = [f"-DATT_BQ={ATT_BQ}"] + ([f"-DATT_BK={keys}"] if keys != 32 else [])
+        ctx.launches.append(Launch(op.name, "attention", "attention_tiled", options + tile,
                                    args + scalars,
                                    local=ATT_BQ, groups=h, rows=m, row_tile=ATT_BQ))
     elif ATT_DECODE == "warp" and hd % 32 == 0 and hd <= ATT_DEC_WG:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...compiler.ir import Graph
+from ..plan import Plan
 from .cpu_native import NativeCode, NativeCodeError, host_triple
 
 _STEP_ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5
@@ -80,6 +81,9 @@ def _huge_zeros(nbytes: int) -> np.ndarray:
 
 def load_code(plan) -> NativeCode:
     """The plan's object code for this host, or its LLVM IR JIT-compiled (said on stderr)."""
+    missing = plan.missing_code("cpu") if isinstance(plan, Plan) else None
+    if missing:   # the compiler left this back end out: say why, not which section is absent
+        raise CpuBackendError(f"{plan.path}: {missing}")
     triple = host_triple()
     obj = _section(plan, f"llvm.{triple}")
     if obj is not None:

@@ -30,6 +30,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from ...compiler.ir import Graph, IRError, storage_shape
+from ..plan import Plan
 from .opencl_launch import CommandBuffer, DirectLaunches, OpenCLError
 
 ALIGN = 64
@@ -270,6 +271,9 @@ class OpenCLBackend:
     """Runs the plan's prefill and decode graphs on one OpenCL device."""
 
     def __init__(self, plan: Any, device: int | str | None = None):
+        missing = plan.missing_code("opencl") if isinstance(plan, Plan) else None
+        if missing:   # the compiler left this back end out: say why, not which section is absent
+            raise OpenCLError(f"{plan.path}: {missing}")
         try:
             program = json.loads(bytes(plan.section("opencl")).decode())
         except (KeyError, ValueError) as e:

@@ -1,6 +1,6 @@
 // Causal GQA attention over the KV cache: row t of the step sees cache slots [0, n_past + t].
-//   -DHEAD_DIM=<hd, a multiple of 4>  -DKV_T=<f32|f16|q8_0> -DKV_<T>
-//   -DATT_WG=<threads, a multiple of HEAD_DIM and of 32>  -DATT_SPLITS=<groups per head>
+//   -DHEAD_DIM=<hd, a multiple of 4, at most 4 * ATT_WG>  -DKV_T=<f32|f16|q8_0> -DKV_<T>
+//   -DATT_WG=<threads, a multiple of 32>  -DATT_SPLITS=<groups per head>
 //   q  f32 [M, H*hd]        k, v  KV_T [S, KVH, hd]        o  f32 [M, H*hd]
 // Softmax is online (running max and sum, rescaled per chunk of keys), so any context length
 // runs in a fixed amount of local memory.
@@ -10,7 +10,6 @@
 #define ATT_WG 128
 #endif
 #define ATT_CHUNK 512          // keys scored per pass
-#define ATT_PARTS (ATT_WG / HEAD_DIM)
 #ifndef ATT_SPLITS
 #define ATT_SPLITS 1
 #endif
@@ -36,7 +35,8 @@ inline float4 ld_kv4(gin p, size_t i) { return (float4)(LD_KV(p, i), LD_KV(p, i 
 // launch. One group per head alone leaves most of a large GPU idle.
 //   -DATT_GROUP=<query heads per group: 1 or a divisor of n_heads / n_kv_heads>
 //   scratch  int counters [M, H / ATT_GROUP], then f32 partials [M, H, ATT_SPLITS, hd + 2]
-// Threads: scores one key each; the V sum as (part, 4 dims): ATT_WG * 4 / hd parts of the keys.
+// Threads: scores one key each; the V sum as (part, 4 dims): ATT_WG * 4 / hd parts of the keys
+// (rounded down: where hd / 4 does not divide ATT_WG, the threads left over take no part).
 // Grid: (H / ATT_GROUP * ATT_SPLITS * ATT_WG, rows).
 #ifndef ATT_GROUP
 #define ATT_GROUP 1
@@ -110,6 +110,9 @@ void attention_split(__global const int* step, gin qb, ulong q_off, gin kb, ulon
     barrier(CLK_LOCAL_MEM_FENCE);
 
     int d4 = lid % ATT_D4, part = lid / ATT_D4;
+#if ATT_WG % ATT_D4
+    if (part >= ATT_VPARTS) part = ATT_CHUNK;       // left over: past every chunk's keys
+#endif
     float m_run[ATT_GROUP], l_run[ATT_GROUP];
     float4 o[ATT_GROUP];
 #pragma unroll
@@ -170,6 +173,9 @@ void attention_split(__global const int* step, gin qb, ulong q_off, gin kb, ulon
     }
     barrier(CLK_LOCAL_MEM_FENCE);
     __local float4* vparts = (__local float4*)sc;   // [VPARTS][G][hd/4]
+#if ATT_WG % ATT_D4
+    if (part < ATT_VPARTS)
+#endif
 #pragma unroll
     for (int j = 0; j < ATT_GROUP; j++) vparts[(part * ATT_GROUP + j) * ATT_D4 + d4] = o[j];
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -402,7 +408,9 @@ void attention_decode(__global const int* step, gin qb, ulong q_off, gin kb, ulo
 #ifndef ATT_BQ
 #define ATT_BQ 32              // query rows (threads) per group: more rows share each staged tile
 #endif
-#define ATT_BK 32
+#ifndef ATT_BK
+#define ATT_BK 32              // keys per staged tile (codegen: fewer for wide heads, so K and V
+#endif                         // tiles stay within 32 KB of local memory)
 
 __kernel __attribute__((reqd_work_group_size(ATT_BQ, 1, 1)))
 void attention_tiled(__global const int* step, gin qb, ulong q_off, gin kb, ulong k_off,

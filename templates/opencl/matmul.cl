@@ -3,7 +3,8 @@
 // q4_0 / q8_0 / f16 weights on NVIDIA, the portable fp32 body for everything else.
 
 // Prefill: a TM-token x TN-row tile per group, K walked one 32-value block at a time through
-// local memory (each block of a token is one Q8_0 block). 256 threads; thread (ty, tx) owns
+// local memory (each block of a token is one Q8_0 block; with -DK_TAIL, float weights whose K is
+// no multiple of 32, the last block is cut at K and read value by value). 256 threads; thread (ty, tx) owns
 // tokens 4ty..4ty+3 and rows 64h + 4tx..64h + 4tx + 3 for h < TN / 64: 16 or 32 outputs, and per
 // k it reads 1 + TN / 64 float4 from local memory. The tiles sit k-major in local memory
 // (xs [32][TM], ws [32][TN]) so those reads are float4 across tokens / rows.
@@ -40,8 +41,18 @@ inline void tile_epilogue(__local const float* out, int t0, int rows, int g, int
 #endif
 }
 
-#if defined(USE_NV_MMA) && defined(USE_NV_PTX) && (defined(W_QUANT) || defined(W_F16))
+#if defined(USE_NV_MMA) && defined(USE_NV_PTX) && (defined(W_QUANT) || defined(W_F16)) && !defined(K_TAIL)
 #define MMA_BODY 1
+#endif
+
+#ifdef K_TAIL
+#define K_BLOCKS ((K + 31) / 32)
+#define K_LIVE(b, k) ((b) * 32 + (k) < K)
+#define W_ELEM(w, row, b, k) wval(w, (size_t)(row) * K + (b) * 32 + (k))   // float weights only
+#else
+#define K_BLOCKS (K / 32)
+#define K_LIVE(b, k) 1
+#define W_ELEM(w, row, b, k) welem(w, (size_t)(row) * nb + (b), k, nblk)
 #endif
 
 // Both bodies below (portable fp32 and tensor-core MMA) take the arguments codegen binds by
@@ -93,11 +104,11 @@ MATMUL_TILED_BEGIN
     for (int j = 0; j < 4; j++)
         for (int i = 0; i < 4 * TN_H; i++) acc[j][i] = 0.0f;
 
-    for (int b = 0; b < K / 32; b++) {
+    for (int b = 0; b < K_BLOCKS; b++) {
         for (int e = lid; e < TM * 32; e += 256) {   // x: coalesced along k
             int tt = e >> 5, k = e & 31;
             float v = 0.0f;
-            if (t0 + tt < rows) {
+            if (t0 + tt < rows && K_LIVE(b, k)) {
                 v = x[(size_t)(t0 + tt) * K + b * 32 + k];
 #ifdef PROLOGUE_RMS
                 v = v / rms[tt] * LD_NORM(nw, b * 32 + k);
@@ -107,7 +118,7 @@ MATMUL_TILED_BEGIN
         }
         for (int e = lid; e < TN * 32; e += 256) {   // w: along k, stored k-major
             int n = e >> 5, k = e & 31, row = rowmap[n];
-            ws[k * WS_STRIDE + n] = row >= 0 ? welem(w, (size_t)row * nb + b, k, nblk) : 0.0f;
+            ws[k * WS_STRIDE + n] = row >= 0 && K_LIVE(b, k) ? W_ELEM(w, row, b, k) : 0.0f;
         }
 #ifdef W_QUANT
         for (int n = lid; n < TN; n += 256) {

@@ -6,13 +6,16 @@
 //   -DKV_T=<f32|f16|q8_0> [-DKV_Q8_0]              cache element type (EPI_ROPE_KV); q8_0
 //                                                  caches are written a 32-value block at a
 //                                                  time by epilogue_chunk()
+//   -DROPE_HEADS                                   (EPI_ROPE_KV, KV_Q8_0, matvec) a group per
+//                                                  head of [q; k; v], RW = hd, in row order
 //   -DMV_WG, -DMV_ROWS, -DMV_K, -DMV_LOADS          matvec shape (matvec.cl)
 // Quantized weights multiply Q8_0-quantized activations block by block; a block's dot product
 // of integers is exact in f32 (|sum| <= 32*127*128 < 2^24), then scaled by d_x * d_w, as GGML.
 //
 // Every group of a launch owns RW "slots"; slot_row() maps a slot to the weight row it computes.
 // Pair epilogues put a row and its partner in the same group: silu_mul pairs gate row u with
-// up row F + u; rope pairs row j of a q/k head with row j + hd/2. Arguments of every kernel:
+// up row F + u; rope pairs row j of a q/k head with row j + hd/2 (or, with ROPE_HEADS, a group
+// holds a whole head, so both are there). Arguments of every kernel:
 //   x      f32 [M, K]                 activations (row t of the step)
 //   w      W_T [N, K]                 weight rows (HF layout)
 //   nw     NORM_T [K]                 norm weight (PROLOGUE_RMS)
@@ -92,6 +95,9 @@ inline float welem(gin w, size_t blk, int k, size_t nblk) { return ld_f32(w, blk
 inline float8 wunit_load(gin w, size_t unit) { return ((__global const float8*)w)[unit]; }
 inline float wunit_dot_bits(float8 u, float8 x) { return dot(u.lo, x.lo) + dot(u.hi, x.hi); }
 #endif
+#ifndef W_QUANT
+inline float wval(gin w, size_t i) { return CAT(ld_, W_T)(w, i); }   // element i of a float tensor
+#endif
 #ifdef W_QUANT
 inline float wscale(gin w, size_t blk, size_t nblk) {
     return vload_half(blk, (__global const half*)(w + nblk * W_QBYTES));
@@ -116,7 +122,7 @@ inline int slot_row(int g, int r, int RW, int N, int n_heads, int n_kv_heads, in
     int half_rw = RW / 2, u = g * half_rw + (r % half_rw);
     if (u >= N / 2) return -1;
     return r < half_rw ? u : N / 2 + u;
-#elif defined(EPI_ROPE_KV)
+#elif defined(EPI_ROPE_KV) && !defined(ROPE_HEADS)
     int half_rw = RW / 2, hh = hd / 2;
     int pairs = (n_heads + n_kv_heads) * hh;
     int pair_groups = (pairs + half_rw - 1) / half_rw;
@@ -184,10 +190,54 @@ inline void epilogue(int t, int g, int r, int RW, __local const float* vals, int
 
 
 #if defined(EPI_ROPE_KV) && defined(KV_Q8_0)
+// o, 32 values, as the Q8_0 block of cache holding element `first` (a multiple of 32), as
+// quant.quantize does (d = amax / 127 kept as f16, q = round(x / d) half away from zero)
+inline void store_q8_block(gout cache, size_t first, const float* o) {
+    float amax = 0.0f;
+    for (int i = 0; i < 32; i++) amax = fmax(amax, fabs(o[i]));
+    float d = amax / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    gout blk = cache + (first >> 5) * 34;
+    vstore_half_rte(d, 0, (__global half*)blk);
+    for (int i = 0; i < 32; i++) ((__global char*)(blk + 2))[i] = (char)(int)round(o[i] * id);
+}
+#endif
+
+#if defined(EPI_ROPE_KV) && defined(KV_Q8_0) && defined(ROPE_HEADS)
+// Q8_0 caches where head_dim % 64 == 32: a 32-value block then holds the end of one RoPE half
+// and the start of the other, which pair groups would split between groups. So group g holds
+// head g of [q; k; v] whole (RW = hd, slot r = row r of the head), and thread c finishes its
+// block c: RoPE from the head's own rows (q, k), then q stored as f32, k/v as a Q8_0 block.
+inline void epilogue_chunk(int t, int g, int c, int RW, __local const float* vals, int stride,
+                           gout e0, gout e1, gout e2, gout y, int N, int n_heads, int n_kv_heads,
+                           int hd, int n_past, int start_pos) {
+    int hh = hd / 2;
+    bool rope = g < n_heads + n_kv_heads;
+    float pos = (float)(start_pos + t);
+    float o[32];
+    for (int i = 0; i < 32; i++) {
+        int d = 32 * c + i;
+        float x = vals[d * stride];
+        if (rope) {
+            bool low = d < hh;
+            float partner = vals[(low ? d + hh : d - hh) * stride];
+            float cs, sn = sincos(pos * ((__global const float*)e0)[low ? d : d - hh], &cs);
+            x = low ? x * cs - partner * sn : x * cs + partner * sn;
+        }
+        o[i] = x;
+    }
+    if (g < n_heads) {
+        __global float* q = (__global float*)y + ((size_t)t * n_heads + g) * hd + 32 * c;
+        for (int i = 0; i < 32; i++) q[i] = o[i];
+        return;
+    }
+    int kh = rope ? g - n_heads : g - n_heads - n_kv_heads;
+    store_q8_block(rope ? e1 : e2, ((size_t)(n_past + t) * n_kv_heads + kh) * hd + 32 * c, o);
+}
+#elif defined(EPI_ROPE_KV) && defined(KV_Q8_0)
 // Q8_0 caches: thread c of a group finishes slots [32c, 32c + 32) of token t, which the slot
 // rule makes one aligned 32-value block of one head (codegen checks RW % 64 == 0 and
-// hd % 64 == 0): RoPE for q/k, then q rows stored as f32 and k/v blocks quantized as
-// quant.quantize does (d = amax / 127 kept as f16, q = round(x / d) half away from zero).
+// hd % 64 == 0): RoPE for q/k, then q rows stored as f32 and k/v as Q8_0 blocks.
 inline void epilogue_chunk(int t, int g, int c, int RW, __local const float* vals, int stride,
                            gout e0, gout e1, gout e2, gout y, int N, int n_heads, int n_kv_heads,
                            int hd, int n_past, int start_pos) {
@@ -227,12 +277,6 @@ inline void epilogue_chunk(int t, int g, int c, int RW, __local const float* val
         cache = e2;
         first = kv_row + row0;
     }
-    float amax = 0.0f;
-    for (int i = 0; i < 32; i++) amax = fmax(amax, fabs(o[i]));
-    float d = amax / 127.0f;
-    float id = d != 0.0f ? 1.0f / d : 0.0f;
-    gout blk = cache + (first >> 5) * 34;
-    vstore_half_rte(d, 0, (__global half*)blk);
-    for (int i = 0; i < 32; i++) ((__global char*)(blk + 2))[i] = (char)(int)round(o[i] * id);
+    store_q8_block(cache, first, o);
 }
 #endif

@@ -86,11 +86,13 @@ def _cache(g: Graph, arrays: dict, name: str, S: int, kvh: int, hd: int, dtype: 
 
 
 def matmul_case(wdtype: str, T: int, n_tokens: int, prologue: bool, epilogue: str | None,
-                cache_dtype: str = "f32", seed: int = 0, K: int = 96, N: int = 40) -> Case:
+                cache_dtype: str = "f32", seed: int = 0, K: int = 96, N: int = 40,
+                heads: tuple[int, int, int] = (4, 2, 32)) -> Case:
+    """heads = (n_heads, n_kv_heads, head_dim) of a rope_kv_store epilogue."""
     rng = _rng(seed)
     g = Graph("prefill" if T > 1 else "decode", T)
     arrays: dict[str, np.ndarray] = {}
-    h, kvh, hd, S, n_past = 4, 2, 32, 16, 3
+    (h, kvh, hd), S, n_past = heads, 16, 3
     if epilogue == "rope_kv_store":
         N = (h + 2 * kvh) * hd
     if epilogue == "silu_mul":
@@ -126,13 +128,16 @@ def matmul_case(wdtype: str, T: int, n_tokens: int, prologue: bool, epilogue: st
     arrays["y"] = np.zeros(g.values["y"].shape, np.float32)
     kind = "fused_matmul" if (prologue or epilogue) else "matmul"
     op = g.add_op(kind, inputs, outputs, **(attrs if kind == "fused_matmul" else {}))
-    name = f"{kind}-{wdtype}-T{T}-n{n_tokens}-{'rms' if prologue else 'x'}-{epilogue}-{cache_dtype}"
+    name = f"{kind}-{wdtype}-T{T}-n{n_tokens}-{'rms' if prologue else 'x'}-{epilogue}-{cache_dtype}-K{K}"
+    if epilogue == "rope_kv_store":
+        name += f"-h{h}.{kvh}x{hd}"
     return Case(name, g, op, arrays, Step(n_tokens, n_past, n_past + 2), rtol=1e-4)
 
 
-def attention_case(T: int, n_tokens: int, kv_dtype: str, seed: int = 1) -> Case:
+def attention_case(T: int, n_tokens: int, kv_dtype: str, seed: int = 1, h: int = 4, kvh: int = 2,
+                   hd: int = 32) -> Case:
     rng = _rng(seed)
-    h, kvh, hd, S, n_past = 4, 2, 32, 24, 5
+    S, n_past = 24, 5
     g = Graph("prefill" if T > 1 else "decode", T)
     arrays: dict[str, np.ndarray] = {}
     _act(g, arrays, "q", (T, h * hd), rng, kind="input")
@@ -141,7 +146,8 @@ def attention_case(T: int, n_tokens: int, kv_dtype: str, seed: int = 1) -> Case:
     _act(g, arrays, "o", (T, h * hd), rng, fill=False)
     op = g.add_op("attention", ["q", "kc", "vc"], ["o"], n_heads=h, n_kv_heads=kvh, head_dim=hd,
                   scale=1.0 / np.sqrt(hd))
-    return Case(f"attention-T{T}-n{n_tokens}-{kv_dtype}", g, op, arrays, Step(n_tokens, n_past, n_past))
+    return Case(f"attention-T{T}-n{n_tokens}-{kv_dtype}-h{h}.{kvh}x{hd}", g, op, arrays,
+                Step(n_tokens, n_past, n_past))
 
 
 def embedding_case(dtype: str, seed: int = 2) -> Case:
@@ -156,8 +162,9 @@ def embedding_case(dtype: str, seed: int = 2) -> Case:
     return Case(f"embedding-{dtype}", g, op, arrays, Step(5, 0, 0), rtol=0)
 
 
-def simple_case(kind: str, seed: int = 3) -> Case:
-    """rms_norm, add, mul, silu, silu_mul, argmax, slice, rope (with/without inv_freq), kv_store."""
+def simple_case(kind: str, seed: int = 3, hd: int = 32) -> Case:
+    """rms_norm, add, mul, silu, silu_mul, argmax, slice, rope (with/without inv_freq), kv_store;
+    rope and kv_store over two heads of hd."""
     rng = _rng(seed)
     T, D = 5, 64
     g = Graph("prefill", T)
@@ -176,22 +183,22 @@ def simple_case(kind: str, seed: int = 3) -> Case:
         _act(g, arrays, "a", (T, D), rng)
         inputs = ["a"]
     elif kind.startswith("rope"):
-        _act(g, arrays, "a", (T, 2 * 32), rng)
+        _act(g, arrays, "a", (T, 2 * hd), rng)
         inputs = ["a"]
-        attrs = dict(n_heads=2, head_dim=32, theta=500000.0, scaling=None)
+        attrs = dict(n_heads=2, head_dim=hd, theta=500000.0, scaling=None)
         if kind == "rope+inv_freq":
-            inv = rope_inv_freq(32, 500000.0, None)
-            g.add_value("inv_freq", (16,), "f32", "const")
+            inv = rope_inv_freq(hd, 500000.0, None)
+            g.add_value("inv_freq", (hd // 2,), "f32", "const")
             g.weights["inv_freq"] = LazyTensor.of(inv, "f32")
             arrays["inv_freq"] = inv
             inputs.append("inv_freq")
     elif kind.startswith("kv_store"):
         dt = kind.split(":")[1]
-        _act(g, arrays, "a", (T, 2 * 32), rng)
-        _cache(g, arrays, "kc", 12, 2, 32, dt, rng, 2)
-        g.add_value("kc2", (12, 2, 32), dt, alias="kc")
+        _act(g, arrays, "a", (T, 2 * hd), rng)
+        _cache(g, arrays, "kc", 12, 2, hd, dt, rng, 2)
+        g.add_value("kc2", (12, 2, hd), dt, alias="kc")
         op = g.add_op("kv_store", ["a", "kc"], ["kc2"])
-        return Case(kind, g, op, arrays, Step(n, 2, 2))
+        return Case(f"{kind}-hd{hd}", g, op, arrays, Step(n, 2, 2))
     else:
         raise ValueError(kind)
     out_shape = {"argmax": (T,), "slice": (1, D)}.get(kind, g.values["a"].shape)
@@ -200,7 +207,7 @@ def simple_case(kind: str, seed: int = 3) -> Case:
     if kind == "slice":
         attrs = {"rows": "last"}
     op = g.add_op(kind.split("+")[0], inputs, ["y"], **attrs)
-    return Case(kind, g, op, arrays, Step(n, 3, 7))
+    return Case(kind if hd == 32 else f"{kind}-hd{hd}", g, op, arrays, Step(n, 3, 7))
 
 
 SIMPLE_KINDS = ("rms_norm", "add", "mul", "silu", "silu_mul", "argmax", "slice", "rope", "rope+inv_freq",

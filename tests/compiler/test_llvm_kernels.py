@@ -171,6 +171,49 @@ def test_attention_with_an_odd_gqa_group_matches_interpreter():
     check(case, run_case(case, TARGETS["host"], nth=2)[0])
 
 
+# (n_heads, n_kv_heads, head_dim, kv dtype): head dims that are no multiple of the vector width
+# (100 on AVX2 / AVX-512, 120 and 80 on AVX-512's 16 lanes, 34 ending in 2 lanes), MHA, MQA and
+# a GQA group of 3
+ODD_HEADS = [(3, 3, 48, "f16"), (2, 1, 80, "f32"), (9, 3, 96, "q8_0"), (2, 2, 100, "f16"), (8, 1, 100, "f32"),
+             (3, 1, 120, "f16"), (2, 1, 256, "q8_0"), (2, 2, 34, "f32")]
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("h,kvh,hd,kv_dtype", ODD_HEADS, ids=[f"{h}.{k}x{d}-{t}" for h, k, d, t in ODD_HEADS])
+@pytest.mark.parametrize("T,n_tokens", [(1, 1), (7, 5)])
+def test_attention_for_any_head_dim_and_group_matches_interpreter(target, h, kvh, hd, kv_dtype, T, n_tokens):
+    case = attention_case(T, n_tokens, kv_dtype, seed=hd, h=h, kvh=kvh, hd=hd)
+    check(case, run_case(case, TARGETS[target], nth=2)[0])
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("wdtype,cache_dtype", [("q8_0", "f16"), ("f32", "f32")])
+@pytest.mark.parametrize("heads", [(2, 2, 100), (3, 1, 48), (9, 3, 40), (3, 1, 34)],
+                         ids=["2.2x100", "3.1x48", "9.3x40", "3.1x34"])
+@pytest.mark.parametrize("T,n_tokens", [(1, 1), (6, 5)])
+def test_rope_kv_store_epilogue_for_any_head_dim_matches_interpreter(target, wdtype, cache_dtype, heads, T, n_tokens):
+    # head_dim 100: RoPE halves of 50 and cache rows of 100 end in narrower vectors
+    case = matmul_case(wdtype, T, n_tokens, True, "rope_kv_store", cache_dtype=cache_dtype, heads=heads)
+    check(case, run_case(case, TARGETS[target], nth=2)[0])
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("wdtype", ["f32", "f16"])
+@pytest.mark.parametrize("prologue,epilogue", [(False, None), (True, None), (False, "add")])
+@pytest.mark.parametrize("T,n_tokens", [(1, 1), (6, 5)])
+def test_float_matmul_with_k_not_a_multiple_of_the_vector_width_matches_interpreter(target, wdtype, prologue,
+                                                                                   epilogue, T, n_tokens):
+    # K = 9 heads x 100: o_proj of a model whose attention width is no multiple of 32
+    case = matmul_case(wdtype, T, n_tokens, prologue, epilogue, K=900, N=24)
+    check(case, run_case(case, TARGETS[target], nth=2)[0])
+
+
+@pytest.mark.parametrize("kind", ["rope", "kv_store:f16"])
+def test_rope_and_kv_store_ops_with_head_dim_100_match_interpreter(kind):
+    case = simple_case(kind, hd=100)
+    check(case, run_case(case, TARGETS["host"], nth=2)[0])
+
+
 @pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q4_0", "q8_0"])
 def test_embedding_rows_match_dequantized_table_exactly(dtype):
     case = embedding_case(dtype)

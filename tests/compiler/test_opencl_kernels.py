@@ -224,6 +224,21 @@ def test_fused_qkv_rope_kv_store_matches_interpreter(wdt, kv_dtype, rows, n_toke
         _close(gt.astype(np.float32), wt.astype(np.float32), tol)
 
 
+@pytest.mark.parametrize("wdt", ["f32", "f16"])
+@pytest.mark.parametrize("k", [900, 360])       # o_proj of 9 heads x 100 (no whole 16-byte units) and x 40
+@pytest.mark.parametrize("rows,n_tokens", [(1, 1), (70, 67)])
+def test_float_matmul_with_k_not_a_multiple_of_32_matches_interpreter(wdt, k, rows, n_tokens):
+    rng = np.random.default_rng(k)
+    n = 72
+    b = OneOp(rows)
+    x = b.act("x", _rand(rng, rows, k))
+    res = b.act("res", _rand(rng, rows, n))
+    w = b.param("w", _rand(rng, n, k, scale=0.1), wdt)
+    y = b.out("y", (rows, n))
+    got, want = b.run("fused_matmul", [x, w, res], [y], n_tokens, prologue=None, epilogue="add")
+    _close(got[0], want[0], _tol(wdt))
+
+
 @pytest.mark.parametrize("wdt,k", [("q4_0", 8256), ("q8_0", 8256), ("f16", 2304), ("f32", 2304)])
 def test_decode_matvec_with_k_longer_than_one_pass_of_its_threads_matches_interpreter(wdt, k):
     rng = np.random.default_rng(11)
@@ -372,6 +387,32 @@ def test_fused_qkv_rope_into_q8_0_kv_cache_matches_interpreter(wdt, rows, n_toke
         _close(quant.dequantize(gt, "q8_0"), quant.dequantize(wt, "q8_0"), 1e-2)
 
 
+@pytest.mark.parametrize("wdt,h,kvh,hd", [("q4_0", 3, 1, 96), ("f16", 4, 2, 32), ("q8_0", 2, 1, 160)])
+@pytest.mark.parametrize("rows,n_tokens,n_past,start_pos", [(1, 1, 5, 9), (9, 7, 3, 3)])
+def test_fused_qkv_rope_into_q8_0_cache_for_head_dim_an_odd_multiple_of_32_matches_interpreter(
+        wdt, h, kvh, hd, rows, n_tokens, n_past, start_pos):
+    # a Q8_0 block of such a head spans both RoPE halves: one group per head (ROPE_HEADS)
+    rng = np.random.default_rng(hd)
+    d, s = 64, 16
+    b = OneOp(rows)
+    x = b.act("x", _rand(rng, rows, d))
+    w = b.param("w", _rand(rng, (h + 2 * kvh) * hd, d), wdt)
+    nw = b.param("nw", _rand(rng, d), "f32")
+    inv = b.param("inv_freq", rope_inv_freq(hd, 500000.0, None), "f32", kind="const")
+    kc = b.state("kc", _rand(rng, s, kvh, hd), "q8_0")
+    vc = b.state("vc", _rand(rng, s, kvh, hd), "q8_0")
+    q = b.out("q", (rows, h * hd))
+    kc2 = b.out("kc2", (s, kvh, hd), "q8_0", alias="kc")
+    vc2 = b.out("vc2", (s, kvh, hd), "q8_0", alias="vc")
+    got, want = b.run("fused_matmul", [x, w, nw, inv, kc, vc], [q, kc2, vc2], n_tokens, n_past, start_pos,
+                      prologue="rms_norm", epilogue="rope_kv_store", eps=1e-5, n_heads=h, n_kv_heads=kvh,
+                      head_dim=hd, theta=500000.0, scaling=None)
+    assert b.kernels == ["matvec"]
+    _close(got[0], want[0], _tol(wdt))
+    for gt, wt in zip(got[1:], want[1:]):   # caches: GGML blocks; compare what they decode to
+        _close(quant.dequantize(gt, "q8_0"), quant.dequantize(wt, "q8_0"), 1e-2)
+
+
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("rows,n_tokens,n_past", [(1, 1, 0), (1, 1, 600), (40, 37, 5)])
 def test_attention_matches_interpreter(kv_dtype, rows, n_tokens, n_past):
@@ -379,6 +420,28 @@ def test_attention_matches_interpreter(kv_dtype, rows, n_tokens, n_past):
     h, kvh, hd, s = 8, 2, 32 if kv_dtype == "q8_0" else 16, 640
     b = OneOp(rows)
     q = b.act("q", _rand(rng, rows, h * hd))
+    kc = b.state("kc", _rand(rng, s, kvh, hd), kv_dtype)
+    vc = b.state("vc", _rand(rng, s, kvh, hd), kv_dtype)
+    o = b.out("o", (rows, h * hd))
+    got, want = b.run("attention", [q, kc, vc], [o], n_tokens, n_past, n_heads=h, n_kv_heads=kvh,
+                      head_dim=hd, scale=1.0 / math.sqrt(hd))
+    _close(got[0], want[0], 1e-4)
+
+
+# head_dim / 4 not dividing the split kernel's 128 threads (48, 80, 100), past the key-per-lane
+# decode kernel (256, with half-size prefill key tiles), or through it at 3 dims a lane (96);
+# MHA, MQA and a GQA group of 3
+ODD_HEADS = [(3, 3, 48, "f16"), (2, 1, 80, "f32"), (9, 3, 96, "f16"), (3, 1, 96, "q8_0"), (2, 2, 100, "f32"),
+             (4, 1, 100, "f16"), (2, 1, 256, "f16")]
+
+
+@pytest.mark.parametrize("h,kvh,hd,kv_dtype", ODD_HEADS, ids=[f"{h}.{k}x{d}-{t}" for h, k, d, t in ODD_HEADS])
+@pytest.mark.parametrize("rows,n_tokens,n_past", [(1, 1, 600), (40, 37, 5)])
+def test_attention_for_any_head_dim_and_group_matches_interpreter(h, kvh, hd, kv_dtype, rows, n_tokens, n_past):
+    rng = np.random.default_rng(hd)
+    s = 640
+    b = OneOp(rows)
+    q = b.act("q", _rand(rng, rows, h * hd, scale=0.5))
     kc = b.state("kc", _rand(rng, s, kvh, hd), kv_dtype)
     vc = b.state("vc", _rand(rng, s, kvh, hd), kv_dtype)
     o = b.out("o", (rows, h * hd))

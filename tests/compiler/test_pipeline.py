@@ -75,6 +75,13 @@ def test_bad_options_are_one_line_errors_before_any_work(opts, message):
         compile_graphs("/nonexistent/model", opts)
 
 
+def test_q8_0_cache_of_a_head_dim_not_in_32_value_blocks_is_a_one_line_error_naming_the_flag():
+    # golden-a's head_dim is 16: a Q8_0 block would span two heads
+    with pytest.raises(IRError, match=r"^--kv-type q8_0 stores each head's row in 32-value blocks, but head_dim "
+                                      r"is 16; use --kv-type f16$"):
+        compile_graphs("tests/data/golden-a", CompileOptions(kv_type="q8_0", **SMALL))
+
+
 def test_a_pass_that_breaks_the_graph_is_named(monkeypatch):
     p, _ = build_graphs(load_model("tests/data/golden-a"), 8, 64)
 

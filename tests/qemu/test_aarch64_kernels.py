@@ -28,7 +28,16 @@ CASES = [matmul_case("q4_0", 6, 5, True, "rope_kv_store", cache_dtype="q8_0"),
          matmul_case("f32", 1, 1, True, None),
          attention_case(7, 4, "f16"),
          embedding_case("q4_0"),
-         simple_case("rms_norm")]
+         simple_case("rms_norm"),
+         # head dims beyond 64 / 128: 100 (RoPE halves of 50 end in a 2-lane piece), 34 (rows end in
+         # one), 96 into a Q8_0 cache; MQA and a GQA group of 3
+         attention_case(7, 4, "f16", h=3, kvh=1, hd=100),
+         attention_case(1, 1, "f32", h=9, kvh=3, hd=48),
+         attention_case(6, 6, "f32", h=2, kvh=2, hd=34),
+         matmul_case("q8_0", 6, 5, True, "rope_kv_store", cache_dtype="f16", heads=(2, 2, 100)),
+         matmul_case("f32", 1, 1, True, "rope_kv_store", heads=(3, 1, 34)),
+         matmul_case("q4_0", 1, 1, True, "rope_kv_store", cache_dtype="q8_0", heads=(3, 1, 96)),
+         matmul_case("f16", 6, 6, True, "add", K=900, N=24)]
 PROBE_K, PROBE_N = 128, 5
 
 DRIVER = r"""

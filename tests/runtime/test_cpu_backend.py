@@ -66,7 +66,7 @@ def prefill(be: CpuBackend, tokens: np.ndarray) -> np.ndarray:
     return np.concatenate(rows)
 
 
-@pytest.mark.parametrize("model", ["golden-a", "golden-b"])
+@pytest.mark.parametrize("model", ["golden-a", "golden-b", "golden-c"])
 def test_f32_plan_logits_match_transformers_golden_data(model):
     gold = np.load(DATA / f"{model}.npz")
     be = backend(model, "f32")

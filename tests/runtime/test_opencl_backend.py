@@ -39,6 +39,7 @@ def _rel(got: np.ndarray, want: np.ndarray) -> float:
 @pytest.mark.parametrize("model,weights,kv,tol", [
     ("golden-a", "f32", "f32", 1e-4),
     ("golden-b", "q4_0", "f16", 1e-4),
+    ("golden-c", "f32", "f32", 1e-4),     # head_dim 100, MQA
 ])
 def test_golden_model_matches_interpreter_with_same_greedy_tokens(tmp_path, model, weights, kv, tol):
     plan = _plan(tmp_path, model, weights, kv)
