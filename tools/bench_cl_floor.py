@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from llmrs.compiler import ir
+from llmrs.compiler.passes.quantize import WEIGHT_DTYPES
 from llmrs.runtime.backends.opencl_launch import DirectLaunches
 
 SOURCE = r"""
@@ -81,7 +83,7 @@ SHAPES = {
 
 
 def weight_bytes(rows: int, k: int, dtype: str) -> int:
-    return rows * k // 32 * 18 if dtype == "q4_0" else rows * k * 2
+    return ir.nbytes((rows, k), dtype)
 
 
 def launch_sequence(preset: str, dtype: str, context: int) -> list[tuple[str, int, bool]]:
@@ -112,13 +114,17 @@ def median_wall_us(queue, enqueue_all, reps: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="llama-3.2-1b", choices=sorted(SHAPES))
-    ap.add_argument("--weights", default="q4_0,f16")
+    ap.add_argument("--weights", default="q4_0,f16",
+                    help=f"comma-separated weight formats, each of {', '.join(WEIGHT_DTYPES)} (default q4_0,f16)")
     ap.add_argument("--context", type=int, default=600, help="KV entries attention reads")
     ap.add_argument("--loads", type=int, default=4, help="16-byte loads in flight per thread")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--device", default=None, help="device name substring (default: first GPU, else first)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    bad = [w for w in args.weights.split(",") if w not in WEIGHT_DTYPES]
+    if bad:
+        ap.error(f"--weights {','.join(bad)}: choose from {', '.join(WEIGHT_DTYPES)}")
     import pyopencl as cl
 
     devices = [d for p in cl.get_platforms() for d in p.get_devices()]

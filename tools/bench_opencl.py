@@ -28,6 +28,7 @@ import numpy as np
 
 from llmrs.compiler.codegen import opencl as codegen
 from llmrs.compiler.codegen.opencl import generate
+from llmrs.compiler.passes.quantize import WEIGHT_DTYPES
 from llmrs.compiler.pipeline import CompileOptions, compile_graphs
 from llmrs.compiler.summary import decode_weight_bytes
 from llmrs.compiler.plan import write_graph_plan
@@ -264,7 +265,8 @@ def measure_plan(path: Path, prefill: int, steps: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", type=Path)
-    ap.add_argument("--weights", default="q4_0,f16", help="comma-separated weights dtypes")
+    ap.add_argument("--weights", default="q4_0,f16",
+                    help=f"comma-separated weight formats, each of {', '.join(WEIGHT_DTYPES)} (default q4_0,f16)")
     ap.add_argument("--kv", default="f16", help="KV cache dtype (f32 | f16 | q8_0)")
     ap.add_argument("--prefill", type=int, default=512, help="prompt tokens (one prefill chunk)")
     ap.add_argument("--steps", type=int, default=64, help="timed decode steps")
@@ -276,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-list", help="comma-separated KV dtypes to run each weights dtype with (overrides --kv)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
+    weights = args.weights.split(",")
+    bad = [w for w in weights if w not in WEIGHT_DTYPES]
+    if bad:
+        ap.error(f"--weights {','.join(bad)}: choose from {', '.join(WEIGHT_DTYPES)}")
     variants = args.variants.split(",")
     for spec in variants:
         try:
@@ -284,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--variants: {e}")
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for w in args.weights.split(","):
+        for w in weights:
             for kv in (args.kv_list or args.kv).split(","):
                 results += bench(args.model, w, args.prefill, args.steps, args.max_seq_len, kv, Path(tmp),
                                  variants)

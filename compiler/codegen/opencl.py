@@ -47,7 +47,8 @@ FAMILIES = ("matvec", "matmul", "attention", "norm", "rope", "embedding", "eleme
 _PRELUDE = {"matvec": ("common", "matmul_common"), "matmul": ("common", "matmul_common")}
 KV_TYPES = ("f32", "f16", "q8_0")
 FLOAT_TYPES = ("f32", "f16", "bf16")
-WEIGHT_TYPES = ("f32", "f16", "bf16", "q4_0", "q8_0")
+WEIGHT_TYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q8_0")
+QUANT_TYPES = ("q4_0", "q4_1", "q8_0")   # multiplied as GGML does: integer dots with Q8 activations
 
 MV_WG = 256                   # matvec threads per group, float weights
 MV_WG_QUANT = 512             # and quantized weights: 16 warps share one Q8_0 copy of x, so half
@@ -218,7 +219,7 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     n = ctx.shape(w)[0]
     wt = ctx.dtype(w)
     _need(wt in WEIGHT_TYPES, op, f"weight {w!r} is {wt}; expected one of {', '.join(WEIGHT_TYPES)}")
-    quantized = wt in ("q4_0", "q8_0")
+    quantized = wt in QUANT_TYPES
     _need(k % (32 if quantized else 4) == 0, op, f"K = {k} is not a multiple of {32 if quantized else 4}, "
           "which the OpenCL matmul kernels need")
     options = [f"-DW_T={wt}", f"-DW_{wt.upper()}"]
@@ -263,11 +264,11 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     tile_n = TILE_N_WIDE if math.ceil(n / TILE_N_WIDE) * math.ceil(m / TILE_M) >= TILE_N_MIN_GROUPS else 64
     if tiled:
         options.append(f"-DTN={tile_n}")
-        prefetch = MMA_PREFETCH_QUANT if wt in ("q4_0", "q8_0") else MMA_PREFETCH_F16
+        prefetch = MMA_PREFETCH_QUANT if wt in QUANT_TYPES else MMA_PREFETCH_F16
         options += [f"-DMMA_PREFETCH_{part.upper()}" for part in prefetch]
     rw = tile_n if tiled else mv_rows
     if not tiled:
-        _need(not (wt in ("q4_0", "q8_0")) or k <= MV_MAX_K, op, f"K = {k} is over {MV_MAX_K}, the "
+        _need(wt not in QUANT_TYPES or k <= MV_MAX_K, op, f"K = {k} is over {MV_MAX_K}, the "
               "longest row the decode matvec keeps in local memory; use --weights f16")
         options += [f"-DMV_WG={mv_wg}", f"-DMV_ROWS={mv_rows}", f"-DMV_K={k}", f"-DMV_LOADS={MV_LOADS}",
                     f"-DMV_SPLIT={mv_split}"]

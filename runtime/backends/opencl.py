@@ -36,24 +36,26 @@ from .opencl_launch import CommandBuffer, DirectLaunches, OpenCLError
 ALIGN = 64
 GREEDY_MAX_STEPS = 4096   # run_greedy_steps: tokens one batch may produce
 COMMAND_BUFFERS_KEPT = 8  # recorded launch lists kept (one per phase and size), oldest dropped
-_QUANT_BYTES = {"q4_0": 16, "q8_0": 32}   # quant bytes per 32-value block (+ a 2-byte f16 scale)
+# per 32-value block: (header bytes, quant bytes); the header is the f16 scale d, and for
+# q4_1 d then the f16 minimum m, kept together so a kernel reads both in one 4-byte load
+_SPLIT_BYTES = {"q4_0": (2, 16), "q4_1": (4, 16), "q8_0": (2, 32)}
 
 
 def to_split_blocks(raw: np.ndarray, dtype: str) -> np.ndarray:
     """GGML blocks (uint8, any shape) -> the device's split layout: every block's quants, then
-    every block's f16 scale; the same number of bytes."""
-    qb = _QUANT_BYTES[dtype]
-    blocks = np.ascontiguousarray(raw).reshape(-1, qb + 2)
-    return np.concatenate([blocks[:, 2:].reshape(-1), blocks[:, :2].reshape(-1)])
+    every block's header (f16 scale; q4_1: scale and minimum); the same number of bytes."""
+    hb, qb = _SPLIT_BYTES[dtype]
+    blocks = np.ascontiguousarray(raw).reshape(-1, hb + qb)
+    return np.concatenate([blocks[:, hb:].reshape(-1), blocks[:, :hb].reshape(-1)])
 
 
 def from_split_blocks(data: np.ndarray, dtype: str) -> np.ndarray:
     """The inverse of to_split_blocks: uint8 [nbytes] of GGML blocks."""
-    qb = _QUANT_BYTES[dtype]
-    n = data.size // (qb + 2)
-    out = np.empty((n, qb + 2), np.uint8)
-    out[:, 2:] = data[:n * qb].reshape(n, qb)
-    out[:, :2] = data[n * qb:].reshape(n, 2)
+    hb, qb = _SPLIT_BYTES[dtype]
+    n = data.size // (hb + qb)
+    out = np.empty((n, hb + qb), np.uint8)
+    out[:, hb:] = data[:n * qb].reshape(n, qb)
+    out[:, :hb] = data[n * qb:].reshape(n, hb)
     return out.reshape(-1)
 
 
@@ -345,7 +347,7 @@ class OpenCLBackend:
         w_chunks = split_region([(tensors[n][0], tensors[n][0] + tensors[n][1]) for n in used],
                                 self.max_alloc, "weights") or [(0, ALIGN)]
         self.quantized = {n: v.dtype for g in self.graphs.values() for n, v in g.values.items()
-                          if n in used and v.dtype in _QUANT_BYTES}
+                          if n in used and v.dtype in _SPLIT_BYTES}
         self.weights = Region("weights", [
             (s, e, cl.Buffer(self.ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=self._device_bytes(region, tensors, s, e)))
             for s, e in w_chunks])

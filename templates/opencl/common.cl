@@ -3,18 +3,19 @@
 // sub-buffers need CL_DEVICE_MEM_BASE_ADDR_ALIGN, which some mobile drivers report unusably.
 // The step scalars live in a small int buffer every kernel reads, so a step sets no arguments:
 //   step[0] = n_tokens, step[1] = n_past, step[2] = start_pos
-// Element-type tokens passed with -D: f32 f16 bf16 q4_0 q8_0 (W_T, NORM_T, TABLE_T, KV_T).
+// Element-type tokens passed with -D: f32 f16 bf16 q4_0 q4_1 q8_0 (W_T, NORM_T, TABLE_T, KV_T).
 // Device switches chosen at bind time (runtime/backends/opencl.py device_options):
 //   -DUSE_NV_PTX   NVIDIA: warp shuffles and dp4a through inline PTX (the driver reports no
 //                  cl_khr_subgroups); without it the same arithmetic runs in portable C.
 //   -DUSE_NV_MMA   NVIDIA sm_80+ (with USE_NV_PTX): the prefill matmul's tensor-core body
-//                  (matmul.cl) for q4_0 / q8_0 / f16 weights.
+//                  (matmul.cl) for q4_0 / q4_1 / q8_0 / f16 weights.
 //
 // Quantized WEIGHTS (not KV caches) sit on the device in a split layout the back end makes
 // at upload, same bytes in total: for a tensor of nblk blocks, the blocks' quants first
-// (16 B per q4_0 block, 32 B per q8_0 block, so every block starts 16-byte aligned and
-// neighbouring threads read neighbouring 16 B), then the nblk f16 scales. GGML's
-// interleaved 18/34-byte blocks would force 1- or 2-byte loads.
+// (16 B per q4_0 / q4_1 block, 32 B per q8_0 block, so every block starts 16-byte aligned and
+// neighbouring threads read neighbouring 16 B), then the nblk block headers: an f16 scale d,
+// for q4_1 a pair (f16 d, f16 m), one 4-byte load. GGML's interleaved 18/20/34-byte blocks
+// would force 1- or 2-byte loads.
 
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
@@ -53,6 +54,14 @@ inline float ld_q4_0_split(gin p, size_t i, size_t nblk) {
 inline float ld_q8_0_split(gin p, size_t i, size_t nblk) {
     size_t b = i >> 5;
     return (float)((__global const char*)p)[i] * vload_half(b, (__global const half*)(p + nblk * 32));
+}
+inline float ld_q4_1_split(gin p, size_t i, size_t nblk) {
+#pragma OPENCL FP_CONTRACT OFF   // q * d is rounded before + m, as in ggml's dequantize_row_q4_1
+    size_t b = i >> 5;
+    uint k = (uint)(i & 31);
+    uchar q = p[b * 16 + (k & 15)];
+    float2 dm = vload_half2(b, (__global const half*)(p + nblk * 16));   // (d, m)
+    return (float)(k < 16 ? (q & 15) : (q >> 4)) * dm.x + dm.y;
 }
 
 // -- stores (KV caches) ----------------------------------------------------------------------

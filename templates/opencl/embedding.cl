@@ -1,9 +1,9 @@
-// y[t] = table[tokens[t]], dequantized.   -DTABLE_T=<q4_0|q8_0|f16|bf16|f32>
+// y[t] = table[tokens[t]], dequantized.   -DTABLE_T=<q4_0|q4_1|q8_0|f16|bf16|f32>
 //   table TABLE_T [V, D] (quantized tables in the split layout of common.cl)
 //   tokens i32 [M]     y f32 [M, D]
 // Grid: (D, rows). Token ids were range-checked on the host.
 
-#if defined(TABLE_Q4_0) || defined(TABLE_Q8_0)
+#if defined(TABLE_Q4_0) || defined(TABLE_Q4_1) || defined(TABLE_Q8_0)
 #define LD_TABLE(p, i, nblk) CAT(CAT(ld_, TABLE_T), _split)(p, i, nblk)
 #else
 #define LD_TABLE(p, i, nblk) CAT(ld_, TABLE_T)(p, i)

@@ -1,13 +1,14 @@
 // Prefill matmul; weight blocks, slot_row() and epilogue() come from matmul_common.cl.
 // Two bodies with one grid and one epilogue: the tensor-core body (USE_NV_MMA, below) for
-// q4_0 / q8_0 / f16 weights on NVIDIA, the portable fp32 body for everything else.
+// q4_0 / q4_1 / q8_0 / f16 weights on NVIDIA, the portable fp32 body for everything else.
 
 // Prefill: a TM-token x TN-row tile per group, K walked one 32-value block at a time through
-// local memory (each block of a token is one Q8_0 block; with -DK_TAIL, float weights whose K is
-// no multiple of 32, the last block is cut at K and read value by value). 256 threads; thread (ty, tx) owns
-// tokens 4ty..4ty+3 and rows 64h + 4tx..64h + 4tx + 3 for h < TN / 64: 16 or 32 outputs, and per
-// k it reads 1 + TN / 64 float4 from local memory. The tiles sit k-major in local memory
-// (xs [32][TM], ws [32][TN]) so those reads are float4 across tokens / rows.
+// local memory (each block of a token is one Q8_0 block; Q8_1, with its s, for q4_1 weights; with
+// -DK_TAIL, float weights whose K is no multiple of 32, the last block is cut at K and read value
+// by value). 256 threads; thread (ty, tx) owns tokens 4ty..4ty+3 and rows 64h + 4tx..64h + 4tx + 3
+// for h < TN / 64: 16 or 32 outputs, and per k it reads 1 + TN / 64 float4 from local memory. The
+// tiles sit k-major in local memory (xs [32][TM], ws [32][TN]) so those reads are float4 across
+// tokens / rows.
 //   -DTN=<64|128>   weight rows per group (128: fewer x reloads; 64: more groups for narrow N)
 // Grid: (groups * 256, ceil(rows / TM)).
 #define TM 64
@@ -78,6 +79,9 @@ MATMUL_TILED_BEGIN
     __local float* xs = lds + TM * XR_STRIDE;                  // [32][XS_STRIDE]
     __local float* ws = xs + 32 * XS_STRIDE;                   // [32][WS_STRIDE]
     __local float xd[TM], xid[TM], wd[TN], rms[TM];
+#ifdef W_Q4_1
+    __local float xsum[TM], wm[TN];   // Q8_1's s of each token's block; each row's block minimum
+#endif
     __local int rowmap[TN];
     for (int n = lid; n < TN; n += 256) rowmap[n] = slot_row(g, n, TN, N, n_heads, n_kv_heads, hd);
 
@@ -123,7 +127,13 @@ MATMUL_TILED_BEGIN
 #ifdef W_QUANT
         for (int n = lid; n < TN; n += 256) {
             int row = rowmap[n];
+#ifdef W_Q4_1
+            float2 dm = row >= 0 ? wheader(w, (size_t)row * nb + b, nblk) : (float2)0.0f;
+            wd[n] = dm.x;
+            wm[n] = dm.y;
+#else
             wd[n] = row >= 0 ? wscale(w, (size_t)row * nb + b, nblk) : 0.0f;
+#endif
         }
         barrier(CLK_LOCAL_MEM_FENCE);
         if (lid < TM) {
@@ -132,6 +142,11 @@ MATMUL_TILED_BEGIN
             float d = amax / 127.0f;
             xid[lid] = d != 0.0f ? 1.0f / d : 0.0f;
             xd[lid] = round_to_half(d);
+#ifdef W_Q4_1
+            float sum = 0.0f;   // of the codes the loop below makes: integers, exact
+            for (int k = 0; k < 32; k++) sum += round(xr[lid * XR_STRIDE + k] * xid[lid]);
+            xsum[lid] = round_to_half(d * sum);
+#endif
         }
         barrier(CLK_LOCAL_MEM_FENCE);
         for (int e = lid; e < TM * 32; e += 256) {   // k-major, quantized: thread e -> token e % TM
@@ -162,7 +177,10 @@ MATMUL_TILED_BEGIN
         }
         for (int j = 0; j < 4; j++)
             for (int i = 0; i < 4 * TN_H; i++)
-#ifdef W_QUANT
+#ifdef W_Q4_1
+                acc[j][i] += p[j][i] * (xd[4 * ty + j] * wd[64 * (i >> 2) + 4 * tx + (i & 3)])
+                             + xsum[4 * ty + j] * wm[64 * (i >> 2) + 4 * tx + (i & 3)];
+#elif defined(W_QUANT)
                 acc[j][i] += p[j][i] * (xd[4 * ty + j] * wd[64 * (i >> 2) + 4 * tx + (i & 3)]);
 #else
                 acc[j][i] += p[j][i];
@@ -184,9 +202,10 @@ MATMUL_TILED_BEGIN
 // holds STAGE_K values of K for the tile's TM tokens and TN weight rows in local memory as 32-bit
 // words, row-major with a padded stride (row r of a fragment load hits bank 4r + lane % 4):
 //   xq [TM][MMA_ROW_W]  activations: Q8_0 codes (4 per word) | f16 (2 per word)
-//   wq [TN][MMA_ROW_W]  weights:     q4_0/q8_0 codes as int8  | f16 as stored
+//   wq [TN][MMA_ROW_W]  weights:     q4_0/q4_1/q8_0 codes as int8  | f16 as stored
 // A stage is 4 chunks of 8 words. Quantized: a chunk is one Q8_0 block (32 values) and one
-// m16n8k32 s8 MMA per 16x8 sub-tile, whose exact int32 sum is scaled by d_x * d_w, as GGML.
+// m16n8k32 s8 MMA per 16x8 sub-tile, whose exact int32 sum is scaled by d_x * d_w, as GGML;
+// q4_1 (codes 0..15, Q8_1 activations) adds m_w * s_x per block.
 // f16: a chunk is 16 values, one m16n8k16 MMA with f32 accumulation (x rounded to f16).
 // Warp w computes tokens 32 (w / 4) .. + 31 and slots (TN / 4)(w % 4) .. + TN / 4 - 1.
 #define MMA_ROW_W 36
@@ -197,6 +216,11 @@ MATMUL_TILED_BEGIN
 #define STAGE_K 64
 #endif
 #define MMA_LDS_WORDS ((TM + TN) * MMA_ROW_W > TM * TN ? (TM + TN) * MMA_ROW_W : TM * TN)
+#ifdef W_Q4_1
+#define MMA_HDR 2     // block values per token / row and block: the scale, then s_x / m_w
+#else
+#define MMA_HDR 1
+#endif
 
 // d[0..3] = A (16x32 s8, row) * B (32x8 s8, col), fragments as the PTX ISA lays them out
 #define MMA_S8(d, a, b0, b1)                                                                   \
@@ -268,8 +292,18 @@ inline void put_x(const x_stage* r, int lid, __local uint* xq, __local float* xd
         }
         float d = amax / 127.0f;                 // as quantize_q8_block
         float id = d != 0.0f ? 1.0f / d : 0.0f;
-        xq[tt * MMA_ROW_W + lane] = as_uint(convert_char4(round(v * id)));
+        float4 q = round(v * id);
+        xq[tt * MMA_ROW_W + lane] = as_uint(convert_char4(q));
         if ((lane & 7) == 0) xd[tt * 4 + (lane >> 3)] = round_to_half(d);
+#ifdef W_Q4_1
+        float sum = (q.x + q.y) + (q.z + q.w);   // integers: exact in any order
+        for (int o = 4; o > 0; o >>= 1) {
+            float t;
+            asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(t) : "f"(sum), "r"(o));
+            sum += t;
+        }
+        if ((lane & 7) == 0) xd[TM * 4 + tt * 4 + (lane >> 3)] = round_to_half(d * sum);   // Q8_1's s
+#endif
 #else
         vstore_half4_rte(v, 0, (__local half*)(xq + tt * MMA_ROW_W + 2 * (lane & 15)));
 #endif
@@ -281,7 +315,7 @@ inline void put_x(const x_stage* r, int lid, __local uint* xq, __local float* xd
 //   f16:       thread e owns (slot e / 8, 16-byte unit e % 8), TN / 32 of them
 #ifdef W_QUANT
 #define W_FETCH (TN / 64)
-typedef struct { WQ_T q[W_FETCH]; float d[W_FETCH]; } w_stage;
+typedef struct { WQ_T q[W_FETCH]; WS_T d[W_FETCH]; } w_stage;
 #else
 #define W_FETCH (TN / 32)
 typedef struct { uint4 u[W_FETCH]; } w_stage;
@@ -296,7 +330,7 @@ inline void fetch_w(gin w, int K, int k0, int lid, size_t nblk, __local const in
         bool live = row >= 0 && kb < K / 32;
         size_t blk = (size_t)max(row, 0) * (K / 32) + kb;
         r->q[i] = live ? WQ_LOAD(w, blk) : (WQ_T)0;
-        r->d[i] = live ? wscale(w, blk, nblk) : 0.0f;
+        r->d[i] = live ? wheader(w, blk, nblk) : (WS_T)0.0f;
 #else
         int row = rowmap[e >> 3], k = k0 + (e & 7) * 8;
         r->u[i] = row >= 0 && k < K ? ((__global const uint4*)w)[((size_t)row * K + k) / 8] : (uint4)0;
@@ -316,13 +350,23 @@ inline void put_w(const w_stage* r, int lid, __local uint* wq, __local float* wd
         uint8 q;
         q.lo = ((p & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u;
         q.hi = (((p >> 4) & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u;
+#elif defined(W_Q4_1)
+        uint4 p = r->q[i];                   // codes 0..15 are already int8
+        uint8 q;
+        q.lo = p & 0x0F0F0F0Fu;
+        q.hi = (p >> 4) & 0x0F0F0F0Fu;
 #else
         uint8 q = as_uint8(r->q[i]);
 #endif
         __local uint* dst = wq + n * MMA_ROW_W + part * 8;
         vstore4(q.lo, 0, dst);
         vstore4(q.hi, 1, dst);
+#ifdef W_Q4_1
+        wd[n * 4 + part] = r->d[i].x;
+        wd[TN * 4 + n * 4 + part] = r->d[i].y;
+#else
         wd[n * 4 + part] = r->d[i];
+#endif
 #else
         vstore4(r->u[i], 0, wq + (e >> 3) * MMA_ROW_W + (e & 7) * 4);
 #endif
@@ -335,7 +379,8 @@ MATMUL_TILED_BEGIN
     __local uint lds[MMA_LDS_WORDS];         // xq, wq; at the end out [TM][TN]
     __local uint* xq = lds;                  // [TM][MMA_ROW_W]
     __local uint* wq = lds + TM * MMA_ROW_W; // [TN][MMA_ROW_W]
-    __local float xd[TM * 4], wd[TN * 4];    // [TM][4], [TN][4] block scales of the stage
+    __local float xd[TM * 4 * MMA_HDR], wd[TN * 4 * MMA_HDR];   // [TM][4], [TN][4] block scales
+                                             // of the stage; q4_1: then s_x [TM][4], m_w [TN][4]
     __local float rms[TM];                   // 1 / rms of each token (prologue)
     __local int rowmap[TN];
     for (int n = lid; n < TN; n += 256) rowmap[n] = slot_row(g, n, TN, N, n_heads, n_kv_heads, hd);
@@ -410,12 +455,24 @@ MATMUL_TILED_BEGIN
                 sx[mi][1] = xd[(wm + 16 * mi + gq + 8) * 4 + c];
             }
 #endif
+#ifdef W_Q4_1
+            float ssx[2][2];                 // s_x of the same rows
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++) {
+                ssx[mi][0] = xd[TM * 4 + (wm + 16 * mi + gq) * 4 + c];
+                ssx[mi][1] = xd[TM * 4 + (wm + 16 * mi + gq + 8) * 4 + c];
+            }
+#endif
 #pragma unroll
             for (int ni = 0; ni < MMA_NT; ni++) {
                 __local const uint* p = wq + (wn + 8 * ni + gq) * MMA_ROW_W + 8 * c + tq;
                 uint b0 = p[0], b1 = p[4];
 #ifdef W_QUANT
                 float sw0 = wd[(wn + 8 * ni + 2 * tq) * 4 + c], sw1 = wd[(wn + 8 * ni + 2 * tq + 1) * 4 + c];
+#ifdef W_Q4_1
+                float mw0 = wd[TN * 4 + (wn + 8 * ni + 2 * tq) * 4 + c];
+                float mw1 = wd[TN * 4 + (wn + 8 * ni + 2 * tq + 1) * 4 + c];
+#endif
 #pragma unroll
                 for (int mi = 0; mi < 2; mi++) {
                     int s[4];
@@ -424,6 +481,12 @@ MATMUL_TILED_BEGIN
                     acc[mi][ni][1] += small_int_to_float(s[1]) * (sx[mi][0] * sw1);
                     acc[mi][ni][2] += small_int_to_float(s[2]) * (sx[mi][1] * sw0);
                     acc[mi][ni][3] += small_int_to_float(s[3]) * (sx[mi][1] * sw1);
+#ifdef W_Q4_1
+                    acc[mi][ni][0] += ssx[mi][0] * mw0;
+                    acc[mi][ni][1] += ssx[mi][0] * mw1;
+                    acc[mi][ni][2] += ssx[mi][1] * mw0;
+                    acc[mi][ni][3] += ssx[mi][1] * mw1;
+#endif
                 }
 #else
 #pragma unroll

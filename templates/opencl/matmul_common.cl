@@ -1,6 +1,6 @@
 // Shared by matvec.cl and matmul.cl (prepended by codegen): weight blocks, slot rows, epilogues
 // of fused_matmul as compiler/ir.py defines it; y = epilogue(prologue(x) @ w.T).
-//   -DW_T=<q4_0|q8_0|f16|bf16|f32> and -DW_<T>   weight element type
+//   -DW_T=<q4_0|q4_1|q8_0|f16|bf16|f32> and -DW_<T>   weight element type
 //   -DPROLOGUE_RMS -DNORM_T=<f32|f16|bf16>        x is RMS-normalised first (norm_w[K], eps)
 //   -DEPI_ADD | -DEPI_SILU_MUL | -DEPI_ROPE_KV     epilogue (none: plain y)
 //   -DKV_T=<f32|f16|q8_0> [-DKV_Q8_0]              cache element type (EPI_ROPE_KV); q8_0
@@ -11,6 +11,9 @@
 //   -DMV_WG, -DMV_ROWS, -DMV_K, -DMV_LOADS          matvec shape (matvec.cl)
 // Quantized weights multiply Q8_0-quantized activations block by block; a block's dot product
 // of integers is exact in f32 (|sum| <= 32*127*128 < 2^24), then scaled by d_x * d_w, as GGML.
+// q4_1 weights (value = code * d_w + m_w, codes 0..15) take Q8_1 activations, Q8_0's codes and
+// scale plus s_x = f16(d_x * sum of the codes), d_x before its f16 rounding; a block adds
+// d_w * d_x * sumi + m_w * s_x (ggml_vec_dot_q4_1_q8_1).
 //
 // Every group of a launch owns RW "slots"; slot_row() maps a slot to the weight row it computes.
 // Pair epilogues put a row and its partner in the same group: silu_mul pairs gate row u with
@@ -25,23 +28,31 @@
 
 // Weight access (quantized weights in the split layout of common.cl; blk = row * K/32 + b):
 //   welem(w, blk, k, nblk)   element k of block blk (quantized: the integer code)
-//   wscale(w, blk, nblk)     block scale (quantized only)
+//   wscale(w, blk, nblk)     block scale (q4_0, q8_0)
+//   wheader(w, blk, nblk) -> WS_T   what a block's dot product scales by: its scale d, or for
+//                                q4_1 (d, m) from one 4-byte load
 //   WQ_LOAD(w, blk) -> WQ_T     a block's quants
 //   wq_idot(q, xq, xs)           exact integer dot of those with Q8_0 activations packed
-//                                4 per int in xq[8] (xs = their sum, for q4_0's -8 offset)
+//                                4 per int in xq[8] (xs = their sum, for q4_0's -8 offset;
+//                                q4_1's codes carry no offset and ignore it)
 //   wunit_load(w, unit) -> WU_T, wunit_dot_bits(u, x)   float types: 8 consecutive weights
 //                                (a 16-byte unit) and their dot with x
-#if defined(W_Q4_0)
+#if defined(W_Q4_0) || defined(W_Q4_1)
 #define W_QUANT 1
 #define W_QBYTES 16
+#ifdef W_Q4_0
+#define W_CODE_OFFSET 8
+#else
+#define W_CODE_OFFSET 0
+#endif
 inline float welem(gin w, size_t blk, int k, size_t nblk) {
     uchar q = w[blk * 16 + (k & 15)];
-    return (float)((k < 16 ? (q & 15) : (q >> 4)) - 8);
+    return (float)((k < 16 ? (q & 15) : (q >> 4)) - W_CODE_OFFSET);
 }
 #define WQ_T uint4
 #define WQ_LOAD(w, blk) (((__global const uint4*)(w))[blk])
 inline int wq_idot(uint4 q, const int* xq, int xs) {   // byte j: value j (low nibble), j + 16 (high)
-    int s = -8 * xs;
+    int s = -W_CODE_OFFSET * xs;
     s = dot4_us(q.s0 & 0x0F0F0F0Fu, xq[0], s);
     s = dot4_us(q.s1 & 0x0F0F0F0Fu, xq[1], s);
     s = dot4_us(q.s2 & 0x0F0F0F0Fu, xq[2], s);
@@ -98,10 +109,17 @@ inline float wunit_dot_bits(float8 u, float8 x) { return dot(u.lo, x.lo) + dot(u
 #ifndef W_QUANT
 inline float wval(gin w, size_t i) { return CAT(ld_, W_T)(w, i); }   // element i of a float tensor
 #endif
-#ifdef W_QUANT
+#if defined(W_Q4_1)
+#define WS_T float2
+inline float2 wheader(gin w, size_t blk, size_t nblk) {
+    return half2_bits_to_float2(((__global const uint*)(w + nblk * W_QBYTES))[blk]);
+}
+#elif defined(W_QUANT)
+#define WS_T float
 inline float wscale(gin w, size_t blk, size_t nblk) {
     return vload_half(blk, (__global const half*)(w + nblk * W_QBYTES));
 }
+#define wheader wscale
 #endif
 
 #if defined(PROLOGUE_RMS) && defined(NORM_UNIT)

@@ -10,7 +10,7 @@
 // sums meet in local memory inside the group, so the epilogues see whole dot products and no
 // extra launch or scratch is needed. Two phases:
 //   1. the group prepares x once: the RMS prologue's sum of squares, then (quantized weights)
-//      x's Q8_0 blocks into local memory, one block per thread;
+//      x's Q8_0 blocks (q4_1: Q8_1) into local memory, one block per thread;
 //   2. each warp walks its rows along K: lane l reads blocks (units) l, l + 32, ... so a warp
 //      reads 512 consecutive bytes of one row per load; MV_UNROLL passes of all MV_RPW rows
 //      issue their loads before any is used, so DRAM latency is paid once per batch. Each
@@ -53,10 +53,17 @@
 #define MV_UNROLL MV_MIN(MV_PASSES, MV_MAX(1, MV_LOADS / MV_RPW))
 
 #ifdef W_QUANT
+#ifdef W_Q4_1
+#define XS_T float    // Q8_1's s = d * sum(q), d before its f16 rounding, kept as f16
+#define X_SUM(d, sum) round_to_half((d) * (sum))
+#else
+#define XS_T int      // sum(q), for q4_0's -8 offset
+#define X_SUM(d, sum) ((int)(sum))
+#endif
 // x's block b (after the RMS prologue) quantized to Q8_0 as quantize_row_q8_0_ref:
 // d = amax / 127 (kept as f16), q = round(x / d) half away from zero; into local memory
 inline void quantize_x(__global const float4* x4, int b, __local int4* xq, __local float* xd,
-                       __local int* xs
+                       __local XS_T* xs
 #ifdef PROLOGUE_RMS
                        , gin nw, float rms
 #endif
@@ -83,7 +90,7 @@ inline void quantize_x(__global const float4* x4, int b, __local int4* xq, __loc
     xq[2 * b] = (int4)(packed[0], packed[1], packed[2], packed[3]);
     xq[2 * b + 1] = (int4)(packed[4], packed[5], packed[6], packed[7]);
     xd[b] = round_to_half(d);
-    xs[b] = (int)sum;
+    xs[b] = X_SUM(d, sum);
 }
 #endif
 
@@ -140,7 +147,7 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #ifdef W_QUANT
     // weight batch p0: MV_UNROLL passes of this warp's MV_RPW rows
     WQ_T wq[MV_UNROLL][MV_RPW];
-    float wd[MV_UNROLL][MV_RPW];
+    WS_T wd[MV_UNROLL][MV_RPW];
     size_t nblk = (size_t)N * MV_UNITS;
 #define MV_LOAD_BATCH(p0)                                                              \
     for (int u = 0; u < MV_UNROLL; u++) {                                              \
@@ -148,7 +155,7 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
         for (int i = 0; i < MV_RPW; i++) {                                             \
             size_t blk = (size_t)rows[i] * MV_UNITS + b;                               \
             wq[u][i] = WQ_LOAD(w, blk);                                                \
-            wd[u][i] = wscale(w, blk, nblk);                                           \
+            wd[u][i] = wheader(w, blk, nblk);                                          \
         }                                                                              \
     }
 
@@ -157,7 +164,8 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
                                      // array gave 8 narrow ones; H200 q4_0 down_proj 196 ->
                                      // 160 us per decode step)
     __local float xd[MV_UNITS];      // block scales
-    __local int xs[MV_UNITS];        // block sums of the int8 values (q4_0's -8 offset)
+    __local XS_T xs[MV_UNITS];       // block sums of the int8 values (q4_0's -8 offset;
+                                     // q4_1: Q8_1's s)
     for (int b = lid; b < MV_UNITS; b += MV_WG)
         quantize_x(x4, b, xq, xd, xs
 #ifdef PROLOGUE_RMS
@@ -176,10 +184,14 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
                 q[0] = lo.s0; q[1] = lo.s1; q[2] = lo.s2; q[3] = lo.s3;
                 q[4] = hi.s0; q[5] = hi.s1; q[6] = hi.s2; q[7] = hi.s3;
                 float d = xd[b];
-                int s = xs[b];
+                XS_T s = xs[b];
 #pragma unroll
                 for (int i = 0; i < MV_RPW; i++)
+#ifdef W_Q4_1
+                    acc[i] += (float)wq_idot(wq[u][i], q, 0) * (d * wd[u][i].x) + wd[u][i].y * s;
+#else
                     acc[i] += (float)wq_idot(wq[u][i], q, s) * (d * wd[u][i]);
+#endif
             }
         }
     }

@@ -2,11 +2,11 @@
 
 Each test builds a one-op graph, runs it through OpenCLBackend.from_graphs (the same codegen,
 build and binding path a plan takes) and compares with interpret.OPS for that op.
-Tolerances: f32/f16/bf16 weights 1e-4 relative to the output's scale; q4_0/q8_0 weights the
-same, since the kernels quantize activations to Q8_0 exactly as the interpreter does (a
-rounding tie resolved differently moves one block by one step: covered by 2e-3). On NVIDIA
-(sm_80+) the prefill matmul runs on tensor cores: quantized weights keep the exact integer
-block sums (same tolerance), f16 weights multiply f16-rounded activations (1e-3).
+Tolerances: f32/f16/bf16 weights 1e-4 relative to the output's scale; q4_0/q4_1/q8_0 weights
+the same, since the kernels quantize activations to Q8_0 (Q8_1 for q4_1) exactly as the
+interpreter does (a rounding tie resolved differently moves one block by one step: covered by
+2e-3). On NVIDIA (sm_80+) the prefill matmul runs on tensor cores: quantized weights keep the
+exact integer block sums (same tolerance), f16 weights multiply f16-rounded activations (1e-3).
 """
 from __future__ import annotations
 
@@ -24,15 +24,17 @@ from llmrs.models.rope import rope_inv_freq
 cl = pytest.importorskip("pyopencl")
 from llmrs.runtime.backends.opencl import OpenCLBackend, device_options, pick_device  # noqa: E402
 
-WEIGHT_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
+WEIGHT_DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
+QUANT_DTYPES = ("q4_0", "q4_1", "q8_0")
 # The epilogues are shared by every weight dtype (only the block loads differ, covered by the
-# plain matmul tests), so fused variants run on one quantized and one float dtype: each variant
-# is a PoCL compile of a few seconds on a cold cache.
-EPILOGUE_DTYPES = ("q4_0", "f16", "q8_0")
+# plain matmul tests), so fused variants run on a few dtypes: each variant is a PoCL compile of
+# a few seconds on a cold cache. q4_1 is among them: its blocks add a term (the minimum times
+# the activations' sum) in every K loop the epilogues follow.
+EPILOGUE_DTYPES = ("q4_0", "f16", "q8_0", "q4_1")
 
 
 def _storage(arr: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype in ("q4_0", "q8_0"):
+    if dtype in QUANT_DTYPES:
         return quant.quantize(arr, dtype)
     if dtype == "bf16":
         return (arr.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
@@ -123,7 +125,7 @@ def _tol(dtype: str) -> float:
     # over a dot product that stays under 1e-3 of the output's scale.
     if dtype == "f16" and _tensor_core_prefill():
         return 1e-3
-    return 2e-3 if dtype in ("q4_0", "q8_0") else 1e-4
+    return 2e-3 if dtype in QUANT_DTYPES else 1e-4
 
 
 @pytest.mark.parametrize("wdt", WEIGHT_DTYPES)
@@ -137,6 +139,24 @@ def test_matmul_matches_interpreter(wdt, rows, n_tokens, n):
     y = b.out("y", (rows, n))
     got, want = b.run("matmul", [x, w], [y], n_tokens)
     _close(got[0], want[0], _tol(wdt))
+
+
+@pytest.mark.parametrize("rows,n_tokens", [(1, 1), (70, 67)])
+def test_q4_1_blocks_add_the_minimum_times_the_q8_1_sum_rounded_as_ggml(rows, n_tokens):
+    """Weights far from zero make m_w * s_x most of every output. s_x = f16(d_x * sum(q_x)) with
+    d_x before its own f16 rounding (quantize_row_q8_1_ref); an s_x left unrounded, or made from
+    the rounded d_x, moves these outputs by 7e-5 to 2e-4 of their scale. Without a prologue the
+    kernels quantize x bit for bit as the interpreter (1 / d correctly rounded, which codegen
+    asks for where the device has it), so only the order of float sums differs: 1e-5."""
+    if "-cl-fp32-correctly-rounded-divide-sqrt" not in device_options(pick_device()):
+        pytest.skip("the device rounds 1 / d its own way: activation codes may differ at ties")
+    rng = np.random.default_rng(25)
+    k, n = 352, 75                  # 11 blocks (no multiple of 4 or 8 blocks); N odd
+    b = OneOp(rows)
+    x = b.act("x", _rand(rng, rows, k))
+    w = b.param("w", _rand(rng, n, k) + 3.0, "q4_1")
+    got, want = b.run("matmul", [x, w], [b.out("y", (rows, n))], n_tokens)
+    _close(got[0], want[0], 1e-5)
 
 
 @pytest.mark.parametrize("wdt", EPILOGUE_DTYPES)
@@ -153,7 +173,7 @@ def test_fused_rms_silu_mul_matches_interpreter(wdt, rows, n_tokens):
     _close(got[0], want[0], _tol(wdt))
 
 
-@pytest.mark.parametrize("wdt", ["q4_0", "f16"])
+@pytest.mark.parametrize("wdt", ["q4_0", "q4_1", "f16"])
 def test_prefill_matmul_with_wide_row_tiles_matches_interpreter(wdt, monkeypatch):
     from llmrs.compiler.codegen import opencl as codegen
     monkeypatch.setattr(codegen, "TILE_N_MIN_GROUPS", 0)   # 128-row tiles whatever N
@@ -168,7 +188,7 @@ def test_prefill_matmul_with_wide_row_tiles_matches_interpreter(wdt, monkeypatch
     _close(got[0], want[0], _tol(wdt))
 
 
-@pytest.mark.parametrize("wdt", ["q4_0", "q8_0", "f16"])
+@pytest.mark.parametrize("wdt", ["q4_0", "q4_1", "q8_0", "f16"])
 @pytest.mark.parametrize("wide", [False, True])
 def test_prefill_matmul_over_several_k_stages_and_token_tiles_matches_interpreter(wdt, wide, monkeypatch):
     # K = 352 is 11 blocks: 2 full tensor-core stages of 4 blocks and a partial one (f16: 5.5
@@ -201,7 +221,7 @@ def test_fused_add_epilogue_matches_interpreter(wdt, rows, n_tokens):
     _close(got[0], want[0], _tol(wdt))
 
 
-@pytest.mark.parametrize("wdt,kv_dtype", [("q4_0", "f16"), ("f16", "f32"), ("q8_0", "f16")])
+@pytest.mark.parametrize("wdt,kv_dtype", [("q4_0", "f16"), ("f16", "f32"), ("q8_0", "f16"), ("q4_1", "f16")])
 @pytest.mark.parametrize("rows,n_tokens,n_past,start_pos", [(1, 1, 5, 9), (12, 7, 3, 3)])
 def test_fused_qkv_rope_kv_store_matches_interpreter(wdt, kv_dtype, rows, n_tokens, n_past, start_pos):
     rng = np.random.default_rng(4)
@@ -239,7 +259,7 @@ def test_float_matmul_with_k_not_a_multiple_of_32_matches_interpreter(wdt, k, ro
     _close(got[0], want[0], _tol(wdt))
 
 
-@pytest.mark.parametrize("wdt,k", [("q4_0", 8256), ("q8_0", 8256), ("f16", 2304), ("f32", 2304)])
+@pytest.mark.parametrize("wdt,k", [("q4_0", 8256), ("q4_1", 8256), ("q8_0", 8256), ("f16", 2304), ("f32", 2304)])
 def test_decode_matvec_with_k_longer_than_one_pass_of_its_threads_matches_interpreter(wdt, k):
     rng = np.random.default_rng(11)
     b = OneOp(1)
@@ -258,10 +278,10 @@ def _matvec_splits(g: Graph) -> set[int]:
 
 # Split-K decode matvec: K long enough for 4 warps per row, with a last slice that only some
 # lanes of one warp reach (q: 97 blocks; f16: 132 16-byte units, 2 passes of 4 x 32).
-SPLIT_K = {"q4_0": 3104, "q8_0": 3104, "f16": 1056}
+SPLIT_K = {"q4_0": 3104, "q4_1": 3104, "q8_0": 3104, "f16": 1056}
 
 
-@pytest.mark.parametrize("wdt", ["q4_0", "q8_0", "f16"])
+@pytest.mark.parametrize("wdt", ["q4_0", "q4_1", "q8_0", "f16"])
 @pytest.mark.parametrize("epilogue", [None, "add", "silu_mul", "rope_kv_store"])
 @pytest.mark.parametrize("max_split", [2, 4])
 def test_split_k_decode_matvec_with_each_epilogue_matches_interpreter(wdt, epilogue, max_split, monkeypatch):
@@ -318,7 +338,7 @@ def test_split_k_is_chosen_only_for_narrow_matrices_whose_groups_prepare_nothing
     assert matvec_shape(128, 40, False, None, False)[2] == 1           # 16 units: nothing to split
 
 
-@pytest.mark.parametrize("wdt", ["q4_0", "f16", "f32"])
+@pytest.mark.parametrize("wdt", ["q4_0", "q4_1", "f16", "f32"])
 @pytest.mark.parametrize("rms_late", [0, 2])
 @pytest.mark.parametrize("wg_quant", [256, 512])
 def test_decode_rms_prologue_late_or_prepared_and_each_group_size_matches_interpreter(wdt, rms_late, wg_quant,
@@ -327,7 +347,7 @@ def test_decode_rms_prologue_late_or_prepared_and_each_group_size_matches_interp
     monkeypatch.setattr(codegen, "MV_RMS_LATE", rms_late)
     monkeypatch.setattr(codegen, "MV_WG_QUANT", wg_quant)
     rng = np.random.default_rng(23)
-    k, f = 1056 if wdt != "q4_0" else 2080, 40        # f16: 132 units, over 4 passes of 32 lanes
+    k, f = 2080 if wdt in QUANT_DTYPES else 1056, 40   # f16: 132 units, over 4 passes of 32 lanes
     b = OneOp(1)
     x = b.act("x", _rand(rng, 1, k, scale=3.0))
     w = b.param("w", _rand(rng, 2 * f, k, scale=0.05), wdt)
@@ -337,7 +357,7 @@ def test_decode_rms_prologue_late_or_prepared_and_each_group_size_matches_interp
     _close(got[0], want[0], _tol(wdt))
 
 
-@pytest.mark.parametrize("wdt", ["f16", "f32", "q4_0"])
+@pytest.mark.parametrize("wdt", ["f16", "f32", "q4_0", "q4_1"])
 @pytest.mark.parametrize("rows", [1, 9])
 def test_rms_prologue_with_a_folded_norm_weight_matches_interpreter(wdt, rows):
     # norm_folded (fuse.py norm_weight_fold): the kernels load no norm weight (-DNORM_UNIT)
@@ -359,7 +379,7 @@ def test_split_k_of_prepared_x_stops_at_a_rows_passes(monkeypatch):
     assert codegen.matvec_shape(8192, 2048, True, "add", False, rms_prologue=True)[2] == codegen.MV_MAX_SPLIT
 
 
-@pytest.mark.parametrize("wdt", ["q4_0", "f16"])
+@pytest.mark.parametrize("wdt", ["q4_0", "q4_1", "f16"])
 @pytest.mark.parametrize("rows,n_tokens,n_past,start_pos,wide", [(1, 1, 5, 9, False), (9, 7, 3, 3, False),
                                                                 (9, 7, 3, 3, True)])
 def test_fused_qkv_rope_into_q8_0_kv_cache_matches_interpreter(wdt, rows, n_tokens, n_past, start_pos, wide,

@@ -53,6 +53,24 @@ def test_every_kernel_of_golden_plans_matches_interpreter_on_cpu_and_opencl(plan
     assert any(r.error > 0 for r in results if r.kernel.op.kind == "fused_matmul")
 
 
+def test_every_kernel_of_a_q4_1_opencl_plan_matches_interpreter(tmp_path):
+    """Q4_1 weights (Q8_1 activations) on the OpenCL column; a plan without CPU code skips that one."""
+    plan = Plan.open(_compile(tmp_path, "golden-b", "--target", "opencl", "--weights", "q4_1", "--kv-type", "f16"))
+    kernels = check.plan_kernels(plan.graphs())
+    assert {k.graph.values[k.op.inputs[0]].dtype for k in kernels if k.op.kind == "embedding"} == {"q4_1"}
+    matmuls = [k for k in kernels if k.op.kind == "fused_matmul"]
+    assert {k.graph.values[k.op.inputs[1]].dtype for k in matmuls} == {"q4_1"}
+    assert {k.phase for k in matmuls} == {"prefill", "decode"}
+    results = check.check_kernels(kernels, _runners(plan))
+    for r in results:
+        if r.backend == "cpu":
+            assert r.status == "SKIP" and "no CPU code" in r.note
+        else:
+            assert r.status == "PASS", (r.kernel.label, r.note)
+            assert 0 <= r.error <= r.kernel.tolerance
+    assert all(r.kernel.tolerance == check.TOL_QUANT for r in results if r.kernel in matmuls)
+
+
 def test_kernels_are_deduplicated_across_layers_and_cover_every_op(plans):
     graphs = Plan.open(plans["a"]).graphs()
     kernels = check.plan_kernels(graphs)

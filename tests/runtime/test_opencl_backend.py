@@ -40,6 +40,8 @@ def _rel(got: np.ndarray, want: np.ndarray) -> float:
     ("golden-a", "f32", "f32", 1e-4),
     ("golden-b", "q4_0", "f16", 1e-4),
     ("golden-c", "f32", "f32", 1e-4),     # head_dim 100, MQA
+    ("golden-a", "q4_1", "f32", 1e-4),
+    ("golden-b", "q4_1", "f16", 1e-4),
 ])
 def test_golden_model_matches_interpreter_with_same_greedy_tokens(tmp_path, model, weights, kv, tol):
     plan = _plan(tmp_path, model, weights, kv)
@@ -147,7 +149,7 @@ def test_greedy_argmax_over_many_groups_picks_the_first_of_equal_maxima():
 
 def test_quantized_weights_round_trip_through_the_split_device_layout():
     rng = np.random.default_rng(14)
-    for dtype in ("q4_0", "q8_0"):
+    for dtype in ("q4_0", "q4_1", "q8_0"):
         raw = quant.quantize(rng.standard_normal((6, 64)).astype(np.float32), dtype)
         split = to_split_blocks(raw, dtype)
         assert split.nbytes == raw.nbytes
