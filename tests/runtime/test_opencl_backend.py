@@ -2,6 +2,7 @@
 device, logits and greedy tokens against the interpreter running the same compiled graphs."""
 from __future__ import annotations
 
+import ctypes
 import json
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from llmrs.compiler import quant  # noqa: E402
 from llmrs.compiler.ir import Graph, LazyTensor  # noqa: E402
 from llmrs.runtime.backends.opencl import (OpenCLBackend, OpenCLError, device_options, from_split_blocks,  # noqa: E402
                                            pick_device, split_region, to_split_blocks)
+from llmrs.runtime.backends.opencl_launch import icd_loader  # noqa: E402
 from llmrs.runtime.plan import Plan  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -244,3 +246,27 @@ def test_a_launch_the_driver_refuses_is_one_line_naming_the_device_and_kernel(tm
     msg = str(err.value)
     assert "\n" not in msg and be.device_name in msg and b.kernel.function_name in msg
     assert "CL_INVALID_WORK_GROUP_SIZE" in msg
+
+
+def _file_defining(fn) -> Path:
+    """The shared library a ctypes function's code lies in (dladdr)."""
+    class DlInfo(ctypes.Structure):
+        _fields_ = [("fname", ctypes.c_char_p), ("fbase", ctypes.c_void_p),
+                    ("sname", ctypes.c_char_p), ("saddr", ctypes.c_void_p)]
+    info = DlInfo()
+    assert ctypes.CDLL(None).dladdr(ctypes.cast(fn, ctypes.c_void_p), ctypes.byref(info))
+    return Path(info.fname.decode()).resolve()
+
+
+def test_launches_without_events_call_the_opencl_library_pyopencl_loaded():
+    """A machine with only pip's PoCL has no system libOpenCL: the ctypes launches must find the
+    ICD loader bundled in pyopencl's wheel, the one pyopencl's objects come from."""
+    where = _file_defining(icd_loader().clEnqueueNDRangeKernel)
+    assert where.name.startswith("libOpenCL")
+    pkg = Path(cl.__file__).resolve().parent
+    bundled = {p.resolve() for p in [*pkg.glob(".libs/libOpenCL*"), *pkg.parent.glob("pyopencl.libs/libOpenCL*")]}
+    if bundled:   # a wheel (else pyopencl was built against the system's loader)
+        assert where in bundled
+    mapped = {line.split()[-1] for line in open("/proc/self/maps") if "libOpenCL" in line}
+    assert str(where) in {str(Path(m).resolve()) for m in mapped}
+
