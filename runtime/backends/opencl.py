@@ -67,14 +67,17 @@ def _cl():
 
 # -- device choice ----------------------------------------------------------------------------
 
+INSTALL_OPENCL = ("install a GPU driver's OpenCL ICD, or PoCL for the CPU: pip install "
+                  "pocl-binary-distribution, or apt-get install pocl-opencl-icd")
+
+
 def list_devices() -> list[tuple[str, Any]]:
     """("platform: device", cl.Device) for every device of every platform, GPUs first."""
     cl = _cl()
     try:
         platforms = cl.get_platforms()
     except cl.Error as e:
-        raise OpenCLError(f"no OpenCL platform found ({e}); install a GPU driver's ICD or "
-                          "pip install pocl-binary-distribution") from None
+        raise OpenCLError(f"no OpenCL platform found ({e}); {INSTALL_OPENCL}") from None
     found = []
     for p in platforms:
         try:
@@ -84,8 +87,7 @@ def list_devices() -> list[tuple[str, Any]]:
         found += [(f"{p.name.strip()}: {d.name.strip()}", d) for d in devs]
     found.sort(key=lambda nd: 0 if nd[1].type & cl.device_type.GPU else 1)
     if not found:
-        raise OpenCLError("no OpenCL device found on any platform; install a GPU driver's ICD or "
-                          "pip install pocl-binary-distribution")
+        raise OpenCLError(f"no OpenCL device found on any platform; {INSTALL_OPENCL}")
     return found
 
 
@@ -105,7 +107,8 @@ def _first_working_cpu(found: list[tuple[str, Any]]) -> tuple[str, Any]:
         if _compiles(dev):
             return name, dev
     raise OpenCLError("no OpenCL device here can build kernels (" + "; ".join(n for n, _ in found)
-                      + "); on a CPU newer than PoCL's LLVM install Debian's pocl-opencl-icd")
+                      + "): pip's PoCL has an LLVM older than this CPU; apt-get install pocl-opencl-icd "
+                      "(Debian's PoCL), or a GPU driver's OpenCL ICD")
 
 
 def pick_device(device: int | str | None = None) -> Any:
