@@ -96,7 +96,7 @@ def _compiles(dev: Any) -> bool:
     than itself (the PyPI PoCL on a Zen 5 asks clang for target CPU 'generic' and fails)."""
     cl = _cl()
     try:
-        cl.Program(cl.Context([dev]), "__kernel void probe(__global int *x) { x[0] = 1; }").build()
+        _build(cl.Program(cl.Context([dev]), "__kernel void probe(__global int *x) { x[0] = 1; }"))
         return True
     except cl.Error:
         return False
@@ -226,6 +226,18 @@ def _device_key(dev: Any) -> str:
     return f"{dev.platform.name}|{dev.name}|{dev.driver_version}|{dev.version}"
 
 
+def _build(prg: Any, **options: Any) -> Any:
+    """prg.build(**options) without pyopencl's CompilerWarning ("Non-empty compiler output
+    encountered", printed with pyopencl's source line): a driver's remarks on a build that works
+    mean nothing to someone running a plan, and a build that fails raises with its log.
+    PYOPENCL_COMPILER_OUTPUT=1, pyopencl's own switch, shows the logs again."""
+    cl = _cl()
+    with warnings.catch_warnings():
+        if os.environ.get("PYOPENCL_COMPILER_OUTPUT", "").lower() not in ("1", "true", "yes", "on"):
+            warnings.simplefilter("ignore", cl.CompilerWarning)
+        return prg.build(**options)
+
+
 def build_program(ctx: Any, dev: Any, source: str, options: list[str], label: str) -> Any:
     """A built program, from the on-disk cache (source hash + device) when it holds one."""
     cl = _cl()
@@ -234,12 +246,11 @@ def build_program(ctx: Any, dev: Any, source: str, options: list[str], label: st
     path = cache_dir() / f"{key}.bin"
     if path.exists():
         try:
-            prg = cl.Program(ctx, [dev], [path.read_bytes()])
-            return prg.build(options=opts)
+            return _build(cl.Program(ctx, [dev], [path.read_bytes()]), options=opts)
         except (cl.Error, OSError):
             pass  # a stale or foreign binary: build from source below
     try:
-        prg = cl.Program(ctx, source).build(options=opts, devices=[dev])
+        prg = _build(cl.Program(ctx, source), options=opts, devices=[dev])
     except cl.Error as e:
         log = " ".join(str(e).split())
         raise OpenCLError(f"OpenCL build of {label} ({opts}) failed on {dev.name.strip()}: {log[:400]}") from None

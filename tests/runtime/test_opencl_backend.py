@@ -17,8 +17,8 @@ from llmrs.compiler.pipeline import CompileOptions, compile_graphs  # noqa: E402
 from llmrs.compiler.plan import write_graph_plan  # noqa: E402
 from llmrs.compiler import quant  # noqa: E402
 from llmrs.compiler.ir import Graph, LazyTensor  # noqa: E402
-from llmrs.runtime.backends.opencl import (OpenCLBackend, OpenCLError, device_options, from_split_blocks,  # noqa: E402
-                                           pick_device, split_region, to_split_blocks)
+from llmrs.runtime.backends.opencl import (OpenCLBackend, OpenCLError, build_program, device_options,  # noqa: E402
+                                           from_split_blocks, pick_device, split_region, to_split_blocks)
 from llmrs.runtime.backends.opencl_launch import icd_loader  # noqa: E402
 from llmrs.runtime.plan import Plan  # noqa: E402
 
@@ -273,3 +273,17 @@ def test_launches_without_events_call_the_opencl_library_pyopencl_loaded():
     mapped = {line.split()[-1] for line in open("/proc/self/maps") if "libOpenCL" in line}
     assert str(where) in {str(Path(m).resolve()) for m in mapped}
 
+
+def test_a_build_with_compiler_remarks_warns_nobody_unless_asked(opencl_device, tmp_path, monkeypatch, recwarn):
+    """pyopencl warns "Non-empty compiler output encountered" (with its source line) on any build
+    log; NVIDIA's driver writes one for our kernels. PYOPENCL_COMPILER_OUTPUT=1 shows it again."""
+    monkeypatch.setenv("LLMRS_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PYOPENCL_COMPILER_OUTPUT", raising=False)
+    ctx = cl.Context([opencl_device])
+    source = '#warning "a remark"\n__kernel void k(__global int *x) { x[0] = 1; }\n'
+    build_program(ctx, opencl_device, source, [], "remark")   # from source
+    build_program(ctx, opencl_device, source, [], "remark")   # from the binary cache
+    assert not [w for w in recwarn if issubclass(w.category, cl.CompilerWarning)]
+    monkeypatch.setenv("PYOPENCL_COMPILER_OUTPUT", "1")
+    with pytest.warns(cl.CompilerWarning, match="a remark"):
+        build_program(ctx, opencl_device, source + "\n", [], "remark")
