@@ -6,12 +6,13 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
 
 from ..child import python_argv
-from ..compiler.cliutil import OneLineParser
+from ..compiler.cliutil import OneLineParser, check_output_file
 from .engine import Engine, EngineError
 from .plan import Plan, PlanError
 from .sampler import Sampler, SamplerConfig
@@ -27,7 +28,8 @@ def parser() -> argparse.ArgumentParser:
                "  llmrs-run --prompt Hello                     built-in tiny model (random weights), no download\n"
                "  llmrs-run plan.bin --prompt 'Once upon a time' -n 64 --stats\n"
                "  llmrs-run plan.bin --prompt Hi --temperature 0.8 --top-p 0.9 --seed 1\n"
-               "  llmrs-run plan.bin --prompt Hi --backend reference --dump-logits ref.npz\n")
+               "  llmrs-run plan.bin --prompt Hi --backend reference --dump-logits ref.npz\n"
+               "\nPYOPENCL_COMPILER_OUTPUT=1 shows the OpenCL compiler's messages on builds that work.\n")
     ap.add_argument("plan", nargs="?", type=Path, help="plan file (default: the built-in tiny model, made on first use)")
     ap.add_argument("-p", "--prompt", required=True, help="prompt text")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=32, metavar="N", help="tokens to generate (default 32)")
@@ -103,11 +105,38 @@ class TextStream:
         self.out.flush()
 
 
+def warn(message: str) -> None:
+    print(f"llmrs-run: warning: {message}", file=sys.stderr)
+
+
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """warnings.showwarning for the command line: one line, without the source line that raised it."""
+    warn(" ".join(str(message).split()))
+
+
+def prompt_text(prompt: str) -> str:
+    """The prompt as the tokenizer takes it. argv bytes that are not UTF-8 reach Python as lone
+    surrogates (PEP 383), which the tokenizer refuses with a TypeError: they are replaced by
+    U+FFFD, with a warning, so the prompt still runs."""
+    bad = sum(0xD800 <= ord(c) <= 0xDFFF for c in prompt)
+    if not bad:
+        return prompt
+    try:
+        raw = os.fsencode(prompt)       # argv's own bytes back
+    except UnicodeEncodeError:          # surrogates no argv decoding makes (a caller's str)
+        raw = prompt.encode("utf-8", "surrogatepass")
+    warn(f"the prompt is not valid UTF-8: {bad} byte{'s' if bad > 1 else ''} replaced by U+FFFD")
+    return raw.decode("utf-8", "replace")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise EngineError(f"-n must be at least 1, got {args.max_new_tokens}")
     if args.threads is not None and args.threads < 1:
         raise EngineError(f"--threads must be at least 1, got {args.threads}")
+    if args.dump_logits:   # before the run, not after it
+        check_output_file(args.dump_logits, "--dump-logits")
+    text = prompt_text(args.prompt)
     sampler = Sampler(SamplerConfig(args.temperature, args.top_k, args.top_p, args.repetition_penalty,
                                     args.repetition_window, args.seed))
     from tokenizers import Tokenizer
@@ -119,11 +148,18 @@ def run(args: argparse.Namespace) -> int:
     backend = make_backend(args.backend, plan, args)
     engine = Engine(backend, int(m["prefill_chunk"]), int(m["max_seq_len"]), tuple(m.get("stop_ids", ())))
     load_s = time.perf_counter() - t0
-    prompt = tokenizer.encode(args.prompt).ids
+    prompt = tokenizer.encode(text).ids
+    cache, n = int(m["max_seq_len"]), args.max_new_tokens
+    room = cache - len(prompt) + 1   # the last token generated is never fed back into the cache
+    if 0 < room < n:   # (a prompt that does not fit at all is the engine's error)
+        warn(f"the KV cache holds {cache} tokens: after the prompt's {len(prompt)} at most {room} can be "
+             f"generated, not -n {n}; recompile with a larger --max-seq-len for more")
     stream = TextStream(tokenizer)
-    gen = engine.generate(prompt, args.max_new_tokens, sampler, on_token=stream,
-                          keep_logits=args.dump_logits is not None)
+    gen = engine.generate(prompt, n, sampler, on_token=stream, keep_logits=args.dump_logits is not None)
     stream.close()
+    if gen.stop_reason == "cache full":
+        warn(f"stopped after {len(gen.tokens)} of -n {n} tokens: the KV cache ({cache} tokens) is full; "
+             "recompile with a larger --max-seq-len")
     gen.stats.load_s = load_s
     if args.dump_logits:
         logits = np.stack(gen.logits) if gen.logits else np.zeros((0, m["model"]["vocab_size"]), np.float32)
@@ -137,7 +173,21 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return run(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _warning_line
+            return run(args)
+    except BrokenPipeError:
+        # the reader went away (`| head`): stop quietly, as a C tool killed by SIGPIPE would, and
+        # keep the interpreter's last flush of stdout from failing again at exit
+        try:
+            fd = sys.stdout.fileno()
+        except (AttributeError, OSError, ValueError):   # stdout is no file (captured)
+            fd = None
+        if fd is not None:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+        return 128 + 13
     except (PlanError, EngineError, ValueError, OSError, RuntimeError) as e:
         print(f"llmrs-run: error: {e}", file=sys.stderr)
         return 2
