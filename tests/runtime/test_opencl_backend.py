@@ -281,8 +281,10 @@ def test_a_build_with_compiler_remarks_warns_nobody_unless_asked(opencl_device, 
     monkeypatch.delenv("PYOPENCL_COMPILER_OUTPUT", raising=False)
     ctx = cl.Context([opencl_device])
     source = '#warning "a remark"\n__kernel void k(__global int *x) { x[0] = 1; }\n'
-    build_program(ctx, opencl_device, source, [], "remark")   # from source
-    build_program(ctx, opencl_device, source, [], "remark")   # from the binary cache
+    prg = build_program(ctx, opencl_device, source, [], "remark")   # from source
+    if not prg.get_build_info(opencl_device, cl.program_build_info.LOG).strip():
+        pytest.skip(f"{opencl_device.name.strip()} writes no build log for #warning")
+    build_program(ctx, opencl_device, source, [], "remark")         # from the binary cache
     assert not [w for w in recwarn if issubclass(w.category, cl.CompilerWarning)]
     monkeypatch.setenv("PYOPENCL_COMPILER_OUTPUT", "1")
     with pytest.warns(cl.CompilerWarning, match="a remark"):
