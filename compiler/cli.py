@@ -13,7 +13,7 @@ from ..models.llama import load_model
 from .ir import IRError
 from .pipeline import RULES, CompileOptions, compile_graphs
 from .plan import PlanWriteError, write_graph_plan
-from .cliutil import OneLineParser, Progress
+from .cliutil import OneLineParser, Progress, check_output_file
 from .summary import summarize
 
 WEIGHT_TYPES = ("q4_0", "q4_1", "q8_0", "f16", "f32")
@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.max_seq_len < 1 or args.prefill_chunk < 1:
             raise ValueError("--max-seq-len and --prefill-chunk must be positive")
+        check_output_file(args.output, "-o")   # before minutes of compiling, not after
         print(compile_model(args, argv))
     except (ModelError, IRError, PlanWriteError, ValueError, OSError) as e:
         print(f"llmrs-compile: error: {e}", file=sys.stderr)

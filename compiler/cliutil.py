@@ -1,9 +1,13 @@
-"""Command-line helpers shared by the tools: one-line argument errors, a progress bar."""
+"""Command-line helpers shared by the tools: one-line argument errors, output paths checked
+before any work, a progress bar."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -11,6 +15,28 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def check_output_file(path: Path, flag: str) -> None:
+    """Refuse an output file that cannot be written before any work is done, in one line naming
+    the flag and the folder (a failed write would name a temporary file the user never asked
+    for). The folder is probed by creating a file in it: permission bits do not stop root, and a
+    read-only mount or a pseudo-filesystem does."""
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a folder; give the name of a file to write in it")
+    folder = path.parent
+    if not folder.exists():
+        raise ValueError(f"{flag} {path}: folder {folder} does not exist; create it (mkdir -p {folder}) "
+                         "or choose another")
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {path}: {folder} is not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".probe", dir=folder)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write in folder {folder} ({e.strerror}); "
+                         "choose a writable folder") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 class Progress:

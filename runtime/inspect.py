@@ -1,11 +1,11 @@
 """llmrs-inspect plan.bin: what a plan holds (model, weight formats, sections, kernels, arena)."""
 from __future__ import annotations
 
-import argparse
 import sys
 from collections import Counter
 from typing import Any, TextIO
 
+from ..compiler.cliutil import OneLineParser
 from ..compiler.ir import Graph
 from .plan import VERIFY_MODES, Plan, PlanError
 
@@ -93,7 +93,7 @@ def _print_layout(phase: str, g: Graph, out: TextIO) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="llmrs-inspect", description=__doc__)
+    ap = OneLineParser(prog="llmrs-inspect", description=__doc__)
     ap.add_argument("plan", help="a plan.bin written by llmrs-compile")
     ap.add_argument("--verify", default="auto", choices=VERIFY_MODES,
                     help="checksum the weights: auto (first open of a file only), always, never")
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = Plan.open(args.plan, verify=args.verify)
     except PlanError as e:
-        print(f"llmrs-inspect: {e}", file=sys.stderr)
+        print(f"llmrs-inspect: error: {e}", file=sys.stderr)
         return 2
     graphs = plan.graphs()
     out = sys.stdout

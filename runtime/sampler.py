@@ -27,6 +27,8 @@ class SamplerConfig:
             bad = f"--repetition-penalty must be > 0, got {self.repetition_penalty}"
         elif self.repetition_window < 0:
             bad = f"--repetition-window must be >= 0, got {self.repetition_window}"
+        elif self.seed is not None and self.seed < 0:
+            bad = f"--seed must be >= 0, got {self.seed}"
         if bad:
             raise ValueError(bad)
         return self

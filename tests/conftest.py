@@ -1,7 +1,11 @@
-"""Shared fixtures: the committed golden models, and graph drivers for the interpreter."""
+"""Shared fixtures: the committed golden models, graph drivers for the interpreter, and what the
+suite needs from outside pip (system tools, a working OpenCL device)."""
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
+from typing import Any, NoReturn
 
 import numpy as np
 import pytest
@@ -14,6 +18,45 @@ from llmrs.models.tiny import make_config
 
 DATA = Path(__file__).parent / "data"
 GOLDEN = ("golden-a", "golden-b", "golden-c")
+
+# how to install what pip cannot: named in every skip, so a skipped test says what to run
+QEMU_SETUP = ("run sh tests/qemu/setup.sh (apt-get install qemu-user gcc-aarch64-linux-gnu "
+              "libc6-dev-arm64-cross, then tests/qemu/setup_python.sh for an arm64 Python)")
+POCL_SETUP = "apt-get install pocl-opencl-icd"
+
+
+def in_ci() -> bool:
+    """CI sets CI=true (.ci/run too); it installs every system package the suite uses."""
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def unavailable(reason: str) -> NoReturn:
+    """Something a test needs from outside pip is missing: skip, saying how to install it. Under
+    CI, which installs everything, fail instead, so a broken install cannot pass as skips."""
+    if in_ci():
+        pytest.fail(f"{reason} [CI=true: CI installs this, so the test must run]", pytrace=False)
+    pytest.skip(reason)
+
+
+def system_tool(name: str, install: str) -> str:
+    """The path of a program found on PATH, else unavailable() naming the install command."""
+    path = shutil.which(name)
+    if path is None:
+        unavailable(f"{name} absent: {install}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def opencl_device() -> Any:
+    """The device OpenCLBackend picks by default. pip's PoCL is always there, but its LLVM 14
+    cannot build kernels for CPUs newer than itself (a Zen 5): with no other device, OpenCL tests
+    skip naming Debian's PoCL."""
+    cl = pytest.importorskip("pyopencl")
+    from llmrs.runtime.backends.opencl import OpenCLError, pick_device
+    try:
+        return pick_device()
+    except (OpenCLError, cl.Error) as e:
+        unavailable(f"no usable OpenCL device: {e}")
 
 
 @pytest.fixture(params=GOLDEN)

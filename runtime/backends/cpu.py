@@ -10,6 +10,7 @@ import ctypes
 import mmap
 import os
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from ..plan import Plan
 from .cpu_native import NativeCode, NativeCodeError, host_triple
 
 _STEP_ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5
+MAX_THREADS = 1024   # more than any CPU runs at once; more only makes every barrier wait longer
 
 
 class CpuBackendError(ValueError):
@@ -129,13 +131,34 @@ class _StepIO:
                        arena[out.name], out.shape[0], out.shape[1], out.shape[0] == g.T and g.T > 1)
 
 
+def _start_team(threads: int) -> ThreadPoolExecutor | None:
+    """The helper threads of a team of `threads`, all started now. The pool would start them
+    on a step's first submit, where one that cannot start (too many threads for the system)
+    leaves those already in the step waiting at its barrier for a thread that never comes."""
+    if threads == 1:
+        return None
+    pool = ThreadPoolExecutor(max_workers=threads - 1)
+    gate = threading.Barrier(threads)   # each task holds its thread, so every submit starts one
+    try:
+        for _ in range(threads - 1):
+            pool.submit(gate.wait)
+        gate.wait()
+    except RuntimeError as e:           # "can't start new thread"
+        gate.abort()                    # the started ones return (BrokenBarrierError) and exit
+        pool.shutdown()
+        raise CpuBackendError(f"--threads {threads}: the system would not start that many threads ({e}); "
+                              f"use fewer (this machine has {os.cpu_count()} CPUs)") from None
+    return pool
+
+
 class CpuBackend:
     """run(phase, tokens, n_past, start_pos) -> float32 logits [rows, vocab]; reset() clears the KV cache."""
 
     def __init__(self, plan, threads: int | None = None, code: NativeCode | None = None):
         threads = physical_cores() if threads is None else threads
-        if threads < 1:
-            raise CpuBackendError(f"--threads {threads}: need at least 1 thread")
+        if not 1 <= threads <= MAX_THREADS:
+            raise CpuBackendError(f"--threads {threads}: need 1 to {MAX_THREADS} "
+                                  f"(this machine has {os.cpu_count()} CPUs)")
         self.plan = plan
         self.threads = threads
         self.graphs: dict[str, Graph] = plan.graphs()
@@ -150,7 +173,7 @@ class CpuBackend:
         self.weight_table = np.array([w.ctypes.data for w in self._weights] or [0], dtype=np.uint64)
         self._steps = {name: ctypes.CFUNCTYPE(None, *_STEP_ARGS)(self.code.address(f"llmrs_{name}"))
                        for name in self.graphs}
-        self._pool = ThreadPoolExecutor(max_workers=threads - 1) if threads > 1 else None
+        self._pool = _start_team(threads)
         self._bases = [a.ctypes.data for a in (self.arena, self.weight_table, self.kv, self.scratch,
                                                self.barrier)]
         self._io: dict[str, _StepIO] = {}   # filled on a phase's first run: not every graph has logits

@@ -70,14 +70,17 @@ def _cl():
 
 # -- device choice ----------------------------------------------------------------------------
 
+INSTALL_OPENCL = ("install a GPU driver's OpenCL ICD, or PoCL for the CPU: pip install "
+                  "pocl-binary-distribution, or apt-get install pocl-opencl-icd")
+
+
 def list_devices() -> list[tuple[str, Any]]:
     """("platform: device", cl.Device) for every device of every platform, GPUs first."""
     cl = _cl()
     try:
         platforms = cl.get_platforms()
     except cl.Error as e:
-        raise OpenCLError(f"no OpenCL platform found ({e}); install a GPU driver's ICD or "
-                          "pip install pocl-binary-distribution") from None
+        raise OpenCLError(f"no OpenCL platform found ({e}); {INSTALL_OPENCL}") from None
     found = []
     for p in platforms:
         try:
@@ -87,8 +90,7 @@ def list_devices() -> list[tuple[str, Any]]:
         found += [(f"{p.name.strip()}: {d.name.strip()}", d) for d in devs]
     found.sort(key=lambda nd: 0 if nd[1].type & cl.device_type.GPU else 1)
     if not found:
-        raise OpenCLError("no OpenCL device found on any platform; install a GPU driver's ICD or "
-                          "pip install pocl-binary-distribution")
+        raise OpenCLError(f"no OpenCL device found on any platform; {INSTALL_OPENCL}")
     return found
 
 
@@ -97,7 +99,7 @@ def _compiles(dev: Any) -> bool:
     than itself (the PyPI PoCL on a Zen 5 asks clang for target CPU 'generic' and fails)."""
     cl = _cl()
     try:
-        cl.Program(cl.Context([dev]), "__kernel void probe(__global int *x) { x[0] = 1; }").build()
+        _build(cl.Program(cl.Context([dev]), "__kernel void probe(__global int *x) { x[0] = 1; }"))
         return True
     except cl.Error:
         return False
@@ -108,7 +110,8 @@ def _first_working_cpu(found: list[tuple[str, Any]]) -> tuple[str, Any]:
         if _compiles(dev):
             return name, dev
     raise OpenCLError("no OpenCL device here can build kernels (" + "; ".join(n for n, _ in found)
-                      + "); on a CPU newer than PoCL's LLVM install Debian's pocl-opencl-icd")
+                      + "): pip's PoCL has an LLVM older than this CPU; apt-get install pocl-opencl-icd "
+                      "(Debian's PoCL), or a GPU driver's OpenCL ICD")
 
 
 def pick_device(device: int | str | None = None) -> Any:
@@ -226,6 +229,18 @@ def _device_key(dev: Any) -> str:
     return f"{dev.platform.name}|{dev.name}|{dev.driver_version}|{dev.version}"
 
 
+def _build(prg: Any, **options: Any) -> Any:
+    """prg.build(**options) without pyopencl's CompilerWarning ("Non-empty compiler output
+    encountered", printed with pyopencl's source line): a driver's remarks on a build that works
+    mean nothing to someone running a plan, and a build that fails raises with its log.
+    PYOPENCL_COMPILER_OUTPUT=1, pyopencl's own switch, shows the logs again."""
+    cl = _cl()
+    with warnings.catch_warnings():
+        if os.environ.get("PYOPENCL_COMPILER_OUTPUT", "").lower() not in ("1", "true", "yes", "on"):
+            warnings.simplefilter("ignore", cl.CompilerWarning)
+        return prg.build(**options)
+
+
 def build_program(ctx: Any, dev: Any, source: str, options: list[str], label: str) -> Any:
     """A built program, from the on-disk cache (source hash + device) when it holds one."""
     cl = _cl()
@@ -234,12 +249,11 @@ def build_program(ctx: Any, dev: Any, source: str, options: list[str], label: st
     path = cache_dir() / f"{key}.bin"
     if path.exists():
         try:
-            prg = cl.Program(ctx, [dev], [path.read_bytes()])
-            return prg.build(options=opts)
+            return _build(cl.Program(ctx, [dev], [path.read_bytes()]), options=opts)
         except (cl.Error, OSError):
             pass  # a stale or foreign binary: build from source below
     try:
-        prg = cl.Program(ctx, source).build(options=opts, devices=[dev])
+        prg = _build(cl.Program(ctx, source), options=opts, devices=[dev])
     except cl.Error as e:
         log = " ".join(str(e).split())
         raise OpenCLError(f"OpenCL build of {label} ({opts}) failed on {dev.name.strip()}: {log[:400]}") from None

@@ -11,8 +11,6 @@ in-order queues order the launches, and a blocking read or finish ends the step.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-from pathlib import Path
 from typing import Any
 
 _c = ctypes
@@ -28,16 +26,23 @@ class OpenCLError(RuntimeError):
 
 
 def icd_loader() -> Any:
-    """The OpenCL ICD loader pyopencl uses (a wheel bundles its own under pyopencl.libs)."""
-    import pyopencl
-    bundled = sorted((Path(pyopencl.__file__).resolve().parent.parent / "pyopencl.libs").glob("libOpenCL*"))
-    for name in [str(p) for p in bundled] + [ctypes.util.find_library("OpenCL") or "", "libOpenCL.so.1"]:
-        if name:
-            try:
-                return ctypes.CDLL(name)
-            except OSError:
-                continue
-    raise OpenCLError("cannot load the OpenCL ICD loader (libOpenCL.so.1) through ctypes")
+    """The OpenCL library pyopencl itself calls, opened through ctypes.
+
+    Reached through pyopencl's extension module, never looked up by name: dlopen of a loaded
+    object returns its handle, and dlsym on that handle searches the module, then the libraries
+    it was linked against, so the symbols are those of the libOpenCL pyopencl loaded: the ICD
+    loader its wheel bundles (pyopencl/.libs/libOpenCL-<hash>.so; the folder's name depends on
+    the auditwheel version) or the system's where pyopencl was built from source. A look-up by
+    name (ctypes.util.find_library, dlopen("libOpenCL.so.1")) finds only a system loader, which a
+    machine with nothing but pip's PoCL lacks; /proc/self/maps is Linux-only and lists every
+    libOpenCL mapped, not which one pyopencl calls."""
+    try:
+        import pyopencl._cl as ext
+        lib = ctypes.CDLL(ext.__file__)
+        lib.clEnqueueNDRangeKernel   # an AttributeError if no linked library defines it
+    except (ImportError, OSError, AttributeError) as e:
+        raise OpenCLError(f"cannot reach the OpenCL library pyopencl uses through ctypes ({e})") from None
+    return lib
 
 
 Launch = tuple[Any, tuple[int, int], tuple[int, int]]   # (pyopencl Kernel, global size, local size)

@@ -1,6 +1,8 @@
 """llmrs-compile end to end: plans of the golden models interpreted against transformers' logits."""
 import json
+import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -97,6 +99,30 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     _one_line_error(capsys, [str(DATA / "golden-a"), "-o", out, "--no-fuse", "everything"], "everything")
     _one_line_error(capsys, [str(DATA / "golden-a"), "-o", out, "--target", "tpu"], "--target 'tpu'")
     assert not (tmp_path / "x.plan.bin").exists()
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_compiling(tmp_path, capsys, monkeypatch):
+    import llmrs.compiler.cli as cli
+
+    def never(*_):
+        raise AssertionError("the model was loaded although the output cannot be written")
+
+    monkeypatch.setattr(cli, "load_model", never)
+    model = str(DATA / "golden-a")
+    missing = tmp_path / "missing" / "dir"
+    _one_line_error(capsys, [model, "-o", str(missing / "plan.bin")],
+                    f"-o {missing / 'plan.bin'}: folder {missing} does not exist; create it (mkdir -p {missing})")
+    _one_line_error(capsys, [model, "-o", str(tmp_path)], f"-o {tmp_path} is a folder")
+    (tmp_path / "file").write_text("x")
+    _one_line_error(capsys, [model, "-o", str(tmp_path / "file" / "plan.bin")], f"{tmp_path / 'file'} is not a folder")
+    # permission bits do not stop root; sysfs refuses new files to everyone
+    read_only = Path("/sys") if os.geteuid() == 0 else tmp_path / "ro"
+    if read_only != Path("/sys"):
+        read_only.mkdir()
+        read_only.chmod(0o500)
+    _one_line_error(capsys, [model, "-o", str(read_only / "plan.bin")],
+                    f"-o {read_only / 'plan.bin'}: cannot write in folder {read_only} (")
+    assert not list(read_only.glob(".plan.bin.*"))
 
 
 def test_bad_flag_value_is_one_line_exit_2(capsys):

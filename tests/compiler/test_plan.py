@@ -170,6 +170,17 @@ def test_failed_write_keeps_the_old_plan_and_leaves_no_temp_file(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == ["p.bin"]
 
 
+def test_a_write_the_system_refuses_names_the_plan_not_its_temp_file(tmp_path):
+    target = tmp_path / "p.bin"
+    target.mkdir()
+    (target / "keep").write_text("x")   # os.replace cannot put a file over a non-empty folder
+    w = {"a": LazyTensor.of(np.ones(4, np.float32), "f32")}
+    with pytest.raises(PlanWriteError) as e:
+        write_plan(target, {}, {}, w)
+    assert str(e.value).startswith(f"{target}: cannot write the plan (") and ".tmp" not in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == ["p.bin"]
+
+
 def test_writer_refuses_reserved_keys_sections_and_wrong_sized_data(tmp_path):
     w = {"a": LazyTensor.of(np.ones(4, np.float32), "f32")}
     with pytest.raises(PlanWriteError, match="'tensors' is filled in by write_plan"):

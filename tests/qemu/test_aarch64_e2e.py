@@ -6,7 +6,6 @@ tests/qemu/setup.sh, which runs tests/qemu/setup_python.sh (the arm64 sysroot an
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import tomllib
@@ -17,7 +16,7 @@ import pytest
 
 from llmrs.compiler.cli import main as compile_main
 
-from ..conftest import DATA, rel_err
+from ..conftest import DATA, QEMU_SETUP, rel_err, system_tool, unavailable
 
 REPO = Path(__file__).resolve().parents[2]
 AARCH64_ROOT = Path(os.environ.get("LLMRS_AARCH64_ROOT") or REPO / ".cache" / "aarch64")
@@ -25,11 +24,7 @@ SYSROOT, SITE, DONE = AARCH64_ROOT / "sysroot", AARCH64_ROOT / "site", AARCH64_R
 # a generic ARMv8.2 core named explicitly: LLVM's host detection under qemu says `generic` with no features
 ARM_TRIPLE = "aarch64-unknown-linux-gnu"
 ARM_TARGET = f"{ARM_TRIPLE}:generic:+neon,+fp-armv8,+dotprod"
-QEMU = shutil.which("qemu-aarch64")
 CHUNK, SEQ, THREADS, N_NEW = 16, 64, 2, 9  # 30/40-token golden prompts: 2-3 prefill chunks, 8 decode steps
-
-pytestmark = pytest.mark.skipif(QEMU is None, reason="qemu-aarch64 absent: run tests/qemu/setup.sh "
-                                                     "(it also runs setup_python.sh)")
 
 # Run by both interpreters: argv = plan prompt.npy out.npz threads n_new. Greedy, stop tokens
 # ignored, so each run gives exactly n_new tokens, the logits each was chosen from, and the triple
@@ -92,16 +87,19 @@ def _generate_both(pythons: dict[str, tuple[list[str], dict[str, str]]], plan: P
 @pytest.fixture(scope="module")
 def pythons(tmp_path_factory) -> dict[str, tuple[list[str], dict[str, str]]]:
     """Command line and environment of each interpreter: this one, and the arm64 one under qemu.
-    Both import the same source tree. Fails (does not skip) when the arm64 sysroot is missing, so
-    CI cannot pass without running this test."""
+    Both import the same source tree. Without qemu or the arm64 sysroot the tests skip, saying
+    what to run; under CI (CI=true), which installs both, they fail, so CI cannot pass without
+    running them."""
+    qemu = system_tool("qemu-aarch64", QEMU_SETUP)
     # .done reads "python3.X wheel names", written when the sysroot and wheels are complete
     arm_python = SYSROOT / "usr" / "bin" / (DONE.read_text().split() or ["?"])[0] if DONE.is_file() else None
-    assert arm_python and arm_python.is_file(), (
-        f"no arm64 Python in {AARCH64_ROOT}: run tests/qemu/setup_python.sh (or set LLMRS_AARCH64_ROOT)")
+    if not (arm_python and arm_python.is_file()):
+        unavailable(f"no arm64 Python in {AARCH64_ROOT}: run sh tests/qemu/setup_python.sh (after "
+                    "tests/qemu/setup.sh; or set LLMRS_AARCH64_ROOT)")
     tmp = tmp_path_factory.mktemp("pythons")
     pkg = str(_llmrs_tree(tmp / "pkg"))
     return {"x86_64": ([sys.executable], _env(tmp, pkg)),
-            "aarch64": ([QEMU, "-cpu", "max", "-L", str(SYSROOT), str(arm_python)],
+            "aarch64": ([qemu, "-cpu", "max", "-L", str(SYSROOT), str(arm_python)],
                         _env(tmp, f"{pkg}{os.pathsep}{SITE}"))}
 
 

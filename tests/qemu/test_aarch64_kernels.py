@@ -2,7 +2,6 @@
 driver and run under qemu-aarch64, against the interpreter. Needs tests/qemu/setup.sh's packages."""
 from __future__ import annotations
 
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -18,9 +17,7 @@ from llmrs.compiler import quant
 
 from ..compiler.kernel_cases import attention_case, embedding_case, matmul_case, simple_case
 from ..compiler.test_llvm_kernels import check
-
-QEMU, GCC = shutil.which("qemu-aarch64"), shutil.which("aarch64-linux-gnu-gcc")
-pytestmark = pytest.mark.skipif(not (QEMU and GCC), reason="qemu-aarch64 / aarch64-linux-gnu-gcc absent: run tests/qemu/setup.sh")
+from ..conftest import QEMU_SETUP, system_tool
 
 CASES = [matmul_case("q4_0", 6, 5, True, "rope_kv_store", cache_dtype="q8_0"),
          matmul_case("q8_0", 1, 1, True, "silu_mul"),
@@ -73,7 +70,7 @@ int main(int argc, char **argv) {
 """
 
 
-def _build(tmp: Path, dotprod: bool) -> Path:
+def _build(gcc: str, tmp: Path, dotprod: bool) -> Path:
     target = aarch64_target(dotprod)
     module = ir.Module("aarch64")
     module.triple = target.triple
@@ -92,12 +89,12 @@ def _build(tmp: Path, dotprod: bool) -> Path:
     (tmp / "kernels.o").write_bytes(emit(str(module), target))
     (tmp / "driver.c").write_text(DRIVER % {"decls": "\n".join(decls), "cases": "\n".join(cases)})
     exe = tmp / "driver"
-    subprocess.run([GCC, "-O1", "-static", "-o", str(exe), str(tmp / "driver.c"), str(tmp / "kernels.o"), "-lm"],
+    subprocess.run([gcc, "-O1", "-static", "-o", str(exe), str(tmp / "driver.c"), str(tmp / "kernels.o"), "-lm"],
                    check=True, capture_output=True)
     return exe
 
 
-def _run(exe: Path, tmp: Path, kernel: int, arrays: list[np.ndarray], scalars: tuple[int, ...], nth: int,
+def _run(qemu: str, exe: Path, tmp: Path, kernel: int, arrays: list[np.ndarray], scalars: tuple[int, ...], nth: int,
          scratch: int) -> list[np.ndarray]:
     paths = []
     for j, a in enumerate(arrays):
@@ -106,26 +103,32 @@ def _run(exe: Path, tmp: Path, kernel: int, arrays: list[np.ndarray], scalars: t
         if first == j:
             p.write_bytes(np.ascontiguousarray(a).tobytes())
         paths.append(str(p))
-    subprocess.run([QEMU, "-L", "/usr/aarch64-linux-gnu", str(exe), str(kernel), *map(str, scalars), str(nth),
+    subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(exe), str(kernel), *map(str, scalars), str(nth),
                     str(scratch), *paths], check=True, capture_output=True, timeout=60)
     return [np.frombuffer(Path(p).read_bytes(), a.dtype).reshape(a.shape) for p, a in zip(paths, arrays)]
 
 
+@pytest.fixture(scope="module")
+def qemu() -> str:
+    return system_tool("qemu-aarch64", QEMU_SETUP)
+
+
 @pytest.fixture(scope="module", params=[False, True], ids=["neon", "neon+dotprod"])
-def driver(request, tmp_path_factory):
+def driver(request, tmp_path_factory, qemu):
+    gcc = system_tool("aarch64-linux-gnu-gcc", QEMU_SETUP)
     tmp = tmp_path_factory.mktemp("dotprod" if request.param else "neon")
-    return _build(tmp, request.param), tmp
+    return _build(gcc, tmp, request.param), tmp
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c.name for c in CASES])
-def test_aarch64_kernel_matches_interpreter_under_qemu(driver, index):
+def test_aarch64_kernel_matches_interpreter_under_qemu(qemu, driver, index):
     exe, tmp = driver
     case = CASES[index]
     names = case.buffers()
     arrays = {k: v.copy() for k, v in case.arrays.items()}
     bufs = [arrays[case.graph.values[n].alias or n] for n in names]
     st = case.step
-    out = _run(exe, tmp, index, bufs, (st.n_tokens, st.n_past, st.start_pos), 2,
+    out = _run(qemu, exe, tmp, index, bufs, (st.n_tokens, st.n_past, st.start_pos), 2,
                _align(max(op_scratch_bytes(case.graph, case.op), 64)))
     for n, a in zip(names, out):
         arrays[case.graph.values[n].alias or n] = a
@@ -133,13 +136,13 @@ def test_aarch64_kernel_matches_interpreter_under_qemu(driver, index):
 
 
 @pytest.mark.parametrize("wdtype", ["q4_0", "q8_0"])
-def test_aarch64_int8_block_dots_are_exact_under_qemu(driver, wdtype):
+def test_aarch64_int8_block_dots_are_exact_under_qemu(qemu, driver, wdtype):
     exe, tmp = driver
     rng = np.random.default_rng(7)
     w = quant.quantize(rng.standard_normal((PROBE_N, PROBE_K)).astype(np.float32), wdtype)
     _, xq = quant.quantize_rows_q8_0(rng.standard_normal((1, PROBE_K)).astype(np.float32))
     _, wq = quant.split_blocks(w, wdtype)
     want = np.einsum("nbk,bk->nb", wq.astype(np.int32), xq[0].astype(np.int32))
-    out = _run(exe, tmp, 100 if wdtype == "q4_0" else 101,
+    out = _run(qemu, exe, tmp, 100 if wdtype == "q4_0" else 101,
                [w, xq[0].reshape(-1).copy(), np.zeros((PROBE_N, PROBE_K // 32), np.int32)], (1, 0, 0), 1, 64)
     np.testing.assert_array_equal(out[2], want)

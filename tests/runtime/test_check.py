@@ -11,7 +11,7 @@ from llmrs.compiler.cli import main as compile_main
 from llmrs.runtime import check
 from llmrs.runtime.plan import Plan
 
-from ..conftest import DATA
+from ..conftest import DATA, unavailable
 
 
 def _compile(tmp: Path, model: str, *flags: str) -> Path:
@@ -36,7 +36,7 @@ def plans(tmp_path_factory) -> dict[str, Path]:
 def _runners(plan: Plan) -> dict:
     runners = check.open_runners(plan, check.BACKENDS)
     if isinstance(runners["opencl"], check.Unavailable):
-        pytest.skip(f"no OpenCL here: {runners['opencl']}")
+        unavailable(f"no usable OpenCL device: {runners['opencl']}")
     return runners
 
 

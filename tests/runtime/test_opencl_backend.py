@@ -2,6 +2,7 @@
 device, logits and greedy tokens against the interpreter running the same compiled graphs."""
 from __future__ import annotations
 
+import ctypes
 import json
 from pathlib import Path
 
@@ -16,11 +17,15 @@ from llmrs.compiler.pipeline import CompileOptions, compile_graphs  # noqa: E402
 from llmrs.compiler.plan import write_graph_plan  # noqa: E402
 from llmrs.compiler import quant  # noqa: E402
 from llmrs.compiler.ir import Graph, LazyTensor  # noqa: E402
-from llmrs.runtime.backends.opencl import (OpenCLBackend, OpenCLError, device_options, from_split_blocks,  # noqa: E402
-                                           pick_device, split_region, to_split_blocks)
+from llmrs.runtime.backends.opencl import (OpenCLBackend, OpenCLError, build_program, device_options,  # noqa: E402
+                                           from_split_blocks, pick_device, split_region, to_split_blocks)
+from llmrs.runtime.backends.opencl_launch import icd_loader  # noqa: E402
 from llmrs.runtime.plan import Plan  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+from ..conftest import DATA  # noqa: E402
+
+# skipped, naming Debian's PoCL, where no OpenCL device can build kernels (pip's PoCL on a Zen 5)
+pytestmark = pytest.mark.usefixtures("opencl_device")
 PROMPT = np.array([3, 17, 250, 9, 42, 7, 101, 64, 5], np.int32)
 
 
@@ -247,3 +252,43 @@ def test_a_launch_the_driver_refuses_is_one_line_naming_the_device_and_kernel(tm
     msg = str(err.value)
     assert "\n" not in msg and be.device_name in msg and b.kernel.function_name in msg
     assert "CL_INVALID_WORK_GROUP_SIZE" in msg
+
+
+def _file_defining(fn) -> Path:
+    """The shared library a ctypes function's code lies in (dladdr)."""
+    class DlInfo(ctypes.Structure):
+        _fields_ = [("fname", ctypes.c_char_p), ("fbase", ctypes.c_void_p),
+                    ("sname", ctypes.c_char_p), ("saddr", ctypes.c_void_p)]
+    info = DlInfo()
+    assert ctypes.CDLL(None).dladdr(ctypes.cast(fn, ctypes.c_void_p), ctypes.byref(info))
+    return Path(info.fname.decode()).resolve()
+
+
+def test_launches_without_events_call_the_opencl_library_pyopencl_loaded():
+    """A machine with only pip's PoCL has no system libOpenCL: the ctypes launches must find the
+    ICD loader bundled in pyopencl's wheel, the one pyopencl's objects come from."""
+    where = _file_defining(icd_loader().clEnqueueNDRangeKernel)
+    assert where.name.startswith("libOpenCL")
+    pkg = Path(cl.__file__).resolve().parent
+    bundled = {p.resolve() for p in [*pkg.glob(".libs/libOpenCL*"), *pkg.parent.glob("pyopencl.libs/libOpenCL*")]}
+    if bundled:   # a wheel (else pyopencl was built against the system's loader)
+        assert where in bundled
+    mapped = {line.split()[-1] for line in open("/proc/self/maps") if "libOpenCL" in line}
+    assert str(where) in {str(Path(m).resolve()) for m in mapped}
+
+
+def test_a_build_with_compiler_remarks_warns_nobody_unless_asked(opencl_device, tmp_path, monkeypatch, recwarn):
+    """pyopencl warns "Non-empty compiler output encountered" (with its source line) on any build
+    log; NVIDIA's driver writes one for our kernels. PYOPENCL_COMPILER_OUTPUT=1 shows it again."""
+    monkeypatch.setenv("LLMRS_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PYOPENCL_COMPILER_OUTPUT", raising=False)
+    ctx = cl.Context([opencl_device])
+    source = '#warning "a remark"\n__kernel void k(__global int *x) { x[0] = 1; }\n'
+    prg = build_program(ctx, opencl_device, source, [], "remark")   # from source
+    if not prg.get_build_info(opencl_device, cl.program_build_info.LOG).strip():
+        pytest.skip(f"{opencl_device.name.strip()} writes no build log for #warning")
+    build_program(ctx, opencl_device, source, [], "remark")         # from the binary cache
+    assert not [w for w in recwarn if issubclass(w.category, cl.CompilerWarning)]
+    monkeypatch.setenv("PYOPENCL_COMPILER_OUTPUT", "1")
+    with pytest.warns(cl.CompilerWarning, match="a remark"):
+        build_program(ctx, opencl_device, source + "\n", [], "remark")

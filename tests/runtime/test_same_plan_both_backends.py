@@ -7,6 +7,9 @@ from llmrs.runtime.cli import main as run_main
 
 from ..conftest import DATA, rel_err
 
+# skipped, naming Debian's PoCL, where no OpenCL device can build kernels (pip's PoCL on a Zen 5)
+pytestmark = pytest.mark.usefixtures("opencl_device")
+
 
 def _dumps(tmp_path, weights):
     plan = tmp_path / f"b-{weights}.plan.bin"
