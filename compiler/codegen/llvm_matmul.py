@@ -94,8 +94,7 @@ def scratch_layout(spec: MatmulSpec) -> dict[str, int]:
         xs    f32[T, K/32]      Q8_1's s = f16(d * sum(q))                       (q4_1 only)
         xg    i8[T, Kg]         the codes in q4_group_dot's order, rows padded to whole
                                 groups of 128 (Kg), the padding zero            (q4_0, q4_1)
-        gaux  [T, Kg/8]         per lane: q4_0's bias (i32), or q4_1's s in a block's first
-                                lane and 0 in the other three (f32)
+        gaux  [T, Kg/8]         per lane: q4_0's bias (i32), or q4_1's s (f32)
         gdx   f32[T, Kg/8]      per lane: the block's scale
 
     and `end`. The grouped layout is reserved whichever target runs the kernel."""
@@ -139,7 +138,7 @@ def prefetch(kb: KernelBuilder, ptr: ir.Value, byte_offset: ir.Value) -> None:
 # The -8 offset of q4_0 is folded into the accumulator's start value, bias = -8 * (the lane's 8 x
 # values), so every lane is an exact integer sum of (w - 8) * x and the block's integer dot product
 # is the sum of its 4 lanes, as GGML's. q4_1's codes need no offset (its lanes start at 0); its
-# m_w * s_x is one more FMA over the group, with s_x in a block's first lane and 0 in the others.
+# m_w * s_x terms are one more FMA per group for 4 rows at once (pack_q4_1_mins).
 # A row whose K is not a multiple of 128 ends in a partial group, loaded through a byte mask (so
 # it never reads past the row), against activations whose padding is zero.
 
@@ -183,9 +182,10 @@ def masked_load(kb: KernelBuilder, ty: ir.VectorType, ptr: ir.Value, off: ir.Val
 
 
 def load_q4_group(kb: KernelBuilder, w: ir.Value, off: ir.Value, wdtype: str = "q4_0",
-                  blocks: int = 4) -> tuple[ir.Value, ir.Value, ir.Value, ir.Value | None]:
+                  blocks: int = 4) -> tuple[ir.Value, ir.Value, ir.Value, ir.Value]:
     """(low nibbles <64 x u8>, high nibbles <64 x u8>, d <16 x f32> = each block's d 4 times,
-    m likewise for q4_1 / None) of `blocks` blocks at w + off; missing blocks are all zero."""
+    the group's first 64 bytes, which hold every block's header: pack_q4_1_mins reads q4_1's m
+    there) of `blocks` blocks at w + off; missing blocks are all zero."""
     b = kb.b
     bb = BLOCK_BYTES[wdtype]
     v64 = vec(I8, 64)
@@ -199,10 +199,31 @@ def load_q4_group(kb: KernelBuilder, w: ir.Value, off: ir.Value, wdtype: str = "
     lo = b.and_(qs, ir.Constant(v64, [0x0F] * 64))
     hi = b.lshr(qs, ir.Constant(v64, [4] * 64))
 
-    def f16_lanes(at: int) -> ir.Value:
-        raw = kb.shuffle(a, None, [bb * (lane // 4) + at + byte for lane in range(16) for byte in (0, 1)])
-        return b.fpext(b.bitcast(b.bitcast(raw, vec(I16, 16)), vec(F16, 16)), vec(F32, 16))
-    return lo, hi, f16_lanes(0), f16_lanes(2) if wdtype == "q4_1" else None
+    dbytes = kb.shuffle(a, None, [bb * (lane // 4) + byte for lane in range(16) for byte in (0, 1)])
+    return lo, hi, _f16x16(kb, dbytes), a
+
+
+def _f16x16(kb: KernelBuilder, raw: ir.Value) -> ir.Value:
+    """<32 x i8> holding 16 f16 -> <16 x f32>."""
+    b = kb.b
+    return b.fpext(b.bitcast(b.bitcast(raw, vec(I16, 16)), vec(F16, 16)), vec(F32, 16))
+
+
+def pack_q4_1_mins(kb: KernelBuilder, heads: list[ir.Value]) -> ir.Value:
+    """<16 x f32>, lane 4k+j = m of block k of row j, from the group headers of up to 4 rows
+    (load_q4_group's 4th value; absent rows give 0). One vector carries the minima of 4 rows, so
+    m_w * s_x costs one FMA per 4 rows and group, against s_x broadcast to its block's lanes."""
+    bb = BLOCK_BYTES["q4_1"]
+    zero = ir.Constant(vec(I8, 64), None)
+    heads = heads + [zero] * (4 - len(heads))
+
+    def pair(j0: int) -> ir.Value:   # rows j0, j0+1 in their lanes (the others: don't care, 0)
+        return kb.shuffle(heads[j0], heads[j0 + 1],
+                          [64 * (j - j0) + bb * k + 2 + byte if j in (j0, j0 + 1) else 0
+                           for k in range(4) for j in range(4) for byte in (0, 1)])
+    lo, hi = pair(0), pair(2)
+    both = kb.shuffle(lo, hi, [i if (i // 2) % 4 < 2 else 32 + i for i in range(32)])
+    return _f16x16(kb, both)
 
 
 def q4_group_dot(kb: KernelBuilder, start: ir.Value, lo: ir.Value, hi: ir.Value, xlo: ir.Value,
@@ -219,7 +240,7 @@ def store_q4_group_activation(kb: KernelBuilder, wdtype: str, q: ir.Value, d: ir
                               dx: ir.Value) -> None:
     """Block blk of activation row t (q <32 x i8>, d its f16-rounded scale, s Q8_1's sum term for
     q4_1) in the grouped layout: xg i8[T,Kg] (per group: 4 x 16 low values, then 4 x 16 high
-    values), aux [T,Kg/8] (q4_0: bias i32; q4_1: s f32 in the block's first lane), dx f32[T,Kg/8]."""
+    values), aux [T,Kg/8] (q4_0: bias i32; q4_1: s f32), dx f32[T,Kg/8]; per lane, 4 per block."""
     b = kb.b
     g, k = b.udiv(blk, kb.i64(4)), b.urem(blk, kb.i64(4))
     xo = kb.idx((t, Kg), (g, GROUP), (k, 16))
@@ -234,7 +255,7 @@ def store_q4_group_activation(kb: KernelBuilder, wdtype: str, q: ir.Value, d: ir
             s4 = b.add(s4, kb.shuffle(s16, None, range(j, 16, 4)))
         kb.store(b.mul(s4, ir.Constant(vec(I32, 4), [-8] * 4)), aux, lane)
     else:
-        kb.store(b.insert_element(ir.Constant(vec(F32, 4), None), s, ir.Constant(I32, 0)), aux, lane)
+        kb.store(kb.splat(s, 4), aux, lane)
     kb.store(kb.splat(d, 4), dx, lane)
 
 
@@ -498,6 +519,19 @@ class MatmulEmitter:
         gb, q4_1 = group_bytes(s.wdtype), s.wdtype == "q4_1"
         zero = ir.Constant(vec(F32, 16), [0.0] * 16)
         accs = [[kb.var(vec(F32, 16), zero) for _ in range(tt)] for _ in rows]
+        quads = [list(range(i, min(i + 4, len(rows)))) for i in range(0, len(rows), 4)]
+        # q4_1: m_w * s_x of the rows of quads[i], lane 4k+j for row 4i+j (pack_q4_1_mins)
+        maccs = [[kb.var(vec(F32, 16), zero) for _ in range(tt)] for _ in quads] if q4_1 else []
+
+        def aux_lanes(t: int, g: ir.Value) -> ir.Value:   # byte offset of (token t, group g) in aux, dx
+            return b.mul(kb.idx((b.add(t0, kb.i64(t)), self.kg // 8), (g, 16)), kb.i64(4))
+
+        def add_mins(heads: list[ir.Value], g: ir.Value) -> None:
+            mins = [pack_q4_1_mins(kb, [heads[r] for r in quad]) for quad in quads]
+            for t in range(tt):
+                sx = kb.load(vec(F32, 16), self.gaux, aux_lanes(t, g))
+                for i, m in enumerate(mins):
+                    b.store(kb.fma(m, sx, b.load(maccs[i][t])), maccs[i][t])
 
         def step(g: ir.Value, blocks: int) -> None:
             ws = []
@@ -510,26 +544,37 @@ class MatmulEmitter:
                 prefetch(kb, self.w, b.add(ahead, kb.i64(blocks * BLOCK_BYTES[s.wdtype] - 1)))
                 ws.append(load_q4_group(kb, self.w, off, s.wdtype, blocks))
             for t in range(tt):
-                row = b.add(t0, kb.i64(t))
-                xo = kb.idx((row, self.kg), (g, GROUP))
+                xo = kb.idx((b.add(t0, kb.i64(t)), self.kg), (g, GROUP))
                 xlo = kb.load(vec(I8, 64), self.xg, xo)
                 xhi = kb.load(vec(I8, 64), self.xg, b.add(xo, kb.i64(64)))
-                lane = b.mul(kb.idx((row, self.kg // 8), (g, 16)), kb.i64(4))
-                aux = kb.load(vec(F32 if q4_1 else I32, 16), self.gaux, lane)
-                dx = kb.load(vec(F32, 16), self.gdx, lane)
-                start = ir.Constant(vec(I32, 16), None) if q4_1 else aux
-                for r, (lo, hi, d, m) in enumerate(ws):
+                dx = kb.load(vec(F32, 16), self.gdx, aux_lanes(t, g))
+                start = ir.Constant(vec(I32, 16), None) if q4_1 else kb.load(vec(I32, 16), self.gaux, aux_lanes(t, g))
+                for r, (lo, hi, d, _) in enumerate(ws):
                     isum = b.sitofp(q4_group_dot(kb, start, lo, hi, xlo, xhi), vec(F32, 16))
-                    acc = kb.fma(isum, b.fmul(d, dx), b.load(accs[r][t]))
-                    if q4_1:
-                        acc = kb.fma(m, aux, acc)
-                    b.store(acc, accs[r][t])
+                    b.store(kb.fma(isum, b.fmul(d, dx), b.load(accs[r][t])), accs[r][t])
+            if q4_1 and tt == 1:
+                add_mins([w[3] for w in ws], g)
 
         with kb.loop(0, s.K // GROUP) as g:
             step(g, 4)
         if s.K % GROUP:
             step(kb.i64(s.K // GROUP), s.K % GROUP // QK)
-        return [[kb.hsum(b.load(accs[r][t])) for t in range(tt)] for r in range(len(rows))]
+        if q4_1 and tt > 1:
+            # prefill: the minima in a second pass over the tile's group headers (L1-hot by now),
+            # which leaves the first pass the registers of q4_0's, with no accumulator spilled
+            with kb.loop(0, s.K // GROUP) as g:
+                add_mins([kb.load(vec(I8, 64), self.w, kb.idx((r, s.row_bytes), (g, gb))) for r in rows], g)
+            if s.K % GROUP:
+                g = kb.i64(s.K // GROUP)
+                add_mins([masked_load(kb, vec(I8, 64), self.w, kb.idx((r, s.row_bytes), (g, gb)),
+                                      s.K % GROUP // QK * BLOCK_BYTES["q4_1"]) for r in rows], g)
+        ys = [[kb.hsum(b.load(accs[r][t])) for t in range(tt)] for r in range(len(rows))]
+        for i, quad in enumerate(quads if q4_1 else []):
+            for t in range(tt):
+                macc = b.load(maccs[i][t])
+                for j, r in enumerate(quad):
+                    ys[r][t] = b.fadd(ys[r][t], kb.hsum(kb.shuffle(macc, None, range(j, 16, 4))))
+        return ys
 
     def unit(self, u: ir.Value, t0: ir.Value, tt: int) -> None:
         s, kb = self.s, self.kb
