@@ -155,10 +155,8 @@ def padded_k(K: int) -> int:
     return -(-K // GROUP) * GROUP
 
 
-def q4_group_ok(target: Target, wdtype: str, K: int) -> bool:
-    # q4_0 keeps its generic path where K ends in a partial group, as before q4_1 came
-    whole = K % GROUP == 0 or wdtype == "q4_1"
-    return (wdtype in Q4 and whole and target.is_x86
+def q4_group_ok(target: Target, wdtype: str) -> bool:
+    return (wdtype in Q4 and target.is_x86
             and all(target.has(f) for f in ("avx512f", "avx512bw", "avx512vnni")))
 
 
@@ -373,7 +371,7 @@ class MatmulEmitter:
         self.extra = extra
         self.nb = spec.K // QK
         self.xf = kb.scratch                                           # f32[T, K] (float weights)
-        self.grouped = q4_group_ok(kb.target, spec.wdtype, spec.K)
+        self.grouped = q4_group_ok(kb.target, spec.wdtype)
         self.kg = padded_k(spec.K)
         if spec.quantized:                                             # see scratch_layout
             at = scratch_layout(spec)

@@ -200,7 +200,7 @@ def test_bad_target_is_an_error_not_a_crash():
         emit("define void @f() {\n  ret void\n}\n", Target("no-such-arch-linux-gnu"))
 
 
-GROUPED = q4_group_ok(TARGETS["host"], "q4_0", 256)
+GROUPED = q4_group_ok(TARGETS["host"], "q4_0")   # AVX-512 VNNI: q4_0 and q4_1, any K
 
 
 @pytest.mark.skipif(not GROUPED, reason="host CPU has no AVX-512 VNNI (the grouped q4_0 path)")
@@ -223,34 +223,35 @@ def test_grouped_q4_0_block_sums_are_ggml_integer_sums_exactly():
     _block_sums(lambda kb: emit_q4_group_probe(kb, k, n), TARGETS["host"], w, "q4_0", x, n, k)
 
 
-# q4_1 on the grouped path takes every K: whole groups of 4 blocks, then 1..3 blocks masked in
-Q4_1_GROUPED = q4_group_ok(TARGETS["host"], "q4_1", 96)
+# the grouped q4 path takes every K: whole groups of 4 blocks, then 1..3 blocks masked in
 ODD_K = [(576, "2-block tail, SmolLM2-135M's hidden size"), (672, "1-block tail"), (352, "3-block tail"),
-         (96, "the tail alone"), (512, "whole groups")]
+         (96, "the tail alone")]
 
 
+@pytest.mark.parametrize("wdtype", ["q4_0", "q4_1"])
 @pytest.mark.parametrize("K", [k for k, _ in ODD_K], ids=[why for _, why in ODD_K])
 @pytest.mark.parametrize("prologue,epilogue", [(False, None), (True, None), (False, "add"),
                                                (True, "silu_mul"), (True, "rope_kv_store")])
-@pytest.mark.parametrize("T,n_tokens", [(1, 1), (11, 11), (11, 6)])
-def test_q4_1_matmul_with_odd_k_and_n_matches_interpreter(K, prologue, epilogue, T, n_tokens):
+@pytest.mark.parametrize("T,n_tokens", [(1, 1), (11, 6)])
+def test_q4_matmul_with_odd_k_and_n_matches_interpreter(wdtype, K, prologue, epilogue, T, n_tokens):
     """Every fusion at decode and prefill, K not a multiple of 128 and (where the epilogue leaves
     N free) an odd N, on the host's path (grouped where AVX-512 VNNI is) and on AVX2's."""
     for target in TARGETS.values():
-        case = matmul_case("q4_1", T, n_tokens, prologue, epilogue, K=K, N=45, seed=K + T)
+        case = matmul_case(wdtype, T, n_tokens, prologue, epilogue, K=K, N=45, seed=K + T)
         check(case, run_case(case, target, nth=3)[0])
 
 
-@pytest.mark.skipif(not Q4_1_GROUPED, reason="host CPU has no AVX-512 VNNI (the grouped q4 path)")
-@pytest.mark.parametrize("K", [k for k, _ in ODD_K], ids=[why for _, why in ODD_K])
-def test_grouped_q4_1_block_sums_are_ggml_integer_sums_exactly(K):
+@pytest.mark.skipif(not GROUPED, reason="host CPU has no AVX-512 VNNI (the grouped q4 path)")
+@pytest.mark.parametrize("wdtype", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("K", [k for k, _ in ODD_K] + [512], ids=[why for _, why in ODD_K] + ["whole groups"])
+def test_grouped_q4_block_sums_with_a_partial_group_are_ggml_integer_sums_exactly(wdtype, K):
     rng = np.random.default_rng(K)
     n = 5
-    w = quant.quantize(rng.standard_normal((n, K)).astype(np.float32) + 1.0, "q4_1")
+    w = quant.quantize(rng.standard_normal((n, K)).astype(np.float32) + 1.0, wdtype)
     x = rng.standard_normal((1, K)).astype(np.float32) * 3
     x[0, -32:] = -127.0 / np.arange(1, 33)         # the last block (a tail's) uses the full int8 range
     w[0, -16:] = 0xFF                               # and meets 15s: the largest u8 x s8 products
-    _block_sums(lambda kb: emit_q4_group_probe(kb, K, n, "q4_1"), TARGETS["host"], w, "q4_1", x, n, K)
+    _block_sums(lambda kb: emit_q4_group_probe(kb, K, n, wdtype), TARGETS["host"], w, wdtype, x, n, K)
 
 
 def _run_with_guard_page(case: Case, queue) -> None:
@@ -276,10 +277,11 @@ def _run_with_guard_page(case: Case, queue) -> None:
         queue.put(str(e))
 
 
-@pytest.mark.skipif(not Q4_1_GROUPED, reason="host CPU has no AVX-512 VNNI (the grouped q4 path)")
+@pytest.mark.skipif(not GROUPED, reason="host CPU has no AVX-512 VNNI (the grouped q4 path)")
+@pytest.mark.parametrize("wdtype", ["q4_0", "q4_1"])
 @pytest.mark.parametrize("T,n_tokens", [(1, 1), (5, 5)])
-def test_grouped_q4_1_partial_group_never_reads_past_the_weights(T, n_tokens):
-    case = matmul_case("q4_1", T, n_tokens, False, None, K=576, N=9)
+def test_grouped_q4_partial_group_never_reads_past_the_weights(wdtype, T, n_tokens):
+    case = matmul_case(wdtype, T, n_tokens, False, None, K=576, N=9)
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     child = ctx.Process(target=_run_with_guard_page, args=(case, queue))
