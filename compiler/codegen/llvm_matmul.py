@@ -244,17 +244,16 @@ def store_q4_group_activation(kb: KernelBuilder, wdtype: str, q: ir.Value, d: ir
     xo = kb.idx((t, Kg), (g, GROUP), (k, 16))
     kb.store(kb.shuffle(q, None, range(16)), xg, xo)
     kb.store(kb.shuffle(q, None, range(16, 32)), xg, b.add(xo, kb.i64(64)))
-    lane = b.mul(kb.idx((t, Kg // 8), (g, 16), (k, 4)), kb.i64(4))
     if wdtype == "q4_0":
         wide = b.sext(q, vec(I32, 32))
         s16 = b.add(kb.shuffle(wide, None, range(16)), kb.shuffle(wide, None, range(16, 32)))
         s4 = kb.shuffle(s16, None, range(0, 16, 4))
         for j in (1, 2, 3):
             s4 = b.add(s4, kb.shuffle(s16, None, range(j, 16, 4)))
-        kb.store(b.mul(s4, ir.Constant(vec(I32, 4), [-8] * 4)), aux, lane)
-    else:
-        kb.store(kb.splat(s, 4), aux, lane)
-    kb.store(kb.splat(d, 4), dx, lane)
+    lane = kb.idx((t, Kg // 8), (g, 16), (k, 4))
+    aux_val = b.mul(s4, ir.Constant(vec(I32, 4), [-8] * 4)) if wdtype == "q4_0" else kb.splat(s, 4)
+    kb.store(aux_val, aux, b.mul(lane, kb.i64(4)))
+    kb.store(kb.splat(d, 4), dx, b.mul(lane, kb.i64(4)))
 
 
 # -- int8 block dot products ------------------------------------------------------------------
@@ -375,7 +374,8 @@ class MatmulEmitter:
         self.kg = padded_k(spec.K)
         if spec.quantized:                                             # see scratch_layout
             at = scratch_layout(spec)
-            self.xq, self.xd = kb.at(kb.scratch, at["xq"]), kb.at(kb.scratch, at["xd"])
+            self.xq = kb.scratch                                       # at["xq"] == 0
+            self.xd = kb.at(kb.scratch, at["xd"])
             self.xs = kb.at(kb.scratch, at["xs"]) if "xs" in at else None
             if "xg" in at:
                 self.xg, self.gaux, self.gdx = (kb.at(kb.scratch, at[n]) for n in ("xg", "gaux", "gdx"))
@@ -521,13 +521,13 @@ class MatmulEmitter:
         # q4_1: m_w * s_x of the rows of quads[i], lane 4k+j for row 4i+j (pack_q4_1_mins)
         maccs = [[kb.var(vec(F32, 16), zero) for _ in range(tt)] for _ in quads] if q4_1 else []
 
-        def aux_lanes(t: int, g: ir.Value) -> ir.Value:   # byte offset of (token t, group g) in aux, dx
-            return b.mul(kb.idx((b.add(t0, kb.i64(t)), self.kg // 8), (g, 16)), kb.i64(4))
+        def aux_lanes(row: ir.Value, g: ir.Value) -> ir.Value:   # byte offset of (row, group g) in aux, dx
+            return b.mul(kb.idx((row, self.kg // 8), (g, 16)), kb.i64(4))
 
         def add_mins(heads: list[ir.Value], g: ir.Value) -> None:
             mins = [pack_q4_1_mins(kb, [heads[r] for r in quad]) for quad in quads]
             for t in range(tt):
-                sx = kb.load(vec(F32, 16), self.gaux, aux_lanes(t, g))
+                sx = kb.load(vec(F32, 16), self.gaux, aux_lanes(b.add(t0, kb.i64(t)), g))
                 for i, m in enumerate(mins):
                     b.store(kb.fma(m, sx, b.load(maccs[i][t])), maccs[i][t])
 
@@ -542,11 +542,13 @@ class MatmulEmitter:
                 prefetch(kb, self.w, b.add(ahead, kb.i64(blocks * BLOCK_BYTES[s.wdtype] - 1)))
                 ws.append(load_q4_group(kb, self.w, off, s.wdtype, blocks))
             for t in range(tt):
-                xo = kb.idx((b.add(t0, kb.i64(t)), self.kg), (g, GROUP))
+                row = b.add(t0, kb.i64(t))
+                xo = kb.idx((row, self.kg), (g, GROUP))
                 xlo = kb.load(vec(I8, 64), self.xg, xo)
                 xhi = kb.load(vec(I8, 64), self.xg, b.add(xo, kb.i64(64)))
-                dx = kb.load(vec(F32, 16), self.gdx, aux_lanes(t, g))
-                start = ir.Constant(vec(I32, 16), None) if q4_1 else kb.load(vec(I32, 16), self.gaux, aux_lanes(t, g))
+                lane = aux_lanes(row, g)
+                start = ir.Constant(vec(I32, 16), None) if q4_1 else kb.load(vec(I32, 16), self.gaux, lane)
+                dx = kb.load(vec(F32, 16), self.gdx, lane)
                 for r, (lo, hi, d, _) in enumerate(ws):
                     isum = b.sitofp(q4_group_dot(kb, start, lo, hi, xlo, xhi), vec(F32, 16))
                     b.store(kb.fma(isum, b.fmul(d, dx), b.load(accs[r][t])), accs[r][t])
