@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates tests/data/ggml_quant_ref.npz: inputs chosen to hit the edge cases of GGML's
-# Q4_0/Q8_0 quantizers, and the bytes/floats ggml itself produces for them.
+# Q4_0/Q8_0/Q4_1 quantizers (and Q8_1 activations), and the bytes/floats ggml itself produces for them.
 #
 # ggml comes from the llama-cpp-python sdist (it vendors llama.cpp); everything is built
 # OUTSIDE this project, under $EXT (default /work/ext). Usage:
@@ -138,12 +138,49 @@ cases = [
     ("huge_5e5_k64", normal(64, 5e5)),
     ("huge_1e30_k64", normal(64, 1e30)),
 ]
+# q4_1's own edge cases come after the others, from their own generator, so adding them left
+# every earlier case (and the q4_0/q8_0 bytes made from it) as it was
+rng41 = np.random.default_rng(20261124)
+
+
+def offset_blocks(k: int) -> np.ndarray:
+    # blocks far from zero, each with its own offset and spread: what q4_1's minimum is for
+    b = rng41.standard_normal((k // QK, QK)) * rng41.uniform(0.01, 2, (k // QK, 1)) + rng41.uniform(-20, 20, (k // QK, 1))
+    return b.astype(np.float32).ravel()
+
+
+def q4_1_ties(k: int) -> np.ndarray:
+    # min 0, max 15: d = 1, so (x - min)*id + 0.5 lands on integers for x = n - 0.5, and one
+    # ulp either side of them
+    b = (rng41.integers(1, 16, (k // QK, QK)) - np.float32(0.5)).astype(np.float32)
+    b[:, 0], b[:, 1] = 0.0, 15.0
+    b[1::3, 2:] = np.nextafter(b[1::3, 2:], np.float32(np.inf))
+    b[2::3, 2:] = np.nextafter(b[2::3, 2:], np.float32(-np.inf))
+    return b.ravel()
+
+
+def zero_minimum_signs(k: int) -> np.ndarray:
+    # the minimum is a zero: its sign (stored in m) is that of the first of the equal minima
+    b = np.abs(rng41.standard_normal((k // QK, QK))).astype(np.float32) + np.float32(0.1)
+    for n, row in enumerate(b):
+        i, j = sorted(rng41.choice(QK, 2, replace=False))
+        row[i], row[j] = (-0.0, 0.0) if n % 2 == 0 else (0.0, -0.0)
+    return b.ravel()
+
+
+cases += [
+    ("q4_1_offset_blocks_k512", offset_blocks(512)),
+    ("q4_1_ties_k192", q4_1_ties(192)),
+    ("q4_1_zero_minimum_signs_k128", zero_minimum_signs(128)),
+    ("q4_1_normal_s1_k576", (rng41.standard_normal(576)).astype(np.float32)),
+]
 for name, x in cases:
     assert x.dtype == np.float32 and x.size % QK == 0 and np.any(x != 0), name
 
 # each weight row x gets an activation row y with the same values shuffled and sign-flipped,
 # so the activation quantizer sees the same edge cases
-ys = [(rng.permutation(x) * np.float32(rng.choice([-1, 1]))).astype(np.float32) for _, x in cases]
+ys = [(g.permutation(x) * np.float32(g.choice([-1, 1]))).astype(np.float32)
+      for name, x in cases for g in [rng41 if name.startswith("q4_1_") else rng]]
 
 stdin = b"".join(np.int64(x.size).tobytes() + x.tobytes() + y.tobytes() for (_, x), y in zip(cases, ys))
 out = subprocess.run([sys.argv[1]], input=stdin, capture_output=True, check=True).stdout
@@ -152,7 +189,10 @@ fields = {"q4_0": (18, np.uint8), "q8_0": (34, np.uint8), "chunk_q4_0": (18, np.
           "chunk_q8_0": (34, np.uint8), "deq_q4_0": (4 * QK, np.float32),
           "deq_q8_0": (4 * QK, np.float32), "y_q8_0": (34, np.uint8), "y_q8_0_cpu": (34, np.uint8),
           "dot_q4_0": (None, np.float32), "dot_q8_0": (None, np.float32),
-          "isum_q4_0": (4, np.int32), "isum_q8_0": (4, np.int32)}
+          "isum_q4_0": (4, np.int32), "isum_q8_0": (4, np.int32),
+          "q4_1": (20, np.uint8), "chunk_q4_1": (20, np.uint8), "deq_q4_1": (4 * QK, np.float32),
+          "y_q8_1": (36, np.uint8), "y_q8_1_cpu": (36, np.uint8), "dot_q4_1": (None, np.float32),
+          "isum_q4_1": (4, np.int32)}
 acc = {f: [] for f in fields}
 pos = 0
 for _, x in cases:
@@ -166,6 +206,12 @@ data = {f: np.concatenate(v) for f, v in acc.items()}
 # llama-quantize goes through ggml_quantize_chunk; it must agree with the _ref rows we test
 assert np.array_equal(data.pop("chunk_q4_0"), data["q4_0"]), "ggml_quantize_chunk q4_0 != ref"
 assert np.array_equal(data.pop("chunk_q8_0"), data["q8_0"]), "ggml_quantize_chunk q8_0 != ref"
+assert np.array_equal(data.pop("chunk_q4_1"), data["q4_1"]), "ggml_quantize_chunk q4_1 != ref"
+# Q8_1 is Q8_0's d and codes plus s: keep s alone (f16), once the rest is seen to be Q8_0's bytes
+for src, dst in (("y_q8_1", "y_q8_0"), ("y_q8_1_cpu", "y_q8_0_cpu")):
+    q81, q80 = data.pop(src).reshape(-1, 36), data[dst].reshape(-1, 34)
+    assert np.array_equal(q81[:, :2], q80[:, :2]) and np.array_equal(q81[:, 4:], q80[:, 2:]), f"{src} != {dst} + s"
+    data["s" + src[1:]] = q81[:, 2:4].copy().view(np.float16)[:, 0]
 
 np.savez_compressed(
     sys.argv[2], names=np.array([n for n, _ in cases]), k=np.array([x.size for _, x in cases]),

@@ -10,8 +10,8 @@ from ...models.rope import rope_inv_freq
 from ..ir import QK, Graph, Op
 from .llvm_builder import F32, I8, I32, KernelBuilder, tail_widths, vec
 from .llvm_matmul import (BLOCK_BYTES, MatmulSpec, cache_row_bytes, check_matmul, emit_matmul,
-                          load_weight_block, normalized, prefetch, rms_scale_row, rope_row,
-                          store_cache_row)
+                          load_block_min, load_weight_block, normalized, prefetch, rms_scale_row,
+                          rope_row, store_cache_row)
 from .llvm_target import Target
 
 
@@ -68,9 +68,12 @@ def _embedding(kb: KernelBuilder, graph: Graph, op: Op) -> None:
             rb = d // QK * BLOCK_BYTES[tv.dtype]
             with kb.loop(0, d // QK) as blk:
                 scale, q = load_weight_block(kb, tv.dtype, table, tok, blk, rb)
+                low = load_block_min(kb, table, tok, blk, rb) if tv.dtype == "q4_1" else None
                 for j in range(0, QK, vw):
                     part = kb.shuffle(q, None, range(j, j + vw))
                     val = b.fmul(b.sitofp(part, vec(F32, vw)), kb.splat(scale, vw))
+                    if low is not None:  # q*d + m as two roundings, as ggml's dequantize_row_q4_1
+                        val = b.fadd(val, kb.splat(low, vw))
                     kb.store(val, out, b.mul(kb.idx((t, d), (blk, QK), (j, 1)), kb.i64(4)))
         else:
             with kb.loop(0, d, vw) as k:

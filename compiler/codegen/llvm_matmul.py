@@ -3,9 +3,11 @@ add / silu_mul / rope_kv_store epilogue (compiler/ir.py gives the exact semantic
 
 q4_0 / q8_0 weights: each thread quantizes the activation rows to Q8_0 in its own scratch
 (GGML's reference rounding), then every 32-value block is an int8 x int8 -> int32 dot product,
-scaled by d_w * d_x and accumulated in f32 lanes, as GGML's CPU kernels do. A tile is R weight
-rows x TT tokens: each weight block is loaded and unpacked once per TT tokens (prefill), and
-tokens are walked in chunks of TC so the quantized activations stay in L2.
+scaled by d_w * d_x and accumulated in f32 lanes, as GGML's CPU kernels do. q4_1 weights take the
+same codes as Q8_1 (plus s = f16(d * sum(q)) per activation block, made once per row here, not
+per weight row), and a block adds d_w*d_x*sum(q_w*q_x) + m_w*s_x (ggml_vec_dot_q4_1_q8_1).
+A tile is R weight rows x TT tokens: each weight block is loaded and unpacked once per TT tokens
+(prefill), and tokens are walked in chunks of TC so the quantized activations stay in L2.
 """
 from __future__ import annotations
 
@@ -14,10 +16,10 @@ from dataclasses import dataclass
 import llvmlite.ir as ir
 
 from ..ir import QK, Graph, Op
-from .llvm_builder import F16, F32, I8, I16, I32, KernelBuilder, tail_widths, vec
+from .llvm_builder import F16, F32, I1, I8, I16, I32, PTR, KernelBuilder, tail_widths, vec
 from .llvm_target import Target
 
-BLOCK_BYTES = {"q4_0": 18, "q8_0": 34}
+BLOCK_BYTES = {"q4_0": 18, "q8_0": 34, "q4_1": 20}
 TOKEN_TILE = 4     # tokens per tile in prefill
 TOKEN_CHUNK = 64   # tokens whose quantized rows are walked per pass over a thread's weight rows
 PREFETCH_BYTES = 1024  # weight rows stream from DRAM: ask for them this far ahead
@@ -33,7 +35,7 @@ class MatmulSpec:
     T: int                      # max tokens (graph's T)
     K: int
     N: int                      # weight rows
-    wdtype: str                 # q4_0 | q8_0 | f16 | bf16 | f32
+    wdtype: str                 # q4_0 | q4_1 | q8_0 | f16 | bf16 | f32
     prologue: bool = False      # rms_norm of x first
     eps: float = 0.0
     norm_dtype: str = "f32"
@@ -74,17 +76,42 @@ class MatmulSpec:
         return self.K * (4 if self.wdtype == "f32" else 2)
 
     def scratch_bytes(self) -> int:
-        """Per-thread scratch: Q8_0 activations (quantized weights) or normalised f32 rows."""
+        """Per-thread scratch: Q8 activations (quantized weights) or normalised f32 rows."""
         if self.quantized:
-            q8 = _align(self.T * self.K) + _align(self.T * self.K // QK * 4)
-            # q4_0 also keeps the grouped layout of q4_group_dot: xg i8[T,K], bias i32[T,K/8],
-            # dx f32[T,K/8]
-            return q8 + (3 * _align(self.T * self.K) if self.wdtype == "q4_0" else 0)
+            return scratch_layout(self)["end"]
         return self.T * self.K * 4 if self.prologue else 0
 
 
 def _align(n: int, a: int = 64) -> int:
     return (n + a - 1) // a * a
+
+
+def scratch_layout(spec: MatmulSpec) -> dict[str, int]:
+    """Byte offsets, in a thread's scratch, of the quantized activations of the step's rows:
+
+        xq    i8[T, K]          Q8 codes (Q8_0's; Q8_1 has the same)
+        xd    f32[T, K/32]      their scales, rounded to f16
+        xs    f32[T, K/32]      Q8_1's s = f16(d * sum(q))                       (q4_1 only)
+        xg    i8[T, Kg]         the codes in q4_group_dot's order, rows padded to whole
+                                groups of 128 (Kg), the padding zero            (q4_0, q4_1)
+        gaux  [T, Kg/8]         per lane: q4_0's bias (i32), or q4_1's s (f32)
+        gdx   f32[T, Kg/8]      per lane: the block's scale
+
+    and `end`. The grouped layout is reserved whichever target runs the kernel."""
+    T, K = spec.T, spec.K
+    at: dict[str, int] = {}
+    end = 0
+    parts = [("xq", T * K), ("xd", T * K // QK * 4)]
+    if spec.wdtype == "q4_1":
+        parts.append(("xs", T * K // QK * 4))
+    if spec.wdtype in Q4:
+        kg = padded_k(K)
+        parts += [("xg", T * kg), ("gaux", T * kg), ("gdx", T * kg)]   # aux, dx need T*kg/2
+    for name, size in parts:
+        at[name] = end
+        end += _align(size)
+    at["end"] = end
+    return at
 
 
 def check_matmul(spec: MatmulSpec, where: str) -> None:
@@ -104,86 +131,147 @@ def prefetch(kb: KernelBuilder, ptr: ir.Value, byte_offset: ir.Value) -> None:
     kb.b.call(fn, [addr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
-# -- q4_0 x Q8_0 in groups of 4 blocks (AVX-512 VNNI) -------------------------------------------
+# -- q4_0 x Q8_0 and q4_1 x Q8_1 in groups of 4 blocks (AVX-512 VNNI) --------------------------
 #
-# Four q4_0 blocks (72 bytes) are one step: their 64 nibble bytes are unpacked to unsigned 0..15 in
-# two <64 x i8> (low nibbles = values 0..15 of each block, high nibbles = values 16..31), and the
-# activations are kept in the matching order, so two vpdpbusd give 16 i32 lanes, 4 per block. The
-# -8 offset of q4_0 is folded into the accumulator's start value, bias = -8 * (the lane's 8 x
+# Four q4 blocks (72 / 80 bytes) are one step: their 64 nibble bytes are unpacked to unsigned 0..15
+# in two <64 x i8> (low nibbles = values 0..15 of each block, high nibbles = values 16..31), and
+# the activations are kept in the matching order, so two vpdpbusd give 16 i32 lanes, 4 per block.
+# The -8 offset of q4_0 is folded into the accumulator's start value, bias = -8 * (the lane's 8 x
 # values), so every lane is an exact integer sum of (w - 8) * x and the block's integer dot product
-# is the sum of its 4 lanes, as GGML's.
+# is the sum of its 4 lanes, as GGML's. q4_1's codes need no offset (its lanes start at 0); its
+# m_w * s_x terms are one more FMA per group for 4 rows at once (pack_q4_1_mins).
+# A row whose K is not a multiple of 128 ends in a partial group, loaded through a byte mask (so
+# it never reads past the row), against activations whose padding is zero.
 
 GROUP = 4 * QK          # values per step
-GROUP_BYTES = 4 * 18
+Q4 = ("q4_0", "q4_1")
 
 
-def q4_group_ok(target: Target, wdtype: str, K: int) -> bool:
-    return (wdtype == "q4_0" and K % GROUP == 0 and target.is_x86
+def group_bytes(wdtype: str) -> int:
+    return 4 * BLOCK_BYTES[wdtype]
+
+
+def padded_k(K: int) -> int:
+    """K rounded up to whole groups: the row length of the grouped activation layout."""
+    return -(-K // GROUP) * GROUP
+
+
+def q4_group_ok(target: Target, wdtype: str) -> bool:
+    return (wdtype in Q4 and target.is_x86
             and all(target.has(f) for f in ("avx512f", "avx512bw", "avx512vnni")))
 
 
-def _qs_mask() -> list[int]:
-    # byte j of block k's quants is at 18k+2+j of the group; loads A = bytes [0,64), B = [8,72)
+def _qs_mask(bb: int) -> list[int]:
+    # byte j of block k's quants is at bb*k + bb-16 + j of the group (the quants end each block);
+    # loads A = bytes [0,64), B = [4bb-64, 4bb)
     out = []
     for k in range(4):
         for j in range(16):
-            src = 18 * k + 2 + j
-            out.append(src if src < 64 else 64 + src - 8)
+            src = bb * k + bb - 16 + j
+            out.append(src if src < 64 else 64 + src - (4 * bb - 64))
     return out
 
 
-def load_q4_group(kb: KernelBuilder, w: ir.Value, off: ir.Value) -> tuple[ir.Value, ir.Value, ir.Value]:
-    """(low nibbles <64 x u8>, high nibbles <64 x u8>, d <16 x f32> = each block's d 4 times)."""
+def masked_load(kb: KernelBuilder, ty: ir.VectorType, ptr: ir.Value, off: ir.Value, n: int) -> ir.Value:
+    """The first n bytes at ptr + off, the rest of the vector zero; nothing past them is read."""
+    mask = vec(I1, ty.count)
+    fn = kb.intrinsic(f"llvm.masked.load.v{ty.count}i8.p0", ty, [PTR, I32, mask, ty])
+    return kb.b.call(fn, [kb.at(ptr, off), ir.Constant(I32, 1),
+                          ir.Constant(mask, [int(i < n) for i in range(ty.count)]), ir.Constant(ty, None)])
+
+
+def load_q4_group(kb: KernelBuilder, w: ir.Value, off: ir.Value, wdtype: str = "q4_0",
+                  blocks: int = 4) -> tuple[ir.Value, ir.Value, ir.Value, ir.Value]:
+    """(low nibbles <64 x u8>, high nibbles <64 x u8>, d <16 x f32> = each block's d 4 times,
+    the group's first 64 bytes, which hold every block's header: pack_q4_1_mins reads q4_1's m
+    there) of `blocks` blocks at w + off; missing blocks are all zero."""
     b = kb.b
+    bb = BLOCK_BYTES[wdtype]
     v64 = vec(I8, 64)
-    a = kb.load(v64, w, off)
-    c = kb.load(v64, w, b.add(off, kb.i64(8)))
-    qs = kb.shuffle(a, c, _qs_mask())
+    if blocks == 4:
+        a = kb.load(v64, w, off)
+        c = kb.load(v64, w, b.add(off, kb.i64(4 * bb - 64)))
+    else:   # at most 3 blocks (60 bytes): all in A
+        a = masked_load(kb, v64, w, off, blocks * bb)
+        c = ir.Constant(v64, None)
+    qs = kb.shuffle(a, c, _qs_mask(bb))
     lo = b.and_(qs, ir.Constant(v64, [0x0F] * 64))
     hi = b.lshr(qs, ir.Constant(v64, [4] * 64))
-    dbytes = kb.shuffle(a, None, [18 * (lane // 4) + byte for lane in range(16) for byte in (0, 1)])
-    d = b.fpext(b.bitcast(b.bitcast(dbytes, vec(I16, 16)), vec(F16, 16)), vec(F32, 16))
-    return lo, hi, d
+
+    dbytes = kb.shuffle(a, None, [bb * (lane // 4) + byte for lane in range(16) for byte in (0, 1)])
+    return lo, hi, _f16x16(kb, dbytes), a
 
 
-def q4_group_dot(kb: KernelBuilder, bias: ir.Value, lo: ir.Value, hi: ir.Value, xlo: ir.Value,
+def _f16x16(kb: KernelBuilder, raw: ir.Value) -> ir.Value:
+    """<32 x i8> holding 16 f16 -> <16 x f32>."""
+    b = kb.b
+    return b.fpext(b.bitcast(b.bitcast(raw, vec(I16, 16)), vec(F16, 16)), vec(F32, 16))
+
+
+def pack_q4_1_mins(kb: KernelBuilder, heads: list[ir.Value]) -> ir.Value:
+    """<16 x f32>, lane 4k+j = m of block k of row j, from the group headers of up to 4 rows
+    (load_q4_group's 4th value; absent rows give 0). One vector carries the minima of 4 rows, so
+    m_w * s_x costs one FMA per 4 rows and group, against s_x broadcast to its block's lanes."""
+    bb = BLOCK_BYTES["q4_1"]
+    zero = ir.Constant(vec(I8, 64), None)
+    heads = heads + [zero] * (4 - len(heads))
+
+    def pair(j0: int) -> ir.Value:   # rows j0, j0+1 in their lanes (the others: don't care, 0)
+        return kb.shuffle(heads[j0], heads[j0 + 1],
+                          [64 * (j - j0) + bb * k + 2 + byte if j in (j0, j0 + 1) else 0
+                           for k in range(4) for j in range(4) for byte in (0, 1)])
+    lo, hi = pair(0), pair(2)
+    both = kb.shuffle(lo, hi, [i if (i // 2) % 4 < 2 else 32 + i for i in range(32)])
+    return _f16x16(kb, both)
+
+
+def q4_group_dot(kb: KernelBuilder, start: ir.Value, lo: ir.Value, hi: ir.Value, xlo: ir.Value,
                  xhi: ir.Value) -> ir.Value:
-    """<16 x i32>: lane 4k+j = exact sum over lane j's 8 values of block k of (w - 8) * x."""
+    """<16 x i32>: lane 4k+j = start + exact sum over lane j's 8 values of block k of w * x
+    (start = q4_0's bias makes it (w - 8) * x)."""
     v64 = vec(I8, 64)
     fn = kb.intrinsic("llvm.x86.avx512.vpdpbusd.512", vec(I32, 16), [vec(I32, 16), v64, v64])
-    return kb.b.call(fn, [kb.b.call(fn, [bias, lo, xlo]), hi, xhi])
+    return kb.b.call(fn, [kb.b.call(fn, [start, lo, xlo]), hi, xhi])
 
 
-def store_q4_group_activation(kb: KernelBuilder, q: ir.Value, d: ir.Value, blk: ir.Value, t: ir.Value,
-                              K: int, xg: ir.Value, bias: ir.Value, dx: ir.Value) -> None:
-    """Block blk of activation row t (q <32 x i8>, d its f16-rounded scale) in the grouped layout:
-    xg i8[T,K] (per group: 4 x 16 low values, then 4 x 16 high values), bias i32[T,K/8], dx f32[T,K/8]."""
+def store_q4_group_activation(kb: KernelBuilder, wdtype: str, q: ir.Value, d: ir.Value, s: ir.Value | None,
+                              blk: ir.Value, t: ir.Value, Kg: int, xg: ir.Value, aux: ir.Value,
+                              dx: ir.Value) -> None:
+    """Block blk of activation row t (q <32 x i8>, d its f16-rounded scale, s Q8_1's sum term for
+    q4_1) in the grouped layout: xg i8[T,Kg] (per group: 4 x 16 low values, then 4 x 16 high
+    values), aux [T,Kg/8] (q4_0: bias i32; q4_1: s f32), dx f32[T,Kg/8]; per lane, 4 per block."""
     b = kb.b
     g, k = b.udiv(blk, kb.i64(4)), b.urem(blk, kb.i64(4))
-    xo = kb.idx((t, K), (g, GROUP), (k, 16))
+    xo = kb.idx((t, Kg), (g, GROUP), (k, 16))
     kb.store(kb.shuffle(q, None, range(16)), xg, xo)
     kb.store(kb.shuffle(q, None, range(16, 32)), xg, b.add(xo, kb.i64(64)))
-    wide = b.sext(q, vec(I32, 32))
-    s16 = b.add(kb.shuffle(wide, None, range(16)), kb.shuffle(wide, None, range(16, 32)))
-    s4 = kb.shuffle(s16, None, range(0, 16, 4))
-    for j in (1, 2, 3):
-        s4 = b.add(s4, kb.shuffle(s16, None, range(j, 16, 4)))
-    lane = kb.idx((t, K // 8), (g, 16), (k, 4))
-    kb.store(b.mul(s4, ir.Constant(vec(I32, 4), [-8] * 4)), bias, b.mul(lane, kb.i64(4)))
+    if wdtype == "q4_0":
+        wide = b.sext(q, vec(I32, 32))
+        s16 = b.add(kb.shuffle(wide, None, range(16)), kb.shuffle(wide, None, range(16, 32)))
+        s4 = kb.shuffle(s16, None, range(0, 16, 4))
+        for j in (1, 2, 3):
+            s4 = b.add(s4, kb.shuffle(s16, None, range(j, 16, 4)))
+    lane = kb.idx((t, Kg // 8), (g, 16), (k, 4))
+    aux_val = b.mul(s4, ir.Constant(vec(I32, 4), [-8] * 4)) if wdtype == "q4_0" else kb.splat(s, 4)
+    kb.store(aux_val, aux, b.mul(lane, kb.i64(4)))
     kb.store(kb.splat(d, 4), dx, b.mul(lane, kb.i64(4)))
 
 
 # -- int8 block dot products ------------------------------------------------------------------
 
-def dot_i8x32(kb: KernelBuilder, w: ir.Value, x: ir.Value) -> ir.Value:
-    """<32 x i8> . <32 x i8> as <VW x i32> partial sums; exact (no saturation for |w|,|x| <= 127)."""
+def dot_i8x32(kb: KernelBuilder, w: ir.Value, x: ir.Value, unsigned_w: bool = False) -> ir.Value:
+    """<32 x i8> . <32 x i8> as <VW x i32> partial sums; exact (no saturation for |w|,|x| <= 127).
+    unsigned_w: w is q4_1's codes 0..15, which x86's u8 x s8 instructions take as they are."""
     b, t, vw = kb.b, kb.target, kb.vw
     how = t.int8_dot
     v32i8 = vec(I8, 32)
     if how in ("vnni", "avx2"):
         # u8 x s8 instructions: move w's sign onto x (GGML's trick), multiply |w| by it
-        absw = kb.call_math("abs", w, ir.Constant(ir.IntType(1), 0))
-        sx = b.call(kb.intrinsic("llvm.x86.avx2.psign.b", v32i8, [v32i8, v32i8]), [x, w])
+        if unsigned_w:
+            absw, sx = w, x
+        else:
+            absw = kb.call_math("abs", w, ir.Constant(ir.IntType(1), 0))
+            sx = b.call(kb.intrinsic("llvm.x86.avx2.psign.b", v32i8, [v32i8, v32i8]), [x, w])
         zero = ir.Constant(vec(I32, 8), None)
         if how == "vnni":
             fn = kb.intrinsic("llvm.x86.avx512.vpdpbusd.256", vec(I32, 8), [vec(I32, 8), v32i8, v32i8])
@@ -207,16 +295,32 @@ def dot_i8x32(kb: KernelBuilder, w: ir.Value, x: ir.Value) -> ir.Value:
 
 def load_weight_block(kb: KernelBuilder, dtype: str, w: ir.Value, row: ir.Value, blk: ir.Value,
                       row_bytes: int) -> tuple[ir.Value, ir.Value]:
-    """(d as f32, <32 x i8> signed values) of block blk of weight row `row`."""
+    """(d as f32, <32 x i8> values) of block blk of weight row `row`: signed for q4_0 / q8_0,
+    q4_1's codes 0..15 (its minimum: load_block_min)."""
     b = kb.b
-    off = kb.idx((row, row_bytes), (blk, BLOCK_BYTES[dtype]))
+    bb = BLOCK_BYTES[dtype]
+    off = kb.idx((row, row_bytes), (blk, bb))
     d = kb.load_f16(w, off)
     if dtype == "q8_0":
         return d, kb.load(vec(I8, 32), w, b.add(off, kb.i64(2)))
-    qs = kb.load(vec(I8, 16), w, b.add(off, kb.i64(2)))
+    qs = kb.load(vec(I8, 16), w, b.add(off, kb.i64(bb - 16)))
     lo = b.and_(qs, ir.Constant(vec(I8, 16), [0x0F] * 16))
     hi = b.lshr(qs, ir.Constant(vec(I8, 16), [4] * 16))
+    if dtype == "q4_1":
+        return d, kb.concat(lo, hi)
     return d, b.sub(kb.concat(lo, hi), ir.Constant(vec(I8, 32), [8] * 32))
+
+
+def load_block_min(kb: KernelBuilder, w: ir.Value, row: ir.Value, blk: ir.Value, row_bytes: int) -> ir.Value:
+    """m as f32 of q4_1 block blk of weight row `row`."""
+    return kb.load_f16(w, kb.b.add(kb.idx((row, row_bytes), (blk, BLOCK_BYTES["q4_1"])), kb.i64(2)))
+
+
+def q8_1_sum(kb: KernelBuilder, d: ir.Value, q: ir.Value) -> ir.Value:
+    """Q8_1's s of a block quantized to (d f32 before f16 rounding, q <32 x i8>): f16(d * sum(q))."""
+    b = kb.b
+    total = kb.hsum(b.sext(q, vec(I32, 32)))
+    return kb.to_f16_and_back(b.fmul(d, b.sitofp(total, F32)))
 
 
 def quantize_block(kb: KernelBuilder, vals: list[ir.Value]) -> tuple[ir.Value, ir.Value]:
@@ -280,14 +384,16 @@ class MatmulEmitter:
         extra = bufs[3 if spec.prologue else 2:]
         self.extra = extra
         self.nb = spec.K // QK
-        self.xq = kb.scratch                                           # i8[T, K]
-        self.xd = kb.at(kb.scratch, _align(spec.T * spec.K))           # f32[T, K/32]
         self.xf = kb.scratch                                           # f32[T, K] (float weights)
-        self.grouped = q4_group_ok(kb.target, spec.wdtype, spec.K)
-        q8 = _align(spec.T * spec.K) + _align(spec.T * spec.K // QK * 4)
-        self.xg = kb.at(kb.scratch, q8)                                # i8[T, K] grouped order
-        self.gbias = kb.at(kb.scratch, q8 + _align(spec.T * spec.K))   # i32[T, K/8]
-        self.gdx = kb.at(kb.scratch, q8 + 2 * _align(spec.T * spec.K))  # f32[T, K/8]
+        self.grouped = q4_group_ok(kb.target, spec.wdtype)
+        self.kg = padded_k(spec.K)
+        if spec.quantized:                                             # see scratch_layout
+            at = scratch_layout(spec)
+            self.xq = kb.scratch                                       # at["xq"] == 0
+            self.xd = kb.at(kb.scratch, at["xd"])
+            self.xs = kb.at(kb.scratch, at["xs"]) if "xs" in at else None
+            if "xg" in at:
+                self.xg, self.gaux, self.gdx = (kb.at(kb.scratch, at[n]) for n in ("xg", "gaux", "gdx"))
 
     @property
     def tile_rows(self) -> int:
@@ -363,8 +469,18 @@ class MatmulEmitter:
                     d16 = kb.to_f16_and_back(d)
                     kb.store(d16, self.xd, b.mul(i, kb.i64(4)))
                     kb.store(q, self.xq, b.mul(i, kb.i64(QK)))
+                    sq = None
+                    if s.wdtype == "q4_1":
+                        sq = q8_1_sum(kb, d, q)
+                        kb.store(sq, self.xs, b.mul(i, kb.i64(4)))
                     if self.grouped:
-                        store_q4_group_activation(kb, q, d16, blk, t, s.K, self.xg, self.gbias, self.gdx)
+                        store_q4_group_activation(kb, s.wdtype, q, d16, sq, blk, t, self.kg, self.xg,
+                                                  self.gaux, self.gdx)
+                if self.grouped:  # a partial last group reads these blocks: zeros add nothing
+                    for blk in range(self.nb, self.kg // QK):
+                        store_q4_group_activation(kb, s.wdtype, ir.Constant(vec(I8, 32), None), kb.f32(0.0),
+                                                  kb.f32(0.0), kb.i64(blk), t, self.kg, self.xg, self.gaux,
+                                                  self.gdx)
 
     def tile(self, rows: list[ir.Value], t0: ir.Value, tt: int, run: int) -> list[list[ir.Value]]:
         """y[t0+t, rows[r]] for r < R, t < tt, as f32 scalars; rows come in runs of `run`
@@ -375,19 +491,29 @@ class MatmulEmitter:
         b, vw = kb.b, kb.vw
         zero = ir.Constant(vec(F32, vw), [0.0] * vw)
         accs = [[kb.var(vec(F32, vw), zero) for _ in range(tt)] for _ in rows]
+        q4_1 = s.wdtype == "q4_1"
+        # q4_1: sum of m_w * s_x per (row, token), one scalar FMA a block beside the 32-value dot
+        mins = [[kb.var(F32, kb.f32(0.0)) for _ in range(tt)] for _ in rows] if q4_1 else None
         if s.quantized:
             with kb.loop(0, self.nb) as blk:
                 for r in rows:
                     prefetch(kb, self.w, kb.idx((r, s.row_bytes), (blk, BLOCK_BYTES[s.wdtype]), (PREFETCH_BYTES, 1)))
                 ws = [load_weight_block(kb, s.wdtype, self.w, r, blk, s.row_bytes) for r in rows]
+                ms = [load_block_min(kb, self.w, r, blk, s.row_bytes) for r in rows] if q4_1 else None
                 for t in range(tt):
                     i = kb.idx((t0, self.nb), (t, self.nb), (blk, 1))
                     xd = kb.load(F32, self.xd, b.mul(i, kb.i64(4)))
                     xq = kb.load(vec(I8, 32), self.xq, b.mul(i, kb.i64(QK)))
+                    xs = kb.load(F32, self.xs, b.mul(i, kb.i64(4))) if q4_1 else None
                     for r, (wd, wq) in enumerate(ws):
-                        p = b.sitofp(dot_i8x32(kb, wq, xq), vec(F32, vw))
+                        p = b.sitofp(dot_i8x32(kb, wq, xq, unsigned_w=q4_1), vec(F32, vw))
                         sc = kb.splat(b.fmul(xd, wd), vw)
                         b.store(kb.fma(p, sc, b.load(accs[r][t])), accs[r][t])
+                        if q4_1:
+                            b.store(kb.fma(ms[r], xs, b.load(mins[r][t])), mins[r][t])
+            if q4_1:
+                return [[b.fadd(kb.hsum(b.load(accs[r][t])), b.load(mins[r][t])) for t in range(tt)]
+                        for r in range(len(rows))]
         else:
             x = self.xf if s.prologue else self.x
 
@@ -401,35 +527,72 @@ class MatmulEmitter:
         return [[kb.hsum(b.load(accs[r][t])) for t in range(tt)] for r in range(len(rows))]
 
     def tile_q4_groups(self, rows: list[ir.Value], t0: ir.Value, tt: int, run: int) -> list[list[ir.Value]]:
-        """tile() for q4_0 on AVX-512 VNNI: each group of 4 weight blocks of a row is unpacked once
-        and used for tt tokens; accumulators are <16 x f32> per (row, token). The next unit's rows
-        are `run` rows on from these."""
+        """tile() for q4_0 / q4_1 on AVX-512 VNNI: each group of 4 weight blocks of a row is
+        unpacked once and used for tt tokens; accumulators are <16 x f32> per (row, token). The
+        next unit's rows are `run` rows on from these."""
         s, kb = self.s, self.kb
         b = kb.b
+        gb, q4_1 = group_bytes(s.wdtype), s.wdtype == "q4_1"
         zero = ir.Constant(vec(F32, 16), [0.0] * 16)
         accs = [[kb.var(vec(F32, 16), zero) for _ in range(tt)] for _ in rows]
-        with kb.loop(0, s.K // GROUP) as g:
+        quads = [list(range(i, min(i + 4, len(rows)))) for i in range(0, len(rows), 4)]
+        # q4_1: m_w * s_x of the rows of quads[i], lane 4k+j for row 4i+j (pack_q4_1_mins)
+        maccs = [[kb.var(vec(F32, 16), zero) for _ in range(tt)] for _ in quads] if q4_1 else []
+
+        def aux_lanes(row: ir.Value, g: ir.Value) -> ir.Value:   # byte offset of (row, group g) in aux, dx
+            return b.mul(kb.idx((row, self.kg // 8), (g, 16)), kb.i64(4))
+
+        def add_mins(heads: list[ir.Value], g: ir.Value) -> None:
+            mins = [pack_q4_1_mins(kb, [heads[r] for r in quad]) for quad in quads]
+            for t in range(tt):
+                sx = kb.load(vec(F32, 16), self.gaux, aux_lanes(b.add(t0, kb.i64(t)), g))
+                for i, m in enumerate(mins):
+                    b.store(kb.fma(m, sx, b.load(maccs[i][t])), maccs[i][t])
+
+        def step(g: ir.Value, blocks: int) -> None:
             ws = []
             for r in rows:
-                off = kb.idx((r, s.row_bytes), (g, GROUP_BYTES))
+                off = kb.idx((r, s.row_bytes), (g, gb))
                 # the same group of the row `run` rows on: the next unit's, so rows stream without
                 # a stall where a unit starts (a unit's rows are short: 1152 bytes at K=2048)
                 ahead = b.add(off, kb.i64(run * s.row_bytes))
                 prefetch(kb, self.w, ahead)
-                prefetch(kb, self.w, b.add(ahead, kb.i64(GROUP_BYTES - 1)))
-                ws.append(load_q4_group(kb, self.w, off))
+                prefetch(kb, self.w, b.add(ahead, kb.i64(blocks * BLOCK_BYTES[s.wdtype] - 1)))
+                ws.append(load_q4_group(kb, self.w, off, s.wdtype, blocks))
             for t in range(tt):
                 row = b.add(t0, kb.i64(t))
-                xo = kb.idx((row, s.K), (g, GROUP))
+                xo = kb.idx((row, self.kg), (g, GROUP))
                 xlo = kb.load(vec(I8, 64), self.xg, xo)
                 xhi = kb.load(vec(I8, 64), self.xg, b.add(xo, kb.i64(64)))
-                lane = b.mul(kb.idx((row, s.K // 8), (g, 16)), kb.i64(4))
-                bias = kb.load(vec(I32, 16), self.gbias, lane)
+                lane = aux_lanes(row, g)
+                start = ir.Constant(vec(I32, 16), None) if q4_1 else kb.load(vec(I32, 16), self.gaux, lane)
                 dx = kb.load(vec(F32, 16), self.gdx, lane)
-                for r, (lo, hi, d) in enumerate(ws):
-                    isum = b.sitofp(q4_group_dot(kb, bias, lo, hi, xlo, xhi), vec(F32, 16))
+                for r, (lo, hi, d, _) in enumerate(ws):
+                    isum = b.sitofp(q4_group_dot(kb, start, lo, hi, xlo, xhi), vec(F32, 16))
                     b.store(kb.fma(isum, b.fmul(d, dx), b.load(accs[r][t])), accs[r][t])
-        return [[kb.hsum(b.load(accs[r][t])) for t in range(tt)] for r in range(len(rows))]
+            if q4_1 and tt == 1:
+                add_mins([w[3] for w in ws], g)
+
+        with kb.loop(0, s.K // GROUP) as g:
+            step(g, 4)
+        if s.K % GROUP:
+            step(kb.i64(s.K // GROUP), s.K % GROUP // QK)
+        if q4_1 and tt > 1:
+            # prefill: the minima in a second pass over the tile's group headers (L1-hot by now),
+            # which leaves the first pass the registers of q4_0's, with no accumulator spilled
+            with kb.loop(0, s.K // GROUP) as g:
+                add_mins([kb.load(vec(I8, 64), self.w, kb.idx((r, s.row_bytes), (g, gb))) for r in rows], g)
+            if s.K % GROUP:
+                g = kb.i64(s.K // GROUP)
+                add_mins([masked_load(kb, vec(I8, 64), self.w, kb.idx((r, s.row_bytes), (g, gb)),
+                                      s.K % GROUP // QK * BLOCK_BYTES["q4_1"]) for r in rows], g)
+        ys = [[kb.hsum(b.load(accs[r][t])) for t in range(tt)] for r in range(len(rows))]
+        for i, quad in enumerate(quads if q4_1 else []):
+            for t in range(tt):
+                macc = b.load(maccs[i][t])
+                for j, r in enumerate(quad):
+                    ys[r][t] = b.fadd(ys[r][t], kb.hsum(kb.shuffle(macc, None, range(j, 16, 4))))
+        return ys
 
     def unit(self, u: ir.Value, t0: ir.Value, tt: int) -> None:
         s, kb = self.s, self.kb
@@ -559,7 +722,8 @@ def emit_matmul(kb: KernelBuilder, spec: MatmulSpec) -> None:
 
 def emit_block_dot_probe(kb: KernelBuilder, wdtype: str, K: int, N: int) -> None:
     """Diagnostic kernel (w[N,K] blocks, xq i8[K] -> isum i32[N, K/32]): each block's integer dot
-    product through the same instructions the matmul uses, so tests can check them exactly."""
+    product (of q4_1's codes 0..15, for q4_1) through the same instructions the matmul uses, so
+    tests can check them exactly."""
     w, xq, out = kb.bufs
     b, nb = kb.b, K // QK
     row_bytes = nb * BLOCK_BYTES[wdtype]
@@ -568,35 +732,47 @@ def emit_block_dot_probe(kb: KernelBuilder, wdtype: str, K: int, N: int) -> None
         with kb.loop(0, nb) as blk:
             _, wq = load_weight_block(kb, wdtype, w, n, blk, row_bytes)
             x = kb.load(vec(I8, 32), xq, b.mul(blk, kb.i64(QK)))
-            kb.store(kb.hsum(dot_i8x32(kb, wq, x)), out, b.mul(kb.idx((n, nb), (blk, 1)), kb.i64(4)))
+            dot = dot_i8x32(kb, wq, x, unsigned_w=wdtype == "q4_1")
+            kb.store(kb.hsum(dot), out, b.mul(kb.idx((n, nb), (blk, 1)), kb.i64(4)))
     kb.finish()
 
 
-def emit_q4_group_probe(kb: KernelBuilder, K: int, N: int) -> None:
-    """Diagnostic kernel (w q4_0[N,K], xq i8[K] -> isum i32[N, K/32]): each block's integer dot
-    product through the grouped path (layout, bias, vpdpbusd), so tests can check them exactly."""
+def emit_q4_group_probe(kb: KernelBuilder, K: int, N: int, wdtype: str = "q4_0") -> None:
+    """Diagnostic kernel (w q4[N,K], xq i8[K] -> isum i32[N, K/32]): each block's integer dot
+    product through the grouped path (layout, q4_0's bias, vpdpbusd, a partial last group), so
+    tests can check them exactly."""
     w, xq, out = kb.bufs
-    b, nb = kb.b, K // QK
-    xg = kb.var(I8, count=K)                       # i8[K] grouped order
-    bias = kb.var(I32, count=K // 8)               # i32[K/8]
-    dx = kb.var(F32, count=K // 8)                 # f32[K/8] (unused here)
+    b, nb, kg = kb.b, K // QK, padded_k(K)
+    xg = kb.var(I8, count=kg)                      # i8[Kg] grouped order
+    aux = kb.var(I32, count=kg // 8)               # [Kg/8] q4_0's bias (q4_1's s: unused here)
+    dx = kb.var(F32, count=kg // 8)                # f32[Kg/8] (unused here)
     with kb.loop(0, nb) as blk:
         q = kb.load(vec(I8, 32), xq, b.mul(blk, kb.i64(QK)))
-        store_q4_group_activation(kb, q, kb.f32(1.0), blk, kb.i64(0), K, xg, bias, dx)
+        store_q4_group_activation(kb, wdtype, q, kb.f32(1.0), kb.f32(0.0), blk, kb.i64(0), kg, xg, aux, dx)
+    for blk in range(nb, kg // QK):
+        store_q4_group_activation(kb, wdtype, ir.Constant(vec(I8, 32), None), kb.f32(0.0), kb.f32(0.0),
+                                  kb.i64(blk), kb.i64(0), kg, xg, aux, dx)
     lo_n, hi_n = kb.split(N)
     with kb.loop(lo_n, hi_n) as n:
-        with kb.loop(0, K // GROUP) as g:
-            lo, hi, _ = load_q4_group(kb, w, kb.idx((n, nb * 18), (g, GROUP_BYTES)))
+        def step(g: ir.Value, blocks: int) -> None:
+            lo, hi, _, _ = load_q4_group(kb, w, kb.idx((n, nb * BLOCK_BYTES[wdtype]), (g, group_bytes(wdtype))),
+                                         wdtype, blocks)
             xo = b.mul(g, kb.i64(GROUP))
-            lanes = q4_group_dot(kb, kb.load(vec(I32, 16), bias, b.mul(g, kb.i64(64))), lo, hi,
-                                 kb.load(vec(I8, 64), xg, xo), kb.load(vec(I8, 64), xg, b.add(xo, kb.i64(64))))
-            for blk4 in range(4):
+            start = (kb.load(vec(I32, 16), aux, b.mul(g, kb.i64(64))) if wdtype == "q4_0"
+                     else ir.Constant(vec(I32, 16), None))
+            lanes = q4_group_dot(kb, start, lo, hi, kb.load(vec(I8, 64), xg, xo),
+                                 kb.load(vec(I8, 64), xg, b.add(xo, kb.i64(64))))
+            for blk4 in range(blocks):
                 s = kb.hsum(kb.shuffle(lanes, None, range(4 * blk4, 4 * blk4 + 4)))
                 kb.store(s, out, b.mul(kb.idx((n, nb), (g, 4), (blk4, 1)), kb.i64(4)))
+        with kb.loop(0, K // GROUP) as g:
+            step(g, 4)
+        if K % GROUP:
+            step(kb.i64(K // GROUP), K % GROUP // QK)
     kb.finish()
 
 
-__all__ = ["MatmulSpec", "emit_matmul", "check_matmul", "dot_i8x32", "load_weight_block",
-           "quantize_block", "rope_row", "store_cache_row", "cache_row_bytes", "emit_block_dot_probe",
-           "q4_group_ok", "load_q4_group", "q4_group_dot", "store_q4_group_activation",
-           "emit_q4_group_probe"]
+__all__ = ["MatmulSpec", "emit_matmul", "check_matmul", "dot_i8x32", "load_weight_block", "load_block_min",
+           "q8_1_sum", "quantize_block", "rope_row", "store_cache_row", "cache_row_bytes", "emit_block_dot_probe",
+           "q4_group_ok", "load_q4_group", "q4_group_dot", "store_q4_group_activation", "masked_load",
+           "emit_q4_group_probe", "scratch_layout", "padded_k", "group_bytes"]

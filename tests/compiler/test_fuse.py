@@ -42,9 +42,15 @@ def test_fused_graphs_give_the_same_logits(golden):
     _check_same_logits(p, d, fuse(p), fuse(d))
 
 
-def test_fusing_folded_q4_0_graphs_gives_the_same_logits(golden):
-    p, d = (fold(quantize(g, "q4_0")) for g in _graphs(golden[0]))
-    _check_same_logits(p, d, fuse(p), fuse(d))
+@pytest.mark.parametrize("wdtype", ["q4_0", "q4_1"])
+def test_fusing_folded_quantized_graphs_gives_the_same_logits(golden, wdtype):
+    """Stacked q4 weights are their blocks stacked; norm_weight_fold leaves GGML's bytes alone."""
+    p, d = (fold(quantize(g, wdtype)) for g in _graphs(golden[0]))
+    fp, fd = fuse(p), fuse(d)
+    stacked = [op.inputs[1] for op in fd.ops if op.attrs.get("epilogue") in ("rope_kv_store", "silu_mul")]
+    assert stacked and all(fd.values[w].dtype == wdtype for w in stacked)
+    assert not _folded(fd)
+    _check_same_logits(p, d, fp, fd)
 
 
 @pytest.mark.parametrize("rule", RULE_NAMES)

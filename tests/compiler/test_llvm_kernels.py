@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import ctypes
+import mmap
+import multiprocessing
 
 import llvmlite.ir as ir
 import numpy as np
@@ -13,7 +15,7 @@ from llmrs.compiler.ir import Graph
 from llmrs.compiler.codegen.llvm_builder import KernelBuilder
 from llmrs.compiler.codegen.llvm_kernels import emit_op, op_scratch_bytes
 from llmrs.compiler.codegen.llvm_matmul import (_align, emit_block_dot_probe, emit_q4_group_probe,
-                                                 q4_group_ok)
+                                                 q4_group_ok, scratch_layout, MatmulSpec)
 from llmrs.compiler.codegen.llvm_target import Target, TargetError, emit, host_target
 from llmrs.runtime.backends.cpu_native import NativeCode
 
@@ -64,14 +66,14 @@ def check(case: Case, arrays: dict[str, np.ndarray]) -> None:
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
-@pytest.mark.parametrize("wdtype", ["q4_0", "q8_0", "f16", "f32"])
+@pytest.mark.parametrize("wdtype", ["q4_0", "q4_1", "q8_0", "f16", "f32"])
 @pytest.mark.parametrize("T,n_tokens", [(1, 1), (9, 9), (9, 6)])
 def test_matmul_matches_interpreter_for_each_weight_format(target, wdtype, T, n_tokens):
     case = matmul_case(wdtype, T, n_tokens, prologue=False, epilogue=None)
     check(case, run_case(case, TARGETS[target], nth=3)[0])
 
 
-@pytest.mark.parametrize("wdtype", ["q4_0", "q8_0", "f16", "f32"])
+@pytest.mark.parametrize("wdtype", ["q4_0", "q4_1", "q8_0", "f16", "f32"])
 @pytest.mark.parametrize("prologue,epilogue", [(True, None), (False, "add"), (True, "silu_mul"),
                                                (True, "rope_kv_store")])
 @pytest.mark.parametrize("T,n_tokens", [(1, 1), (6, 5)])
@@ -86,22 +88,30 @@ def test_rope_kv_store_epilogue_writes_f16_and_q8_0_caches(cache_dtype):
     check(case, run_case(case, TARGETS["host"], nth=2)[0])
 
 
-@pytest.mark.parametrize("wdtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("wdtype", ["q4_0", "q4_1", "q8_0"])
 def test_activation_quantization_is_ggml_reference_bit_for_bit(wdtype):
+    """Q8_0 codes and scales (and Q8_1's s for q4_1 weights) in the scratch, as quantize_row_q8_*_ref."""
     case = matmul_case(wdtype, 6, 6, prologue=False, epilogue=None)
+    x = case.arrays["x"]
+    x[2, 32:64] = np.abs(x[2, 32:64]) * 1e4 + 1e4     # s = d * sum(q) past f16's range: inf, as ggml
     _, scratch = run_case(case, TARGETS["host"], nth=1)
     x = case.arrays["x"]
     t, k = x.shape
-    want_d, want_q = quant.quantize_rows_q8_0(x)
-    got_q = scratch[:t * k].view(np.int8).reshape(t, k // 32, 32)
-    got_d = scratch[_align(t * k):_align(t * k) + t * k // 32 * 4].view(np.float32).reshape(t, k // 32)
+    want_d, want_q, want_s = quant.quantize_rows_q8_1(x)
+    at = scratch_layout(MatmulSpec.of(case.graph, case.op))
+    got_q = scratch[at["xq"]:at["xq"] + t * k].view(np.int8).reshape(t, k // 32, 32)
+    got_d = scratch[at["xd"]:at["xd"] + t * k // 32 * 4].view(np.float32).reshape(t, k // 32)
     np.testing.assert_array_equal(got_q, want_q)
     np.testing.assert_array_equal(got_d, want_d)
+    if wdtype == "q4_1":
+        assert np.isinf(want_s[2, 1])
+        got_s = scratch[at["xs"]:at["xs"] + t * k // 32 * 4].view(np.float32).reshape(t, k // 32)
+        np.testing.assert_array_equal(got_s, want_s)
 
 
 def _block_sums(emit, target, w: np.ndarray, wdtype: str, x: np.ndarray, n: int, k: int) -> None:
-    """Run a generated probe that writes each block's int32 dot product of w's rows with x's
-    Q8_0 codes, and compare with numpy's exact integer sums (GGML's)."""
+    """Run a generated probe that writes each block's int32 dot product of w's rows (q4_1: its
+    codes 0..15) with x's Q8_0 codes, and compare with numpy's exact integer sums (GGML's)."""
     _, xq = quant.quantize_rows_q8_0(x)
     _, wq = quant.split_blocks(w, wdtype)
     want = np.einsum("nbk,bk->nb", wq.astype(np.int32), xq[0].astype(np.int32))
@@ -118,13 +128,15 @@ def _block_sums(emit, target, w: np.ndarray, wdtype: str, x: np.ndarray, n: int,
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
-@pytest.mark.parametrize("wdtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("wdtype", ["q4_0", "q4_1", "q8_0"])
 def test_int8_block_dot_products_are_ggml_integer_sums_exactly(target, wdtype):
     rng = np.random.default_rng(5)
     n, k = 7, 128
     w = quant.quantize(rng.standard_normal((n, k)).astype(np.float32), wdtype)
     x = rng.standard_normal((1, k)).astype(np.float32) * 3
     x[0, :32] = 127.0 / np.arange(1, 33)           # a block that uses the full int8 range
+    if wdtype == "q4_1":
+        w[0, 4:20] = 0xFF                           # a block of 15s: the largest u8 x s8 products
     _block_sums(lambda kb: emit_block_dot_probe(kb, wdtype, k, n), TARGETS[target], w, wdtype, x, n, k)
 
 
@@ -214,7 +226,7 @@ def test_rope_and_kv_store_ops_with_head_dim_100_match_interpreter(kind):
     check(case, run_case(case, TARGETS["host"], nth=2)[0])
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q4_0", "q8_0"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q4_0", "q4_1", "q8_0"])
 def test_embedding_rows_match_dequantized_table_exactly(dtype):
     case = embedding_case(dtype)
     check(case, run_case(case, TARGETS["host"], nth=2)[0])
@@ -231,7 +243,7 @@ def test_bad_target_is_an_error_not_a_crash():
         emit("define void @f() {\n  ret void\n}\n", Target("no-such-arch-linux-gnu"))
 
 
-GROUPED = q4_group_ok(TARGETS["host"], "q4_0", 256)
+GROUPED = q4_group_ok(TARGETS["host"], "q4_0")   # AVX-512 VNNI: q4_0 and q4_1, any K
 
 
 @pytest.mark.skipif(not GROUPED, reason="host CPU has no AVX-512 VNNI (the grouped q4_0 path)")
@@ -252,3 +264,71 @@ def test_grouped_q4_0_block_sums_are_ggml_integer_sums_exactly():
     x[0, :32] = 127.0 / np.arange(1, 33)           # a block that uses the full int8 range
     w[0, 2:18] = 0xFF                               # a block of 15s: the largest u8 x s8 products
     _block_sums(lambda kb: emit_q4_group_probe(kb, k, n), TARGETS["host"], w, "q4_0", x, n, k)
+
+
+# the grouped q4 path takes every K: whole groups of 4 blocks, then 1..3 blocks masked in
+ODD_K = [(576, "2-block tail, SmolLM2-135M's hidden size"), (672, "1-block tail"), (352, "3-block tail"),
+         (96, "the tail alone")]
+
+
+@pytest.mark.parametrize("wdtype", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("K", [k for k, _ in ODD_K], ids=[why for _, why in ODD_K])
+@pytest.mark.parametrize("prologue,epilogue", [(False, None), (True, None), (False, "add"),
+                                               (True, "silu_mul"), (True, "rope_kv_store")])
+@pytest.mark.parametrize("T,n_tokens", [(1, 1), (11, 6)])
+def test_q4_matmul_with_odd_k_and_n_matches_interpreter(wdtype, K, prologue, epilogue, T, n_tokens):
+    """Every fusion at decode and prefill, K not a multiple of 128 and (where the epilogue leaves
+    N free) an odd N, on the host's path (grouped where AVX-512 VNNI is) and on AVX2's."""
+    for target in TARGETS.values():
+        case = matmul_case(wdtype, T, n_tokens, prologue, epilogue, K=K, N=45, seed=K + T)
+        check(case, run_case(case, target, nth=3)[0])
+
+
+@pytest.mark.skipif(not GROUPED, reason="host CPU has no AVX-512 VNNI (the grouped q4 path)")
+@pytest.mark.parametrize("wdtype", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("K", [k for k, _ in ODD_K] + [512], ids=[why for _, why in ODD_K] + ["whole groups"])
+def test_grouped_q4_block_sums_with_a_partial_group_are_ggml_integer_sums_exactly(wdtype, K):
+    rng = np.random.default_rng(K)
+    n = 5
+    w = quant.quantize(rng.standard_normal((n, K)).astype(np.float32) + 1.0, wdtype)
+    x = rng.standard_normal((1, K)).astype(np.float32) * 3
+    x[0, -32:] = -127.0 / np.arange(1, 33)         # the last block (a tail's) uses the full int8 range
+    w[0, -16:] = 0xFF                               # and meets 15s: the largest u8 x s8 products
+    _block_sums(lambda kb: emit_q4_group_probe(kb, K, n, wdtype), TARGETS["host"], w, wdtype, x, n, K)
+
+
+def _run_with_guard_page(case: Case, queue) -> None:
+    """Child process: the weight rows end where a PROT_NONE page begins, so a load past the last
+    row's end faults (prefetches never do)."""
+    page = mmap.PAGESIZE
+    w = case.arrays["w"]
+    size = -(-w.nbytes // page) * page
+    buf = mmap.mmap(-1, size + page)
+    libc = ctypes.CDLL(None)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    if libc.mprotect(ctypes.c_void_p(base + size), page, 0) != 0:
+        queue.put("mprotect failed")
+        return
+    guarded = np.frombuffer(buf, np.uint8, w.nbytes, size - w.nbytes).reshape(w.shape)
+    guarded[...] = w
+    case.arrays["w"] = guarded
+    arrays, _ = run_case(case, TARGETS["host"], nth=2)
+    try:
+        check(case, arrays)
+        queue.put("ok")
+    except AssertionError as e:
+        queue.put(str(e))
+
+
+@pytest.mark.skipif(not GROUPED, reason="host CPU has no AVX-512 VNNI (the grouped q4 path)")
+@pytest.mark.parametrize("wdtype", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("T,n_tokens", [(1, 1), (5, 5)])
+def test_grouped_q4_partial_group_never_reads_past_the_weights(wdtype, T, n_tokens):
+    case = matmul_case(wdtype, T, n_tokens, False, None, K=576, N=9)
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_run_with_guard_page, args=(case, queue))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 0, f"the kernel died (exit code {child.exitcode}): a read past the weights"
+    assert queue.get(timeout=5) == "ok"

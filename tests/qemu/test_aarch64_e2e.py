@@ -110,6 +110,7 @@ def pythons(tmp_path_factory) -> dict[str, tuple[list[str], dict[str, str]]]:
 CASES = [("golden-a", "f32", "f32", 1e-4),    # also checked against transformers' golden data
          ("golden-a", "q4_0", "f32", 1e-4),   # q4_0 x Q8_0 integer dots: sdot vs AVX2/VNNI
          ("golden-b", "q4_0", "f32", 1e-4),   # Llama 3 rope scaling, untied lm_head, 3 blocks a row
+         ("golden-b", "q4_1", "f32", 1e-4),   # q4_1 x Q8_1: sdot per block vs VNNI in groups
          ("golden-b", "f32", "f16", 1e-3),    # the f16 cache that ships by default
          ("golden-c", "f32", "f32", 1e-4)]    # head_dim 100, MQA: vector tails; and transformers
 

@@ -20,11 +20,16 @@ from ..compiler.test_llvm_kernels import check
 from ..conftest import QEMU_SETUP, system_tool
 
 CASES = [matmul_case("q4_0", 6, 5, True, "rope_kv_store", cache_dtype="q8_0"),
+         matmul_case("q4_1", 6, 5, True, "rope_kv_store", cache_dtype="q8_0"),
+         matmul_case("q4_1", 1, 1, True, "silu_mul"),
+         matmul_case("q4_1", 1, 1, False, "add", K=160, N=45),     # odd N, K = 5 blocks
+         matmul_case("q4_1", 7, 6, False, None, K=160, N=45),
          matmul_case("q8_0", 1, 1, True, "silu_mul"),
          matmul_case("f16", 6, 6, False, "add"),
          matmul_case("f32", 1, 1, True, None),
          attention_case(7, 4, "f16"),
          embedding_case("q4_0"),
+         embedding_case("q4_1"),
          simple_case("rms_norm"),
          # head dims beyond 64 / 128: 100 (RoPE halves of 50 end in a 2-lane piece), 34 (rows end in
          # one), 96 into a Q8_0 cache; MQA and a GQA group of 3
@@ -36,6 +41,7 @@ CASES = [matmul_case("q4_0", 6, 5, True, "rope_kv_store", cache_dtype="q8_0"),
          matmul_case("q4_0", 1, 1, True, "rope_kv_store", cache_dtype="q8_0", heads=(3, 1, 96)),
          matmul_case("f16", 6, 6, True, "add", K=900, N=24)]
 PROBE_K, PROBE_N = 128, 5
+PROBES = ("q4_0", "q8_0", "q4_1")
 
 DRIVER = r"""
 #include <stdio.h>
@@ -80,12 +86,10 @@ def _build(gcc: str, tmp: Path, dotprod: bool) -> Path:
         n = len(case.buffers())
         decls.append(f"void kernel{i}({', '.join(['void*'] * n)}, i64, i64, i64, i64, i64, void*);")
         cases.append(f"case {i}: kernel{i}({', '.join(f'b[{j}]' for j in range(n))}, nt, np_, sp, t, nth, s); break;")
-    emit_block_dot_probe(KernelBuilder(module, target, "probe_q4_0", 3), "q4_0", PROBE_K, PROBE_N)
-    emit_block_dot_probe(KernelBuilder(module, target, "probe_q8_0", 3), "q8_0", PROBE_K, PROBE_N)
-    decls += ["void probe_q4_0(void*, void*, void*, i64, i64, i64, i64, i64, void*);",
-              "void probe_q8_0(void*, void*, void*, i64, i64, i64, i64, i64, void*);"]
-    cases += ["case 100: probe_q4_0(b[0], b[1], b[2], nt, np_, sp, t, nth, s); break;",
-              "case 101: probe_q8_0(b[0], b[1], b[2], nt, np_, sp, t, nth, s); break;"]
+    for i, wdtype in enumerate(PROBES):
+        emit_block_dot_probe(KernelBuilder(module, target, f"probe_{wdtype}", 3), wdtype, PROBE_K, PROBE_N)
+        decls.append(f"void probe_{wdtype}(void*, void*, void*, i64, i64, i64, i64, i64, void*);")
+        cases.append(f"case {100 + i}: probe_{wdtype}(b[0], b[1], b[2], nt, np_, sp, t, nth, s); break;")
     (tmp / "kernels.o").write_bytes(emit(str(module), target))
     (tmp / "driver.c").write_text(DRIVER % {"decls": "\n".join(decls), "cases": "\n".join(cases)})
     exe = tmp / "driver"
@@ -135,14 +139,15 @@ def test_aarch64_kernel_matches_interpreter_under_qemu(qemu, driver, index):
     check(case, arrays)
 
 
-@pytest.mark.parametrize("wdtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("wdtype", PROBES)
 def test_aarch64_int8_block_dots_are_exact_under_qemu(qemu, driver, wdtype):
+    """Integer block sums through sdot / NEON multiplies; q4_1's are of its codes 0..15."""
     exe, tmp = driver
     rng = np.random.default_rng(7)
     w = quant.quantize(rng.standard_normal((PROBE_N, PROBE_K)).astype(np.float32), wdtype)
     _, xq = quant.quantize_rows_q8_0(rng.standard_normal((1, PROBE_K)).astype(np.float32))
     _, wq = quant.split_blocks(w, wdtype)
     want = np.einsum("nbk,bk->nb", wq.astype(np.int32), xq[0].astype(np.int32))
-    out = _run(qemu, exe, tmp, 100 if wdtype == "q4_0" else 101,
+    out = _run(qemu, exe, tmp, 100 + PROBES.index(wdtype),
                [w, xq[0].reshape(-1).copy(), np.zeros((PROBE_N, PROBE_K // 32), np.int32)], (1, 0, 0), 1, 64)
     np.testing.assert_array_equal(out[2], want)

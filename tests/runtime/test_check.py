@@ -30,6 +30,7 @@ def plans(tmp_path_factory) -> dict[str, Path]:
         "a": _compile(tmp, "golden-a", "--target", "cpu,opencl", "--weights", "q4_0", "--kv-type", "f16"),
         "b": _compile(tmp, "golden-b", "--target", "cpu,opencl", "--weights", "q4_0", "--kv-type", "f16"),
         "cpu-only": _compile(tmp, "golden-a", "--target", "cpu", "--weights", "q8_0", "--kv-type", "f32"),
+        "q4_1": _compile(tmp, "golden-b", "--target", "cpu", "--weights", "q4_1", "--kv-type", "f16"),
     }
 
 
@@ -69,6 +70,22 @@ def test_every_kernel_of_a_q4_1_opencl_plan_matches_interpreter(tmp_path):
             assert r.status == "PASS", (r.kernel.label, r.note)
             assert 0 <= r.error <= r.kernel.tolerance
     assert all(r.kernel.tolerance == check.TOL_QUANT for r in results if r.kernel in matmuls)
+
+
+def test_every_kernel_of_a_q4_1_plan_passes_on_the_cpu_column(plans, capsys):
+    """golden-b in q4_1 (embedding and head too): K = 96 and 160 end in partial groups of blocks."""
+    plan = Plan.open(plans["q4_1"])
+    kernels = check.plan_kernels(plan.graphs())
+    q4_1 = [k for k in kernels if k.op.kind in ("matmul", "fused_matmul", "embedding")]
+    assert q4_1 and all(k.graph.values[k.op.inputs[1 if k.op.kind != "embedding" else 0]].dtype == "q4_1"
+                        for k in q4_1)
+    results = check.check_kernels(kernels, check.open_runners(plan, ["cpu"]))
+    for r in results:
+        assert r.status == "PASS", (r.kernel.label, r.note)
+    assert all(r.kernel.tolerance == check.TOL_QUANT for r in results if r.kernel.op.kind in ("matmul", "fused_matmul"))
+    assert any(r.error > 0 for r in results if "q4_1" in r.kernel.label)
+    assert check.main([str(plans["q4_1"]), "--backend", "cpu", "-q"]) == 0
+    assert "q4_1[" in capsys.readouterr().out
 
 
 def test_kernels_are_deduplicated_across_layers_and_cover_every_op(plans):

@@ -80,7 +80,8 @@ def test_f32_plan_logits_match_transformers_golden_data(model):
     assert np.abs(dec - ref).max() <= 1e-4 * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("wdtype,kv_dtype", [("q4_0", "f32"), ("q8_0", "f16"), ("f16", "f16"), ("f32", "f32")])
+@pytest.mark.parametrize("wdtype,kv_dtype", [("q4_0", "f32"), ("q4_1", "f16"), ("q8_0", "f16"), ("f16", "f16"),
+                                             ("f32", "f32")])
 def test_greedy_tokens_match_interpreter_for_each_weight_format(wdtype, kv_dtype):
     p, d = (plan_memory(g) for g in quantized(list(build_graphs(load_model(DATA / "golden-a"), CHUNK, 64,
                                                                  kv_dtype=kv_dtype)), wdtype))

@@ -19,7 +19,8 @@ from ..conftest import DATA, GOLDEN
 
 
 @pytest.mark.parametrize("model", GOLDEN)
-@pytest.mark.parametrize("weights, kv", [("q4_0", "f32"), ("q4_0", "f16"), ("q8_0", "f16"), ("f16", "f16"), ("f32", "f32")])
+@pytest.mark.parametrize("weights, kv", [("q4_0", "f32"), ("q4_0", "f16"), ("q4_1", "f32"), ("q4_1", "f16"),
+                                         ("q8_0", "f16"), ("f16", "f16"), ("f32", "f32")])
 def test_cpu_greedy_tokens_equal_the_interpreters(tmp_path, model, weights, kv):
     out = tmp_path / "p.plan.bin"
     assert compile_main([str(DATA / model), "-o", str(out), "--target", "cpu", "--weights", weights,
