@@ -114,6 +114,9 @@ class Metadata:
         if not ok:
             shown = f"a list of {len(value)}" if isinstance(value, list) else repr(value)[:40]
             raise ModelError(f"{self.path}: metadata {key} is {shown}, expected {kind.__name__}")
+        if kind is float and field.types == [gguf.GGUFValueType.FLOAT32]:
+            # the shortest decimal that is this f32: the value the converter was given (1e-05, not 9.99e-06)
+            return float(str(np.float32(value)))
         return float(value) if kind is float else value
 
     def positive(self, key: str, default: Any = _MISSING, why: str = "") -> int:
@@ -136,7 +139,8 @@ def open_reader(path: Path) -> Any:
         return gguf.GGUFReader(path)
     except (ValueError, KeyError, IndexError, OverflowError, TypeError, UnicodeDecodeError, MemoryError) as e:
         detail = " ".join(str(e).split())[:120]
-        raise ModelError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {detail})") from None
+        raise ModelError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {detail}); "
+                         "download or convert it again") from None
 
 
 def _rope_scaling(meta: Metadata, freqs: np.ndarray | None, head_dim: int, theta: float) -> dict[str, Any] | None:
@@ -173,7 +177,7 @@ def llama3_scaling_from_factors(freqs: np.ndarray, head_dim: int, theta: float, 
         slope, intercept = np.polyfit(inv[band] / (2 * math.pi), s, 1)   # s = slope / wavelen + intercept
         if intercept < 0 and slope > 0:
             b = -intercept
-            candidates.append(dict(factor=factor, low_freq_factor=1.0, high_freq_factor=round(1.0 + 1.0 / b, 4),
+            candidates.append(dict(factor=factor, low_freq_factor=1.0, high_freq_factor=round(float(1.0 + 1.0 / b), 4),
                                    original_max_position_embeddings=int(round(slope / b))))
     for cand in candidates:
         if np.allclose(rope_inv_freq(head_dim, theta, cand), want, rtol=1e-5, atol=0):
