@@ -5,13 +5,15 @@ Byte-level BPE (`tokenizer.ggml.model` = "gpt2": Llama 3, SmolLM2, Qwen2 ...): v
 merges as stored; `tokenizer.ggml.pre` names llama.cpp's pre-tokenizer, a list of regexes applied
 in turn, each splitting the pieces the previous one left and keeping unmatched text as pieces of
 its own (src/llama-vocab.cpp, unicode.cpp). A chain of `Split(regex, "isolated")` does exactly
-that. Control and unknown-type tokens become special added tokens, user-defined ones plain added
+that. SentencePiece BPE ("llama": Llama 2) is rebuilt as BPE from the piece scores.
+Control and unknown-type tokens become special added tokens, user-defined ones plain added
 tokens (llama.cpp stores both as raw text, matched before BPE). The post-processor adds BOS (EOS)
 when `tokenizer.ggml.add_bos_token` (add_eos_token) says so.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from gguf import TokenType
 
@@ -84,16 +86,10 @@ def _merge_pairs(meta: Metadata, merges: list[str]) -> list[tuple[str, str]]:
     return pairs
 
 
-def read_vocab(meta: Metadata) -> Vocab:
-    """The tokenizer, special ids and chat template from a GGUF's metadata; one-line errors."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+def _byte_level_bpe(meta: Metadata, vocab: dict[str, int], notices: list[str]) -> tuple[Any, bool]:
+    """(tokenizer, llama.cpp's default add_bos) for tokenizer.ggml.model 'gpt2'."""
+    from tokenizers import Tokenizer, Regex, decoders, models, pre_tokenizers
 
-    p = meta.path
-    model = meta.get("tokenizer.ggml.model", str, why=" (llmrs takes the tokenizer from the GGUF file)")
-    if model != "gpt2":
-        raise ModelError(f"{p}: tokenizer.ggml.model {model!r} is not supported; llmrs reads byte-level BPE "
-                         "vocabularies ('gpt2': Llama 3, SmolLM2, Qwen2, Mistral Nemo), not SentencePiece ('llama') ones")
-    notices = []
     if meta.has("tokenizer.ggml.pre"):
         pre_name = meta.get("tokenizer.ggml.pre", str)
     else:
@@ -102,35 +98,77 @@ def read_vocab(meta: Metadata) -> Vocab:
                        "does; text may split differently from the original tokenizer")
     pre = PRE_TOKENIZERS.get(pre_name)
     if pre is None:
-        raise ModelError(f"{p}: tokenizer.ggml.pre {pre_name!r} is not supported "
+        raise ModelError(f"{meta.path}: tokenizer.ggml.pre {pre_name!r} is not supported "
                          f"(llmrs knows {', '.join(sorted(PRE_TOKENIZERS))})")
+    merges = _merge_pairs(meta, meta.get("tokenizer.ggml.merges", list, why=" (a byte-level BPE needs its merges)"))
+    try:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges))
+    except Exception as e:  # tokenizers raises its own exception types
+        raise ModelError(f"{meta.path}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({e})") from None
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    return tok, pre.add_bos
+
+
+def _sentencepiece_bpe(meta: Metadata, vocab: dict[str, int], unk: str | None) -> tuple[Any, bool]:
+    """(tokenizer, default add_bos) for tokenizer.ggml.model 'llama' (Llama 2, Mistral 7B).
+
+    llama.cpp merges the adjacent pair whose joined piece has the highest score, falls back to
+    <0xXX> byte tokens, and writes spaces as U+2581 with one in front of the text and after each
+    special token (add_space_prefix). As BPE: every split of a piece into two pieces is a merge,
+    ranked by the joined piece's score; Prepend + Replace normalise (per segment, as llama.cpp)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores = meta.get("tokenizer.ggml.scores", list, why=" (a SentencePiece vocabulary is ranked by them)")
+    if len(scores) != len(vocab):
+        raise ModelError(f"{meta.path}: tokenizer.ggml.scores has {len(scores)} entries for {len(vocab)} tokens")
+    ranked = []
+    for piece, i in vocab.items():
+        pairs = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
+        ranked += [(-scores[i], vocab[a], vocab[b], a, b) for a, b in pairs]
+    merges = [(a, b) for *_, a, b in sorted(ranked)]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    prefix = meta.get("tokenizer.ggml.add_space_prefix", bool, True)
+    spaces = [normalizers.Replace(" ", "\u2581")]
+    tok.normalizer = normalizers.Sequence(([normalizers.Prepend("\u2581")] if prefix else []) + spaces)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                    + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return tok, True
+
+
+def read_vocab(meta: Metadata) -> Vocab:
+    """The tokenizer, special ids and chat template from a GGUF's metadata; one-line errors."""
+    from tokenizers import AddedToken, processors
+
+    p = meta.path
+    model = meta.get("tokenizer.ggml.model", str, why=" (llmrs takes the tokenizer from the GGUF file)")
+    if model not in ("gpt2", "llama"):
+        raise ModelError(f"{p}: tokenizer.ggml.model {model!r} is not supported; llmrs reads byte-level BPE "
+                         "('gpt2': Llama 3, SmolLM2, Qwen2) and SentencePiece BPE ('llama': Llama 2) vocabularies")
     tokens = meta.get("tokenizer.ggml.tokens", list)
     n = len(tokens)
     types = meta.get("tokenizer.ggml.token_type", list, None) or [TokenType.NORMAL] * n
     if len(types) != n:
         raise ModelError(f"{p}: tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
-    merges = _merge_pairs(meta, meta.get("tokenizer.ggml.merges", list, why=" (a byte-level BPE needs its merges)"))
     ids = {k: _special_id(meta, f"tokenizer.ggml.{k}_token_id", n) for k in ("bos", "eos", "eot", "eom", "unknown")}
-    add_bos = meta.get("tokenizer.ggml.add_bos_token", bool, pre.add_bos)
-    add_eos = meta.get("tokenizer.ggml.add_eos_token", bool, False)
-    for flag, key in ((add_bos, "bos"), (add_eos, "eos")):
-        if flag and ids[key] is None:
-            raise ModelError(f"{p}: tokenizer.ggml.add_{key}_token is true but tokenizer.ggml.{key}_token_id is missing")
-
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         if vocab.setdefault(t, i) != i:  # llama.cpp refuses such a vocabulary too
             raise ModelError(f"{p}: tokenizer.ggml.tokens has {t[:40]!r} twice (ids {vocab[t]} and {i})")
+    notices: list[str] = []
+    if model == "gpt2":
+        tok, default_bos = _byte_level_bpe(meta, vocab, notices)
+    else:
+        tok, default_bos = _sentencepiece_bpe(meta, vocab, tokens[ids["unknown"]] if ids["unknown"] is not None else None)
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", bool, default_bos)
+    add_eos = meta.get("tokenizer.ggml.add_eos_token", bool, False)
+    for flag, key in ((add_bos, "bos"), (add_eos, "eos")):
+        if flag and ids[key] is None:
+            raise ModelError(f"{p}: tokenizer.ggml.add_{key}_token is true but tokenizer.ggml.{key}_token_id is missing")
     special = {i for i, t in enumerate(types) if t in _SPECIAL_TYPES} | {i for i in ids.values() if i is not None}
     user = {i for i, t in enumerate(types) if t == TokenType.USER_DEFINED} - special
-    try:
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre.ignore_merges))
-    except Exception as e:  # tokenizers raises its own exception types
-        raise ModelError(f"{p}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({e})") from None
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
     # the vocabulary already maps these texts, so they keep their ids
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in sorted(special)])
     tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in sorted(user)])

@@ -9,6 +9,7 @@ from tokenizers import Tokenizer
 
 import gguf
 from gguf import GGMLQuantizationType as GT
+from gguf import TokenType
 
 from llmrs.models.config import ModelError
 from llmrs.models.gguf_io import llama3_scaling_from_factors, unpermute_rows
@@ -127,7 +128,8 @@ LLAMA_CPP_MODELS = os.environ.get("LLMRS_LLAMA_CPP_MODELS")
 
 @pytest.mark.skipif(not LLAMA_CPP_MODELS, reason="set LLMRS_LLAMA_CPP_MODELS to llama.cpp's models/ folder "
                                                   "(vocab-only GGUFs with .inp/.out token ids made by HF tokenizers)")
-@pytest.mark.parametrize("name", ["llama-bpe", "gpt-2", "qwen2", "starcoder", "command-r", "refact", "mpt"])
+@pytest.mark.parametrize("name", ["llama-bpe", "gpt-2", "qwen2", "starcoder", "command-r", "refact", "mpt",
+                                  "llama-spm", "phi-3"])
 def test_llama_cpp_vocab_files_tokenize_to_their_expected_ids(name):
     from llmrs.models.gguf_io import Metadata, open_reader
     from llmrs.models.gguf_vocab import read_vocab
@@ -160,3 +162,40 @@ def test_smollm2_loads_with_its_config_and_tokenizer(smollm2_gguf):
     assert ids == [1, 4093, 198, 1780, 314, 216, 34, 27, 34, 47, 2, 198, 1, 520, 9531, 198]
     assert tok.decode(ids, skip_special_tokens=False) == chat
     assert tok.decode(ids) == "user\nWhat is 2+2?\nassistant\n"
+
+
+def test_sentencepiece_vocab_tokenizes_as_sentencepiece(tmp_path):
+    """tokenizer.ggml.model 'llama' (Llama 2's SentencePiece BPE) against sentencepiece itself, on a
+    vocabulary trained here and stored as llama.cpp's converter stores one (pieces, scores, types)."""
+    import io
+
+    spm = pytest.importorskip("sentencepiece")
+    from llmrs.models.tiny import _corpus
+    from .gguf_files import write_gguf
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([line for doc in _corpus() for line in doc.splitlines() if line.strip()]),
+        model_writer=buf, vocab_size=600, model_type="bpe", byte_fallback=True, split_digits=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=True, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+    n = sp.get_piece_size()
+    kind = [TokenType.UNKNOWN if sp.is_unknown(i) else TokenType.CONTROL if sp.is_control(i) else
+            TokenType.BYTE if sp.is_byte(i) else TokenType.NORMAL for i in range(n)]
+    meta = {"general.architecture": "llama", "tokenizer.ggml.model": "llama",
+            "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
+            "tokenizer.ggml.scores": [float(sp.get_score(i)) for i in range(n)],
+            "tokenizer.ggml.token_type": [int(k) for k in kind],
+            "tokenizer.ggml.bos_token_id": sp.bos_id(), "tokenizer.ggml.eos_token_id": sp.eos_id(),
+            "tokenizer.ggml.unknown_token_id": sp.unk_id(), "tokenizer.ggml.add_bos_token": True}
+    path = write_gguf(tmp_path / "spm.gguf", meta, {})
+    from llmrs.models.gguf_io import Metadata, open_reader
+    from llmrs.models.gguf_vocab import read_vocab
+
+    vocab = read_vocab(Metadata(open_reader(path), path))
+    tok = Tokenizer.from_str(vocab.tokenizer_json)
+    for text in TEXTS[:8] + ["x", " leading space", "trailing  ", "1234567 digits", "\u00e9\u00e8 \u2603 bytes"]:
+        ids = tok.encode(text).ids
+        assert ids == [sp.bos_id()] + sp.encode(text), text
+        assert tok.decode(ids) == sp.decode(sp.encode(text)) == text
+    assert vocab.stop_ids == (sp.eos_id(),) and vocab.bos_token == "<s>"
