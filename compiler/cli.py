@@ -83,7 +83,9 @@ def _code_sections(graphs, targets: tuple[str, ...], triples: list[str] | None) 
 
 def _conversion_notices(conversions: dict[str, Conversion]) -> list[str]:
     """One line per (stored format, new dtype): which tensors, and the worst measured error."""
-    from ..models.gguf_io import gguf_name
+    if not conversions:
+        return []
+    from ..models.gguf_io import gguf_name  # only GGUF files hold formats llmrs converts
 
     groups: dict[tuple[str, str], list[Conversion]] = {}
     for c in conversions.values():

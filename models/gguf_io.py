@@ -265,8 +265,7 @@ def read_tensors(cfg: LlamaConfig, reader: Any, path: Path) -> dict[str, GGUFTen
         kind = t.tensor_type
         if kind not in NATIVE:
             try:  # gguf dequantizes what it knows; a probe block tells
-                block, size = gguf.constants.GGML_QUANT_SIZES[kind]
-                gguf.quants.dequantize(np.zeros((1, size), np.uint8), kind)
+                gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[kind][1]), np.uint8), kind)
             except (NotImplementedError, KeyError, ValueError):
                 raise ModelError(f"{path}: tensor {g!r} is GGML type {kind.name}, which llmrs cannot read "
                                  "(gguf cannot dequantize it); re-quantize the model to Q8_0, Q4_0 or F16") from None

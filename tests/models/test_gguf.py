@@ -199,3 +199,12 @@ def test_sentencepiece_vocab_tokenizes_as_sentencepiece(tmp_path):
         assert ids == [sp.bos_id()] + sp.encode(text), text
         assert tok.decode(ids) == sp.decode(sp.encode(text)) == text
     assert vocab.stop_ids == (sp.eos_id(),) and vocab.bos_token == "<s>"
+
+
+def test_missing_pre_tokenizer_falls_back_to_llama_cpp_default_with_a_notice(tmp_path):
+    path = hf_to_gguf(DATA / "golden-a", tmp_path / "m.gguf", edit=lambda meta, t: meta.pop("tokenizer.ggml.pre"))
+    model = load_model(path)
+    assert len(model.notices) == 1 and "tokenizer.ggml.pre is missing" in model.notices[0]
+    tok = Tokenizer.from_str(model.tokenizer_json)
+    # llama.cpp's 'default' cuts punctuation runs out before the GPT-2 regex sees them
+    assert tok.encode("ab, cd", add_special_tokens=False).tokens[:2] == ["ab", ","]
