@@ -2,13 +2,13 @@
 modeling_llama.py; parameters keep their safetensors names."""
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..compiler.ir import Graph, LazyTensor
-from .config import LlamaConfig, ModelError, read_json, load_config
+from .config import LlamaConfig, ModelError, load_config, read_json
 from .safetensors_io import TensorRef, open_folder
 
 
