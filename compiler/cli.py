@@ -1,4 +1,4 @@
-"""llmrs-compile: a Hugging Face Llama folder -> one plan file."""
+"""llmrs-compile: a Hugging Face Llama folder or a GGUF file -> one plan file."""
 from __future__ import annotations
 
 import argparse
@@ -11,16 +11,18 @@ from pathlib import Path
 from ..models.config import ModelError
 from ..models.llama import load_model
 from .ir import IRError
+from .passes.quantize import NATIVE_FALLBACK, Conversion
 from .pipeline import RULES, CompileOptions, compile_graphs
 from .plan import PlanWriteError, write_graph_plan
 from .cliutil import OneLineParser, Progress, check_output_file
 from .summary import summarize
 
-WEIGHT_TYPES = ("q4_0", "q4_1", "q8_0", "f16", "f32")
+WEIGHT_TYPES = ("q4_0", "q4_1", "q8_0", "f16", "f32", "native")
 TARGETS = ("cpu", "opencl")
 
 EPILOG = """examples:
   llmrs-compile model/ -o plan.bin                       q4_0 weights, CPU + OpenCL code
+  llmrs-compile model.gguf -o plan.bin                   the GGUF's own weight formats (native)
   llmrs-compile model/ -o plan.bin --weights q8_0 --lm-head f16 --kv-type f16
   llmrs-compile model/ -o plan.bin --no-fuse norm_prologue --dump-ir ir/   measure one fusion
 
@@ -31,12 +33,16 @@ fusion rules (--no-fuse): {rules}
 def parser() -> argparse.ArgumentParser:
     ap = OneLineParser(
         prog="llmrs-compile", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Compile a Hugging Face Llama 3.x folder (config.json, *.safetensors, tokenizer.json) "
-                    "into one plan file: fused op graphs, a static activation arena, kernels and weights.",
+        description="Compile a Llama model, a Hugging Face folder (config.json, *.safetensors, tokenizer.json) "
+                    "or a GGUF file (llama.cpp's format), into one plan file: fused op graphs, a static "
+                    "activation arena, kernels and weights.",
         epilog=EPILOG.format(rules=", ".join(RULES)))
-    ap.add_argument("model_dir", type=Path, help="Hugging Face model folder")
+    ap.add_argument("model_dir", type=Path, metavar="MODEL", help="Hugging Face model folder or .gguf file")
     ap.add_argument("-o", "--output", type=Path, required=True, help="plan file to write")
-    ap.add_argument("--weights", choices=WEIGHT_TYPES, default="q4_0", help="matmul weight format (default q4_0)")
+    ap.add_argument("--weights", choices=WEIGHT_TYPES, default=None,
+                    help="matmul weight format; 'native' keeps each tensor's stored format where llmrs has it "
+                         "(Q4_0 Q4_1 Q8_0 F16 BF16 F32, bytes unchanged) and makes others (K-quants) "
+                         f"{NATIVE_FALLBACK}. Default: native for a .gguf file, q4_0 for a folder")
     ap.add_argument("--embedding", choices=WEIGHT_TYPES, help="token embedding format (default: --weights)")
     ap.add_argument("--lm-head", choices=WEIGHT_TYPES, help="output head format (default: --weights)")
     ap.add_argument("--kv-type", choices=("f32", "f16", "q8_0"), default="f16", help="KV cache format (default f16)")
@@ -104,13 +110,37 @@ def left_out_notice(target: str, why: str, kept: list[str]) -> str:
     return f"llmrs-compile: notice: no {TARGET_LABELS[target]} code: {why}; the plan runs on {', '.join(kept)}"
 
 
+def _conversion_notices(conversions: dict[str, Conversion]) -> list[str]:
+    """One line per (stored format, new dtype): which tensors, and the worst measured error."""
+    if not conversions:
+        return []
+    from ..models.gguf_io import gguf_name  # only GGUF files hold formats llmrs converts
+
+    groups: dict[tuple[str, str], list[Conversion]] = {}
+    for c in conversions.values():
+        groups.setdefault((c.source, c.dtype), []).append(c)
+    lines = []
+    for (source, dtype), cs in sorted(groups.items()):
+        names = [gguf_name(c.tensor) for c in cs]
+        shown = ", ".join(names if len(names) <= 4 else names[:3] + [f"and {len(names) - 3} more"])
+        worst = max(cs, key=lambda c: c.max_rel_err)
+        lines.append(f"{len(cs)} {source} tensor{'s' * (len(cs) > 1)} converted to {dtype} (llmrs has no "
+                     f"{source} kernels): {shown}; max relative error {worst.max_rel_err:.2e} "
+                     f"({gguf_name(worst.tensor)})")
+    return lines
+
+
 def compile_model(args: argparse.Namespace, argv: list[str]) -> str:
     t0 = time.perf_counter()
     model = load_model(args.model_dir)
-    opts = CompileOptions(weights=args.weights, embedding=args.embedding, lm_head=args.lm_head,
+    for note in model.notices:
+        print(f"llmrs-compile: notice: {note}", file=sys.stderr)
+    conversions: dict[str, Conversion] = {}
+    weights = args.weights or ("q4_0" if model.path.is_dir() else "native")
+    opts = CompileOptions(weights=weights, embedding=args.embedding, lm_head=args.lm_head,
                           kv_type=args.kv_type, max_seq_len=args.max_seq_len,
                           prefill_chunk=args.prefill_chunk, disabled_rules=tuple(args.no_fuse),
-                          dump_ir_dir=args.dump_ir)
+                          dump_ir_dir=args.dump_ir, on_convert=lambda c: conversions.__setitem__(c.tensor, c))
     prefill, decode = compile_graphs(model, opts)
     graphs = {"prefill": prefill, "decode": decode}
     targets = _targets(args.target)
@@ -118,9 +148,8 @@ def compile_model(args: argparse.Namespace, argv: list[str]) -> str:
     kept = [t for t in targets if t not in left_out]
     for target, why in left_out.items():
         print(left_out_notice(target, why, kept), file=sys.stderr)
-    tokenizer = args.model_dir / "tokenizer.json"
-    if tokenizer.is_file():
-        sections["tokenizer.json"] = tokenizer.read_text()
+    if model.tokenizer_json is not None:
+        sections["tokenizer.json"] = model.tokenizer_json
     cfg = model.config
     manifest = {
         "model": cfg.to_json(),
@@ -128,6 +157,9 @@ def compile_model(args: argparse.Namespace, argv: list[str]) -> str:
         "compile_command": "llmrs-compile " + shlex.join(argv),
         "stop_ids": list(cfg.eos_token_ids),
         "bos_id": cfg.bos_token_id,
+        "chat_template": model.chat_template,
+        "bos_token": model.bos_token,
+        "eos_token": model.eos_token,
         "prefill_chunk": args.prefill_chunk,
         "max_seq_len": args.max_seq_len,
     }
@@ -136,6 +168,8 @@ def compile_model(args: argparse.Namespace, argv: list[str]) -> str:
     info = write_graph_plan(args.output, graphs, manifest, sections,
                             progress=lambda name, i, n: bar.update(i + 1, name))
     bar.close()
+    for line in _conversion_notices(conversions):
+        print(f"llmrs-compile: notice: {line}", file=sys.stderr)
     return summarize(cfg, graphs, info, time.perf_counter() - t0)
 
 

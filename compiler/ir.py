@@ -119,6 +119,8 @@ class LazyTensor:
     shape: tuple[int, ...]
     dtype: str
     make: Callable[[], np.ndarray]
+    source_format: str | None = None  # on-disk format llmrs has no kernels for (a GGUF's Q6_K ...):
+                                      # make() decodes it to f32 and the quantize pass converts it
 
     def load(self) -> np.ndarray:
         arr = self.make()

@@ -1,4 +1,4 @@
-"""The compiler as one list of passes: a model folder -> prefill and decode graphs ready for codegen.
+"""The compiler as one list of passes: a model (folder or GGUF) -> prefill and decode graphs ready for codegen.
 
     verify ▸ quantize ▸ fold ▸ fuse ▸ schedule ▸ plan_memory
 
@@ -7,7 +7,7 @@ broken rewrite is reported under the pass that made it.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
@@ -16,7 +16,7 @@ from .ir import QK, Graph, IRError
 from .passes.fold import fold
 from .passes.fuse import RULE_NAMES, check_rule_names, fuse
 from .passes.plan_memory import plan_memory
-from .passes.quantize import WEIGHT_DTYPES, quantize
+from .passes.quantize import NATIVE, WEIGHT_DTYPES, Conversion, quantize
 from .passes.schedule import schedule
 from .passes.verify import verify
 
@@ -26,7 +26,7 @@ KV_TYPES = ("f32", "f16", "q8_0")
 
 @dataclass(frozen=True)
 class CompileOptions:
-    weights: str = "q4_0"                  # matmul weights: q4_0 | q4_1 | q8_0 | f16 | f32
+    weights: str = "q4_0"                  # matmul weights: q4_0 | q4_1 | q8_0 | f16 | f32 | native
     embedding: str | None = None           # token embedding table; None: as weights
     lm_head: str | None = None             # output head; None: as weights
     kv_type: str = "f16"                   # KV cache: f32 | f16 | q8_0
@@ -34,17 +34,19 @@ class CompileOptions:
     prefill_chunk: int = 128               # T of the prefill graph
     disabled_rules: tuple[str, ...] = ()   # fusion rules switched off
     dump_ir_dir: Path | None = None        # write each graph after every pass here
+    # told of every weight converted from a format llmrs has no kernels for, as its data is made
+    on_convert: Callable[[Conversion], None] | None = field(default=None, compare=False, repr=False)
 
     def check(self) -> None:
         for flag, dt in (("--weights", self.weights), ("--embedding", self.embedding), ("--lm-head", self.lm_head)):
-            if dt is not None and dt not in WEIGHT_DTYPES:
-                raise ValueError(f"{flag} {dt!r}: choose one of {', '.join(WEIGHT_DTYPES)}")
+            if dt is not None and dt not in WEIGHT_DTYPES + (NATIVE,):
+                raise ValueError(f"{flag} {dt!r}: choose one of {', '.join(WEIGHT_DTYPES + (NATIVE,))}")
         if self.kv_type not in KV_TYPES:
             raise ValueError(f"--kv-type {self.kv_type!r}: choose one of {', '.join(KV_TYPES)}")
         check_rule_names(self.disabled_rules)
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "on_convert"}
         d["disabled_rules"] = list(self.disabled_rules)
         d["dump_ir_dir"] = str(self.dump_ir_dir) if self.dump_ir_dir is not None else None
         return d
@@ -54,7 +56,7 @@ Pass = Callable[[Graph, CompileOptions], Graph]
 
 PASSES: list[tuple[str, Pass]] = [
     ("verify", lambda g, o: verify(g)),
-    ("quantize", lambda g, o: quantize(g, o.weights, o.embedding, o.lm_head)),
+    ("quantize", lambda g, o: quantize(g, o.weights, o.embedding, o.lm_head, o.on_convert)),
     ("fold", lambda g, o: fold(g)),
     ("fuse", lambda g, o: fuse(g, o.disabled_rules)),
     ("schedule", lambda g, o: schedule(g)),

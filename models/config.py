@@ -123,7 +123,7 @@ def parse_config(raw: dict[str, Any], where: str = "config.json") -> LlamaConfig
     )
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -137,9 +137,9 @@ def load_config(model_dir: str | Path) -> LlamaConfig:
     path = model_dir / "config.json"
     if not path.is_file():
         raise ModelError(f"{model_dir}: no config.json (is this a Hugging Face model folder?)")
-    cfg = parse_config(_read_json(path), str(path))
+    cfg = parse_config(read_json(path), str(path))
     gen = model_dir / "generation_config.json"
     if gen.is_file():  # it may name more stop tokens than config.json does
-        extra = _ids(_read_json(gen).get("eos_token_id"))
+        extra = _ids(read_json(gen).get("eos_token_id"))
         cfg = LlamaConfig(**{**asdict(cfg), "eos_token_ids": tuple(dict.fromkeys(cfg.eos_token_ids + extra))})
     return cfg

@@ -2,12 +2,13 @@
 modeling_llama.py; parameters keep their safetensors names."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..compiler.ir import Graph, LazyTensor
-from .config import LlamaConfig, ModelError, load_config
+from .config import LlamaConfig, ModelError, load_config, read_json
 from .safetensors_io import TensorRef, open_folder
 
 
@@ -58,19 +59,63 @@ def check_weights(cfg: LlamaConfig, refs: dict[str, TensorRef], where: str) -> d
 class LlamaModel:
     path: Path
     config: LlamaConfig
-    tensors: dict[str, TensorRef]
+    tensors: dict[str, TensorRef]           # graph name -> on-disk tensor (safetensors or GGUF)
+    tokenizer_json: str | None = None       # Hugging Face tokenizer.json text; None: none given
+    chat_template: str | None = None        # jinja2 source, for llmrs-run --chat
+    bos_token: str | None = None            # the special-token strings a chat template refers to
+    eos_token: str | None = None
+    notices: tuple[str, ...] = ()           # things the user should know about how it was read
 
 
-def load_model(model_dir: str | Path) -> LlamaModel:
+def _token_text(v: object) -> str | None:
+    # tokenizer_config.json gives a special token as its text or as an AddedToken dict
+    return v.get("content") if isinstance(v, dict) else v if isinstance(v, str) else None
+
+
+def load_hf_folder(model_dir: Path) -> LlamaModel:
     """Parse and check a Hugging Face folder; weights stay on disk (memory-mapped on use)."""
-    model_dir = Path(model_dir)
     cfg = load_config(model_dir)
     refs = check_weights(cfg, open_folder(model_dir), str(model_dir))
-    return LlamaModel(model_dir, cfg, refs)
+    tok = model_dir / "tokenizer.json"
+    tok_cfg = model_dir / "tokenizer_config.json"
+    extra = read_json(tok_cfg) if tok_cfg.is_file() else {}
+    template = extra.get("chat_template")
+    if isinstance(template, list):  # named templates: [{name, template}]; "default" is the chat one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    jinja = model_dir / "chat_template.jinja"  # newer transformers save the template beside it
+    if jinja.is_file():
+        template = jinja.read_text()
+    return LlamaModel(model_dir, cfg, refs, tok.read_text() if tok.is_file() else None,
+                      template if isinstance(template, str) else None,
+                      _token_text(extra.get("bos_token")), _token_text(extra.get("eos_token")))
+
+
+def load_gguf(path: Path) -> LlamaModel:
+    """Parse and check a GGUF file; tensors stay in the mapped file."""
+    from .gguf_io import Metadata, open_reader, read_config, read_tensors
+    from .gguf_vocab import read_vocab
+
+    reader = open_reader(path)
+    meta = Metadata(reader, path)
+    cfg = read_config(meta, {t.name: t for t in reader.tensors})
+    tensors = read_tensors(cfg, reader, path)
+    vocab = read_vocab(meta)
+    cfg = dataclasses.replace(cfg, bos_token_id=vocab.bos_id, eos_token_ids=vocab.stop_ids)
+    return LlamaModel(path, cfg, tensors, vocab.tokenizer_json, vocab.chat_template,
+                      vocab.bos_token, vocab.eos_token, vocab.notices)
+
+
+def load_model(model: str | Path) -> LlamaModel:
+    """A Hugging Face folder or a .gguf file, by what the path is."""
+    model = Path(model)
+    if model.is_dir() or (not model.exists() and model.suffix != ".gguf"):
+        return load_hf_folder(model)
+    return load_gguf(model)
 
 
 def _weights(tensors: dict[str, TensorRef]) -> dict[str, LazyTensor]:
-    return {n: LazyTensor(r.shape, r.dtype, r.load) for n, r in tensors.items()}
+    # a GGUF tensor in a format llmrs has no kernels for names it (source_format); it loads as f32
+    return {n: LazyTensor(r.shape, r.dtype, r.load, getattr(r, "source_format", None)) for n, r in tensors.items()}
 
 
 def build_graph(cfg: LlamaConfig, weights: dict[str, LazyTensor], T: int, max_seq_len: int,

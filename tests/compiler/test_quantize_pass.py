@@ -157,5 +157,5 @@ def test_rows_that_are_not_whole_blocks_are_refused_naming_the_tensor_and_flag()
 
 
 def test_an_unknown_format_is_refused_naming_the_flag(golden):
-    with pytest.raises(IRError, match=r"--lm-head 'q5_1': choose one of q4_0, q8_0, f16, f32"):
+    with pytest.raises(IRError, match=r"--lm-head 'q5_1': choose one of q4_0, q4_1, q8_0, f16, f32, native"):
         quantize(_graphs(golden[0])[1], "q4_0", lm_head="q5_1")

@@ -1,0 +1,275 @@
+"""GGUF files (llama.cpp's format), read with the `gguf` package: a Llama's hyper-parameters and
+its tensors, which stay in the memory-mapped file until a pass loads them.
+
+Tensors in a format llmrs has (F32 F16 BF16 Q4_0 Q4_1 Q8_0) keep their bytes. Others (K-quants,
+Q5_0, IQ*) are decoded to f32 by `gguf.quants` on load and carry their GGML type in
+`source_format`, so the quantize pass converts them once and says so.
+
+llama.cpp's converter reorders the rows of Q and K for its RoPE, which rotates adjacent pairs
+(2i, 2i+1) where Hugging Face's rotate_half (what the graph computes) pairs (i, i + hd/2): each
+head's rows, seen as [2, hd/2], were transposed to [hd/2, 2]. load() transposes them back. A row
+is whole quantization blocks, so its bytes are unchanged; only the order of rows is.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import gguf
+from gguf import GGMLQuantizationType as GT
+
+from .config import LlamaConfig, ModelError
+from .rope import rope_inv_freq
+
+NATIVE = {GT.F32: "f32", GT.F16: "f16", GT.BF16: "bf16", GT.Q4_0: "q4_0", GT.Q4_1: "q4_1", GT.Q8_0: "q8_0"}
+
+_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+_LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_LAYER_HF = {v: k for k, v in _LAYER.items()}
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3's RoPE frequency divisors, written by convert_hf_to_gguf
+_MISSING = object()
+
+
+def hf_name(name: str) -> str | None:
+    """The graph's (Hugging Face) name of a GGUF tensor, or None for one a Llama does not have."""
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER and parts[3] == "weight":
+        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.weight"
+    return None
+
+
+def gguf_name(name: str) -> str:
+    """The GGUF name of a graph weight (for messages); other names come back as they are."""
+    for g, h in _GLOBAL.items():
+        if h == name:
+            return g
+    parts = name.split(".")
+    if len(parts) >= 4 and parts[:2] == ["model", "layers"] and ".".join(parts[3:-1]) in _LAYER_HF:
+        return f"blk.{parts[2]}.{_LAYER_HF['.'.join(parts[3:-1])]}.weight"
+    return name
+
+
+def unpermute_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row order: rows[n_heads * hd, ...] from [h, hd/2, 2] back to [h, 2, hd/2]."""
+    n = rows.shape[0]
+    return rows.reshape(n_heads, n // n_heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+@dataclass(frozen=True, eq=False)
+class GGUFTensor:
+    """One GGUF tensor as the graph sees it; `load()` gives its bytes in the dtype's storage layout."""
+    name: str                   # its GGUF name, e.g. blk.0.attn_q.weight
+    ggml_type: str              # GGML type name: Q4_1, Q6_K, F32, ...
+    dtype: str                  # llmrs dtype load() gives: the tensor's own, or f32 for a decoded type
+    shape: tuple[int, ...]      # [out, in] as Hugging Face has it (GGUF lists dimensions innermost first)
+    data: np.ndarray            # the mapped bytes as gguf's reader exposes them
+    n_heads: int = 0            # Q / K: heads whose rows llama.cpp interleaved; 0 for other tensors
+
+    @property
+    def source_format(self) -> str | None:
+        """The GGML type when llmrs has no such format (the data is decoded to f32 on load)."""
+        return None if GT[self.ggml_type] in NATIVE else self.ggml_type
+
+    def load(self) -> np.ndarray:
+        raw = unpermute_rows(self.data, self.n_heads) if self.n_heads else self.data
+        if self.source_format:
+            return np.asarray(gguf.quants.dequantize(raw, GT[self.ggml_type]), dtype=np.float32).reshape(self.shape)
+        if self.dtype == "bf16":  # the reader exposes BF16 as bytes
+            return raw.view(np.uint16)
+        return raw
+
+
+class Metadata:
+    """Typed reads of a GGUF's key/value metadata; a missing or mistyped value is a one-line ModelError."""
+
+    def __init__(self, reader: Any, path: Path):
+        self.fields, self.path = reader.fields, path
+
+    def has(self, key: str) -> bool:
+        return key in self.fields
+
+    def get(self, key: str, kind: type, default: Any = _MISSING, why: str = "") -> Any:
+        field = self.fields.get(key)
+        if field is None:
+            if default is _MISSING:
+                raise ModelError(f"{self.path}: metadata {key} is missing{why}")
+            return default
+        try:
+            value = field.contents()
+        except (UnicodeDecodeError, ValueError, IndexError) as e:
+            raise ModelError(f"{self.path}: metadata {key} cannot be read ({e})") from None
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = {int: numeric and isinstance(value, int), float: numeric, bool: isinstance(value, bool),
+              str: isinstance(value, str), list: isinstance(value, list)}[kind]
+        if not ok:
+            shown = f"a list of {len(value)}" if isinstance(value, list) else repr(value)[:40]
+            raise ModelError(f"{self.path}: metadata {key} is {shown}, expected {kind.__name__}")
+        if kind is float and field.types == [gguf.GGUFValueType.FLOAT32]:
+            # the shortest decimal that is this f32: the value the converter was given (1e-05, not 9.99e-06)
+            return float(str(np.float32(value)))
+        return float(value) if kind is float else value
+
+    def positive(self, key: str, default: Any = _MISSING, why: str = "") -> int:
+        value = self.get(key, int, default, why)
+        if value is not None and value < 1:
+            raise ModelError(f"{self.path}: metadata {key} is {value}; it must be positive")
+        return value
+
+
+def open_reader(path: Path) -> Any:
+    """gguf.GGUFReader over the file, its failures (bad magic, truncation, garbage) as one line."""
+    if not path.is_file():
+        raise ModelError(f"{path}: no such GGUF file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
+                         "give a .gguf file or a Hugging Face model folder")
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, KeyError, IndexError, OverflowError, TypeError, UnicodeDecodeError, MemoryError) as e:
+        detail = " ".join(str(e).split())[:120]
+        raise ModelError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {detail}); "
+                         "download or convert it again") from None
+
+
+def _rope_scaling(meta: Metadata, freqs: np.ndarray | None, head_dim: int, theta: float) -> dict[str, Any] | None:
+    """None or llama3 parameters. GGUF keeps Llama 3's scaling as rope_freqs.weight (a divisor per
+    frequency); linear / YaRN / LongRoPE, which llmrs does not run, are named in the metadata."""
+    p = meta.path
+    kind = meta.get("llama.rope.scaling.type", str, "none")
+    factor = meta.get("llama.rope.scaling.factor", float, 1.0)
+    if kind != "none" and not (kind == "linear" and factor == 1.0):
+        raise ModelError(f"{p}: llama.rope.scaling.type {kind!r} (factor {factor:g}) is not supported "
+                         "(llmrs runs Llama 3's frequency scaling, rope_freqs.weight, and plain RoPE)")
+    if meta.get("llama.rope.scale_linear", float, 1.0) != 1.0:
+        raise ModelError(f"{p}: llama.rope.scale_linear is not supported (llmrs runs plain RoPE and Llama 3's scaling)")
+    if freqs is None or np.all(freqs == 1.0):
+        return None
+    return llama3_scaling_from_factors(freqs, head_dim, theta, p)
+
+
+def llama3_scaling_from_factors(freqs: np.ndarray, head_dim: int, theta: float, where: Any) -> dict[str, Any]:
+    """Llama 3's scaling parameters that give these per-frequency divisors, checked by recomputing them.
+
+    The divisor is 1 for short wavelengths, `factor` for long ones and 1 / ((1 - s)/factor + s)
+    between, where s = (L / wavelen - lo) / (hi - lo) is linear in 1/wavelen: with lo = 1 (only
+    L/lo and L/hi are determined), a line fitted through the blended band gives L and hi."""
+    rf = np.asarray(freqs, dtype=np.float64)
+    factor = float(rf.max())
+    inv = rope_inv_freq(head_dim, theta, None).astype(np.float64)
+    want = (rope_inv_freq(head_dim, theta, None) / np.asarray(freqs, np.float32)).astype(np.float32)
+    candidates = [dict(factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                       original_max_position_embeddings=8192)]        # every Llama 3.x release
+    band = (rf > 1.0 + 1e-6) & (rf < factor * (1.0 - 1e-6))
+    if band.sum() >= 2 and factor > 1.0:
+        s = (1.0 / rf[band] - 1.0 / factor) / (1.0 - 1.0 / factor)
+        slope, intercept = np.polyfit(inv[band] / (2 * math.pi), s, 1)   # s = slope / wavelen + intercept
+        if intercept < 0 and slope > 0:
+            b = -intercept
+            candidates.append(dict(factor=factor, low_freq_factor=1.0, high_freq_factor=round(float(1.0 + 1.0 / b), 4),
+                                   original_max_position_embeddings=int(round(slope / b))))
+    for cand in candidates:
+        if np.allclose(rope_inv_freq(head_dim, theta, cand), want, rtol=1e-5, atol=0):
+            return cand
+    raise ModelError(f"{where}: {ROPE_FREQS} holds frequency factors that are not Llama 3's RoPE scaling; "
+                     "llmrs cannot run this model's RoPE")
+
+
+def read_config(meta: Metadata, tensors: dict[str, Any]) -> LlamaConfig:
+    """LlamaConfig from the `llama.*` metadata; tensors (by GGUF name) give the vocabulary size,
+    tying and the RoPE frequency factors."""
+    p = meta.path
+    arch = meta.get("general.architecture", str)
+    if arch != "llama":
+        raise ModelError(f"{p}: general.architecture is {arch!r}; llmrs runs 'llama' "
+                         "(Llama 2/3, SmolLM2, Mistral-style dense models)")
+    if meta.get("llama.expert_count", int, 0) > 0:
+        raise ModelError(f"{p}: llama.expert_count is {meta.get('llama.expert_count', int)}; "
+                         "mixture-of-experts models are not supported")
+    need = " (llmrs needs it to build the graph)"
+    heads = meta.positive("llama.attention.head_count", why=need)
+    kv_heads = meta.positive("llama.attention.head_count_kv", heads)
+    hidden = meta.positive("llama.embedding_length", why=need)
+    head_dim = meta.positive("llama.attention.key_length", None) or \
+        meta.positive("llama.rope.dimension_count", None) or hidden // heads
+    v_dim = meta.positive("llama.attention.value_length", head_dim)
+    rot_dim = meta.positive("llama.rope.dimension_count", head_dim)
+    if v_dim != head_dim or rot_dim != head_dim:
+        raise ModelError(f"{p}: key length {head_dim}, value length {v_dim} and rope.dimension_count {rot_dim} "
+                         "differ; llmrs rotates and attends over whole heads of one size")
+    if heads % kv_heads:
+        raise ModelError(f"{p}: llama.attention.head_count {heads} is not a multiple of head_count_kv {kv_heads}")
+    if head_dim % 2:
+        raise ModelError(f"{p}: head dimension {head_dim} must be even for RoPE")
+    embd = tensors.get("token_embd.weight")
+    if embd is None:
+        raise ModelError(f"{p}: tensor 'token_embd.weight' is missing (every Llama has a token embedding)")
+    vocab = int(embd.shape[-1])
+    if meta.get("llama.vocab_size", int, vocab) != vocab:
+        raise ModelError(f"{p}: llama.vocab_size {meta.get('llama.vocab_size', int)} differs from "
+                         f"token_embd.weight's {vocab} rows")
+    theta = meta.get("llama.rope.freq_base", float, 10000.0)
+    rf = tensors.get(ROPE_FREQS)
+    if rf is not None and tuple(int(d) for d in rf.shape) != (head_dim // 2,):
+        raise ModelError(f"{p}: tensor {ROPE_FREQS!r} has shape {list(rf.shape)}, expected [{head_dim // 2}]")
+    freqs = None if rf is None else np.asarray(gguf.quants.dequantize(rf.data, rf.tensor_type), np.float32)
+    counts = Counter(t.tensor_type.name.lower() for t in tensors.values() if len(t.shape) == 2)
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=meta.positive("llama.feed_forward_length", why=need),
+        num_hidden_layers=meta.positive("llama.block_count", why=need),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=meta.get("llama.attention.layer_norm_rms_epsilon", float, why=need),
+        rope_theta=theta,
+        rope_scaling=_rope_scaling(meta, freqs, head_dim, theta),
+        max_position_embeddings=meta.positive("llama.context_length", why=need),
+        tie_word_embeddings="output.weight" not in tensors,
+        torch_dtype=counts.most_common(1)[0][0] if counts else "f32",
+    )
+
+
+def read_tensors(cfg: LlamaConfig, reader: Any, path: Path) -> dict[str, GGUFTensor]:
+    """Every tensor the graph needs, by its graph name, checked against cfg; one-line errors name
+    the GGUF tensor."""
+    from .llama import expected_tensors
+
+    by_name = {t.name: t for t in reader.tensors}
+    want = expected_tensors(cfg)
+    extra = sorted(n for n in by_name if n != ROPE_FREQS and hf_name(n) not in want)
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise ModelError(f"{path}: unexpected tensor {extra[0]!r}{more}: not part of a Llama with this metadata")
+    out = {}
+    for name, shape in want.items():
+        g = gguf_name(name)
+        t = by_name.get(g)
+        if t is None:
+            raise ModelError(f"{path}: tensor {g!r} is missing (the metadata implies it, shape {list(shape)})")
+        got = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if got != shape:
+            raise ModelError(f"{path}: tensor {g!r} has shape {list(got)}, the metadata implies {list(shape)}")
+        kind = t.tensor_type
+        if kind not in NATIVE:
+            try:  # gguf dequantizes what it knows; a probe block tells
+                gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[kind][1]), np.uint8), kind)
+            except (NotImplementedError, KeyError, ValueError):
+                raise ModelError(f"{path}: tensor {g!r} is GGML type {kind.name}, which llmrs cannot read "
+                                 "(gguf cannot dequantize it); re-quantize the model to Q8_0, Q4_0 or F16") from None
+        heads = cfg.num_attention_heads if name.endswith("q_proj.weight") else \
+            cfg.num_key_value_heads if name.endswith("k_proj.weight") else 0
+        out[name] = GGUFTensor(g, kind.name, NATIVE.get(kind, "f32"), shape, t.data, heads)
+    return out
