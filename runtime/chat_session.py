@@ -93,9 +93,10 @@ def chat(model: Model, args: argparse.Namespace, stdin: TextIO | None = None, st
                                repetition_window=args.repetition_window, seed=args.seed)
             with _StopOnCtrlC() as ctrl_c:
                 try:
-                    for piece in reply:
-                        stdout.write(piece)
-                        stdout.flush()
+                    for piece in reply.steps():     # per token: Ctrl-C is seen even while text is held back
+                        if piece:
+                            stdout.write(piece)
+                            stdout.flush()
                         if ctrl_c.requested:
                             break
                 except KeyboardInterrupt:

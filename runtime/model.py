@@ -144,7 +144,7 @@ class Completion:
         self.text = ""                  # what the pieces so far add up to
         self.finish_reason: str | None = None
         self.generation = Generation(tokens=[])
-        self._pieces = self._run()
+        self._steps = self._run()
 
     @property
     def tokens(self) -> list[int]:
@@ -167,10 +167,18 @@ class Completion:
         return self
 
     def __next__(self) -> str:
-        return next(self._pieces)
+        for piece in self._steps:
+            if piece:
+                return piece
+        raise StopIteration
+
+    def steps(self) -> Iterator[str]:
+        """The same generation one token at a time: each item is the text that token lets out,
+        often "" (held back), so a caller can look up between any two tokens."""
+        return self._steps
 
     def close(self) -> None:
-        self._pieces.close()
+        self._steps.close()
 
     def _run(self) -> Iterator[str]:
         model, opts = self.model, self.options
@@ -186,9 +194,8 @@ class Completion:
                 piece, hit = stops.push(detok.push(token))
                 if hit:
                     self.finish_reason = "stop"
-                if piece:
-                    self.text += piece
-                    yield piece
+                self.text += piece
+                yield piece
                 if hit:
                     return
             piece, hit = stops.finish(detok.flush())
