@@ -179,6 +179,7 @@ class Completion:
 
     def close(self) -> None:
         self._steps.close()
+        self.finish_reason = self.finish_reason or "cancelled"  # also when it never started
 
     def _run(self) -> Iterator[str]:
         model, opts = self.model, self.options

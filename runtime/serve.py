@@ -15,7 +15,7 @@ from .engine import EngineError
 from .model import BACKENDS
 from .plan import PlanError
 
-MISSING = "llmrs-serve needs starlette and uvicorn: pip install 'llmrs[serve]'"
+MISSING = "starlette and uvicorn are missing: pip install 'llmrs[serve]'"
 
 
 def parser() -> argparse.ArgumentParser:

@@ -9,6 +9,11 @@ asyncio lock, and each generation runs one piece at a time on a worker thread wh
 keeps reading sockets. A client that goes away stops its generation after the current token. The
 cache is kept between requests, so a client that re-sends a growing conversation prefills only the
 new turn. Every error is OpenAI's JSON shape: {"error": {"message", "type", "param", "code"}}.
+
+Defaults are OpenAI's, not llmrs-run's: temperature 1; a completion is 16 tokens, a chat reply runs
+until it ends or the cache is full. Besides OpenAI's fields a request may set top_k and
+repetition_penalty (as vLLM and llama.cpp's server take them); fields llmrs cannot honour (n > 1,
+logprobs, tools, penalties on frequency or presence, ...) are refused by name rather than ignored.
 """
 from __future__ import annotations
 

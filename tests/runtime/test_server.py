@@ -258,3 +258,12 @@ def test_help_says_requests_queue_and_the_default_is_loopback():
     text = " ".join(parser().format_help().split())
     assert "One model answers one request at a time: the others wait in arrival order." in text
     assert "(default 127.0.0.1: this machine only; there is no authentication)" in text
+
+
+def test_without_the_serve_extra_the_command_says_what_to_install(monkeypatch, capsys):
+    import sys
+    from llmrs.runtime import serve
+    monkeypatch.setitem(sys.modules, "uvicorn", None)   # what a missing package looks like to import
+    assert serve.main(["plan.bin"]) == 2
+    err = capsys.readouterr().err
+    assert err == "llmrs-serve: error: starlette and uvicorn are missing: pip install 'llmrs[serve]'\n"
