@@ -109,7 +109,7 @@ def load(plan: str | Path | None = None, backend: str = "cpu", threads: int | No
     default the physical cores), "opencl" (device: an index or a name) or "reference" (numpy).
     engine_options go to the engine by name, for the options it has. Raises ValueError (PlanError,
     EngineError) with a one-line message."""
-    from .runtime.cli import default_plan
+    from .runtime.builtin import default_plan
     from .runtime.model import Model
 
     return Model.load(default_plan() if plan is None else plan, backend=backend, threads=threads,

@@ -30,7 +30,7 @@ def parser() -> argparse.ArgumentParser:
                "  llmrs-serve plan.bin --port 9000 --backend opencl\n"
                "  curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\\n"
                "       -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"stream\": true}'\n")
-    ap.add_argument("plan", nargs="?", type=Path, help="plan file (default: the built-in tiny model)")
+    ap.add_argument("plan", nargs="?", type=Path, help="plan file (default: llmrs-run's built-in model)")
     ap.add_argument("--host", default="127.0.0.1",
                     help="address to listen on (default 127.0.0.1: this machine only; there is no authentication)")
     ap.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks a free one)")
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print(f"llmrs-serve: error: {MISSING}", file=sys.stderr)
         return 2
-    from .cli import default_plan
+    from .builtin import default_plan
     from .model import Model
 
     try:
