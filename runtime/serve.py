@@ -21,10 +21,10 @@ MISSING = "starlette and uvicorn are missing: pip install 'llmrs[serve]'"
 def parser() -> argparse.ArgumentParser:
     ap = OneLineParser(
         prog="llmrs-serve", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Serve a plan over OpenAI's HTTP API: /v1/models, /v1/completions and /v1/chat/completions, "
-                    "streamed (server-sent events) or not. One model answers one request at a time: the others "
-                    "wait in arrival order. The KV cache is kept between requests, so a client that re-sends a "
-                    "growing conversation prefills only its new turn.",
+        description="Serve a plan over OpenAI's HTTP API: /v1/models, /v1/completions and\n"
+                    "/v1/chat/completions, streamed (server-sent events) or not. One model answers one request\n"
+                    "at a time: the others wait in arrival order. The KV cache is kept between requests, so a\n"
+                    "client that re-sends a growing conversation prefills only its new turn.",
         epilog="examples:\n"
                "  llmrs-serve plan.bin                          http://127.0.0.1:8080/v1\n"
                "  llmrs-serve plan.bin --port 9000 --backend opencl\n"
