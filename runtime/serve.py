@@ -1,0 +1,112 @@
+"""llmrs-serve: a plan behind OpenAI's HTTP API on this machine (runtime/server.py is the app).
+
+Kept apart from the app so that a missing optional extra is a one-line error, not a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import socket
+import sys
+from pathlib import Path
+
+from ..compiler.cliutil import OneLineParser
+from .engine import EngineError
+from .model import BACKENDS
+from .plan import PlanError
+
+MISSING = "starlette and uvicorn are missing: pip install 'llmrs[serve]'"
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = OneLineParser(
+        prog="llmrs-serve", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve a plan over OpenAI's HTTP API: /v1/models, /v1/completions and\n"
+                    "/v1/chat/completions, streamed (server-sent events) or not. One model answers one request\n"
+                    "at a time: the others wait in arrival order. The KV cache is kept between requests, so a\n"
+                    "client that re-sends a growing conversation prefills only its new turn.",
+        epilog="examples:\n"
+               "  llmrs-serve plan.bin                          http://127.0.0.1:8080/v1\n"
+               "  llmrs-serve plan.bin --port 9000 --backend opencl\n"
+               "  curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+               "       -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"stream\": true}'\n")
+    ap.add_argument("plan", nargs="?", type=Path, help="plan file (default: llmrs-run's built-in model)")
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="address to listen on (default 127.0.0.1: this machine only; there is no authentication)")
+    ap.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks a free one)")
+    ap.add_argument("--model-name", help="the model's id in the API (default: the plan's file name)")
+    ap.add_argument("--backend", choices=BACKENDS, default="cpu", help="cpu (default), opencl, or reference (numpy)")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    ap.add_argument("--device", default=None, help="OpenCL device index or name (or LLMRS_OPENCL_DEVICE)")
+    return ap
+
+
+def model_id_of(plan: Path) -> str:
+    """plans/smollm2.plan.bin -> smollm2"""
+    name = plan.name
+    for suffix in (".bin", ".plan"):
+        name = name.removesuffix(suffix)
+    return name or "llmrs"
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A bound, listening socket: a taken port is a one-line error before the server starts."""
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:
+        family = socket.AF_INET     # a host name, resolved by bind
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e} (choose another --port or --host)") from None
+    sock.listen(128)
+    return sock
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        import uvicorn
+        from .server import make_app
+    except ImportError:
+        print(f"llmrs-serve: error: {MISSING}", file=sys.stderr)
+        return 2
+    from .builtin import default_plan
+    from .model import Model
+
+    try:
+        if not 0 <= args.port < 65536:
+            raise ValueError(f"--port must be in 0..65535, got {args.port}")
+        plan = args.plan or default_plan()
+        model = Model.load(plan, args.backend, args.threads, args.device)
+        sock = listen(args.host, args.port)
+    except (PlanError, EngineError, ValueError, OSError, RuntimeError) as e:
+        print(f"llmrs-serve: error: {e}", file=sys.stderr)
+        return 2
+    model_id = args.model_name or model_id_of(Path(plan))
+    host, port = sock.getsockname()[:2]
+    print(f"llmrs-serve: {model_id} at http://{f'[{host}]' if ':' in host else host}:{port}/v1 "
+          f"({args.backend}, {model.max_seq_len}-token cache, one request at a time); Ctrl-C stops",
+          file=sys.stderr, flush=True)
+    try:
+        if not ipaddress.ip_address(host).is_loopback:
+            print(f"llmrs-serve: note: {host} is reachable from other machines, and there is no authentication",
+                  file=sys.stderr)
+    except ValueError:
+        pass
+    server = uvicorn.Server(uvicorn.Config(make_app(model, model_id), log_level="warning"))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        model.close()
+        sock.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

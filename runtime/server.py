@@ -1,0 +1,318 @@
+"""The app behind llmrs-serve: one plan behind OpenAI's HTTP API (/v1/models, /v1/completions, /v1/chat/completions,
+streaming as server-sent events ending in `data: [DONE]`), on loopback unless told otherwise.
+
+Built on starlette (routing, requests, responses) and uvicorn (the HTTP server): a small, widely used
+pair, and the one FastAPI itself stands on; both are the optional extra `llmrs[serve]`.
+
+One model, one KV cache, so one generation at a time: requests wait their turn in arrival order on an
+asyncio lock, and each generation runs one piece at a time on a worker thread while the event loop
+keeps reading sockets. A client that goes away stops its generation after the current token. The
+cache is kept between requests, so a client that re-sends a growing conversation prefills only the
+new turn. Every error is OpenAI's JSON shape: {"error": {"message", "type", "param", "code"}}.
+
+Defaults are OpenAI's, not llmrs-run's: temperature 1; a completion is 16 tokens, a chat reply runs
+until it ends or the cache is full. Besides OpenAI's fields a request may set top_k and
+repetition_penalty (as vLLM and llama.cpp's server take them); fields llmrs cannot honour (n > 1,
+logprobs, tools, penalties on frequency or presence, ...) are refused by name rather than ignored.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .chat import ChatTemplateError
+from .engine import EngineError
+from .model import Completion, GenerationOptions, Model
+
+MAX_BODY_BYTES = 8 << 20    # a request beyond this is refused unread: no prompt that fits a cache is near it
+
+
+class APIError(Exception):
+    """A request the server refuses; becomes OpenAI's error body with this status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# -- request fields -> GenerationOptions -----------------------------------------------------------
+def _number(body: dict, name: str, default: float | None, integer: bool = False) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = type(value) is int if integer else type(value) in (int, float)
+    if not ok:
+        raise APIError(400, f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", name)
+    return value
+
+
+# fields that change what OpenAI returns, which llmrs cannot do: refused unless left at their default
+UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "logprobs": None, "top_logprobs": None,
+               "logit_bias": None, "frequency_penalty": 0, "presence_penalty": 0, "tools": None,
+               "tool_choice": None, "functions": None, "function_call": None}
+
+
+def _options(body: dict, prompt_tokens: int, max_seq_len: int, default_max: int | None) -> GenerationOptions:
+    for name, default in UNSUPPORTED.items():
+        value = body.get(name)
+        if value not in (None, default) and not (name == "logprobs" and value is False) \
+                and not (name == "logit_bias" and value == {}):
+            raise APIError(400, f"'{name}' = {value!r} is not supported by llmrs-serve", name, "unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt not in (None, {"type": "text"}):
+        raise APIError(400, f"'response_format' = {fmt!r} is not supported by llmrs-serve (text only)",
+                       "response_format", "unsupported_parameter")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    room = max_seq_len - prompt_tokens
+    max_tokens = _number(body, name, None, integer=True)
+    if max_tokens is not None and max_tokens < 1:
+        raise APIError(400, f"'{name}' must be at least 1, got {max_tokens}", name)
+    if room < 1 or (max_tokens or 0) > room:
+        raise APIError(400, f"this model's context is {max_seq_len} tokens: the prompt has {prompt_tokens} and "
+                            f"{name} asks for {max_tokens or 1} more; shorten the prompt or lower {name}",
+                       name if room >= 1 else None, "context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = room if default_max is None else min(default_max, room)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)
+                             or len(stop) > 4):
+        raise APIError(400, f"'stop' must be a string or a list of up to 4 non-empty strings, got {stop!r}", "stop")
+    values = dict(max_tokens=max_tokens, stop=tuple(stop or ()),
+                  temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
+                  top_k=_number(body, "top_k", 0, integer=True),
+                  repetition_penalty=_number(body, "repetition_penalty", 1.0),
+                  seed=_number(body, "seed", None, integer=True))
+    try:
+        return GenerationOptions(**values).check()
+    except ValueError as e:
+        raise APIError(400, str(e), str(e).split()[0]) from None
+
+
+def _message_text(i: int, message: Any) -> dict[str, str]:
+    """OpenAI's message: content is a string or a list of text parts."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise APIError(400, f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
+    content = message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise APIError(400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+        content = "".join(p["text"] for p in content)
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
+                       f"messages[{i}].content")
+    return {"role": message["role"], "content": content}
+
+
+@dataclass
+class Server:
+    model: Model
+    model_id: str
+    created: int
+
+    def __post_init__(self):
+        self.lock = asyncio.Lock()   # FIFO: requests are served in the order they asked
+
+    # -- the one way a request reaches the model ----------------------------------------------------
+    async def pieces(self, completion: Completion) -> AsyncIterator[str]:
+        """The completion's text, one item per token ("" while text is held back), computed on a
+        worker thread while this request holds the model. However the caller stops (end, disconnect, error), the completion is closed and the
+        model freed; the thread call is not abandoned on cancellation, so a step never outlives it."""
+        steps = completion.steps()
+        async with self.lock:
+            try:
+                while (piece := await anyio.to_thread.run_sync(next, steps, None)) is not None:
+                    yield piece
+            finally:
+                completion.close()
+
+    # -- request parsing ---------------------------------------------------------------------------
+    async def read_json(self, request) -> dict[str, Any]:
+        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB", code="request_too_large")
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        model = body.get("model")
+        if model is not None and model != self.model_id:
+            raise APIError(404, f"the model '{model}' does not exist; this server has '{self.model_id}'",
+                           "model", "model_not_found")
+        if not isinstance(body.get("stream", False), bool):
+            raise APIError(400, "'stream' must be true or false", "stream")
+        return body
+
+    def prompt_ids(self, prompt: Any) -> list[int]:
+        """OpenAI's prompt: a string, token ids, or a list of one of either (no batches here)."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str) and prompt:
+            return self.model.tokenize(prompt)
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            if not all(0 <= t < self.model.vocab_size for t in prompt):
+                raise APIError(400, f"'prompt' has token ids outside 0..{self.model.vocab_size - 1}", "prompt")
+            return prompt
+        raise APIError(400, "'prompt' must be a non-empty string or token ids (one prompt per request)", "prompt")
+
+    def chat_ids(self, messages: Any) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise APIError(400, "'messages' must be a non-empty list", "messages")
+        msgs = [_message_text(i, m) for i, m in enumerate(messages)]
+        try:
+            text = self.model.render_chat(msgs)
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), "messages") from None
+        return self.model.tokenize(text, add_special_tokens=False)
+
+    # -- responses -----------------------------------------------------------------------------
+    async def respond(self, request: Request, body: dict, ids: list[int], default_max: int | None,
+                      chat: bool) -> Response:
+        opts = _options(body, len(ids), self.model.max_seq_len, default_max)
+        completion = Completion(self.model, ids, opts)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        kind = "chat.completion" if chat else "text_completion"
+        head = {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_id}
+
+        def usage() -> dict[str, Any]:
+            return {"prompt_tokens": completion.prompt_tokens, "completion_tokens": completion.completion_tokens,
+                    "total_tokens": completion.prompt_tokens + completion.completion_tokens,
+                    "prompt_tokens_details": {"cached_tokens": completion.cached_tokens}}
+
+        if body.get("stream"):
+            stream_options = body.get("stream_options") or {}
+            if not isinstance(stream_options, dict):
+                raise APIError(400, "'stream_options' must be an object", "stream_options")
+            include_usage = bool(stream_options.get("include_usage"))
+            return EventStream(self._events(completion, {**head, "object": kind + (".chunk" if chat else "")},
+                                             chat, include_usage, usage))
+
+        async with contextlib.aclosing(self.pieces(completion)) as pieces:
+            async for _ in pieces:
+                if await request.is_disconnected():     # nobody reads the answer: stop computing it
+                    break
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": completion.text},
+                      "logprobs": None, "finish_reason": completion.finish_reason}
+        else:
+            choice = {"index": 0, "text": completion.text, "logprobs": None,
+                      "finish_reason": completion.finish_reason}
+        return JSONResponse({**head, "choices": [choice], "usage": usage()})
+
+    async def _events(self, completion: Completion, head: dict, chat: bool, include_usage: bool,
+                      usage: Callable[[], dict]) -> AsyncIterator[bytes]:
+        def event(delta: str | None, finish: str | None = None) -> bytes:
+            if chat:
+                choice = {"index": 0, "delta": {} if delta is None else {"content": delta},
+                          "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            return _sse({**head, "choices": [choice]})
+
+        if chat:    # OpenAI opens a chat stream with the role
+            yield _sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}]})
+        try:
+            async with contextlib.aclosing(self.pieces(completion)) as pieces:
+                async for piece in pieces:
+                    if piece:
+                        yield event(piece)
+        except (EngineError, RuntimeError, ValueError) as e:  # after the 200 went out: an error event
+            yield _sse(APIError(500, str(e), kind="server_error").body())
+            yield b"data: [DONE]\n\n"
+            return
+        yield event(None, completion.finish_reason)
+        if include_usage:
+            yield _sse({**head, "choices": [], "usage": usage()})
+        yield b"data: [DONE]\n\n"
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose source is closed however the response ends: a disconnect cancels
+    the send, and closing the source frees the model at once (not whenever it is collected)."""
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes]):
+        super().__init__(events, headers={"Cache-Control": "no-cache"})
+
+    async def stream_response(self, send) -> None:
+        async with contextlib.aclosing(self.body_iterator):
+            await super().stream_response(send)
+
+
+def make_app(model: Model, model_id: str):
+    """The ASGI app serving `model` as `model_id`."""
+    server = Server(model, model_id, int(Path(model.plan.path).stat().st_mtime))
+
+    def model_card() -> dict[str, Any]:
+        return {"id": model_id, "object": "model", "created": server.created, "owned_by": "llmrs"}
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def one_model(request):
+        name = request.path_params["name"]
+        if name != model_id:
+            raise APIError(404, f"the model '{name}' does not exist; this server has '{model_id}'",
+                           "model", "model_not_found")
+        return JSONResponse(model_card())
+
+    async def completions(request):
+        body = await server.read_json(request)
+        ids = server.prompt_ids(body.get("prompt"))
+        return await server.respond(request, body, ids, 16, chat=False)     # OpenAI's default: 16 tokens
+
+    async def chat_completions(request):
+        body = await server.read_json(request)
+        if model.chat_template is None:
+            raise APIError(400, f"the model '{model_id}' has no chat template (a base model); "
+                                "use /v1/completions", "messages", "no_chat_template")
+        ids = server.chat_ids(body.get("messages"))
+        return await server.respond(request, body, ids, None, chat=True)     # default: the rest of the cache
+
+    async def api_error(request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def http_error(request, exc: HTTPException):
+        return JSONResponse(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                     code="not_found" if exc.status_code == 404 else None).body(),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    async def server_error(request, exc: Exception):
+        return JSONResponse(APIError(500, f"{type(exc).__name__}: {exc}", kind="server_error").body(),
+                            status_code=500)
+
+    routes = [Route("/v1/models", models), Route("/v1/models/{name:path}", one_model),
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/chat/completions", chat_completions, methods=["POST"])]
+    app = Starlette(routes=routes, exception_handlers={APIError: api_error, HTTPException: http_error,
+                                                       Exception: server_error})
+    app.state.llmrs = server    # for whoever embeds the app: the model, its lock
+    return app
