@@ -205,7 +205,8 @@ def _attention(kb: KernelBuilder, graph: Graph, op: Op) -> None:
     heads, whose independent FMA chains keep the core busy. KV slots go in blocks of L (the
     vector width; 16 on AVX-512): L scores per head, one max and one vector exp per block (not
     two scalar exps per slot), and each head's output row stays in registers."""
-    q, k_cache, v_cache, out = kb.bufs
+    q, k_cache, v_cache = kb.bufs[:3]
+    out = kb.bufs[len(op.inputs)]
     b = kb.b
     a = op.attrs
     h, kvh, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
@@ -281,6 +282,61 @@ def _attention(kb: KernelBuilder, graph: Graph, op: Op) -> None:
             base = b.mul(b.add(row0, kb.i64(e)), kb.i64(hd * 4))
             for k in range(nv):
                 kb.store(b.fdiv(b.load(acc[e][k]), inv), out, b.add(base, kb.i64(k * lanes * 4)))
+    if len(op.inputs) == 5:
+        # no barrier between: both parts only read q and the caches, and write disjoint outputs
+        _attention_scores(kb, graph, op, lanes)
+
+
+def _attention_scores(kb: KernelBuilder, graph: Graph, op: Op, lanes: int) -> None:
+    """Eviction scores (compiler/ir.py, attention): when score_ctl[0] != 0, each row t at slot
+    n_past + t >= score_ctl[1] adds softmax(q_t,h . k * scale) over slots [0, n_past + t] to
+    scores[kvh, :] for every query head h of the KV head. A work item is one KV head with all its
+    query heads and rows, so a thread owns its scores row and adds without atomics. Two passes
+    per (row, head): the running max and sum, then each weight; the dot products are recomputed
+    (this runs only when a policy asks, and keeps the attention loop above untouched)."""
+    q, k_cache, scores, ctl = kb.bufs[0], kb.bufs[1], kb.bufs[3], kb.bufs[4]
+    b = kb.b
+    a = op.attrs
+    h, kvh, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
+    kdt = cache_dtype(graph, op.inputs[1])
+    slots = graph.values[op.inputs[3]].shape[1]
+    group, nv = h // kvh, hd // lanes
+    fvec = vec(F32, lanes)
+    zero = ir.Constant(fvec, [0.0] * lanes)
+    m, total = kb.var(F32), kb.var(F32)
+    on = b.icmp_signed("!=", kb.load(I32, ctl, 0), ir.Constant(I32, 0))
+    with kb.if_(on):
+        first = b.sub(b.sext(kb.load(I32, ctl, 4), ir.IntType(64)), kb.n_past)   # first scored row
+        t0 = b.select(b.icmp_signed("<", first, kb.i64(0)), kb.i64(0), first)
+        lo, hi = kb.split(kvh)
+        with kb.loop(lo, hi) as kh:
+            with kb.loop(t0, kb.n_tokens) as t:
+                length = b.add(b.add(kb.n_past, t), kb.i64(1))
+                with kb.loop(0, group) as g:
+                    row = b.add(b.mul(t, kb.i64(h)), b.add(b.mul(kh, kb.i64(group)), g))
+                    qv = [kb.load(fvec, q, kb.idx((row, hd * 4), (k * lanes * 4, 1))) for k in range(nv)]
+
+                    def score(slot: ir.Value) -> ir.Value:
+                        kv = [load_kv(kb, kdt, k_cache, slot, kh, kvh, hd, kb.i64(k * lanes), lanes)
+                              for k in range(nv)]
+                        dot = kb.fma(qv[0], kv[0], zero)
+                        for k in range(1, nv):
+                            dot = kb.fma(qv[k], kv[k], dot)
+                        return b.fmul(kb.hsum(dot), kb.f32(a["scale"]))
+
+                    b.store(kb.f32(-math.inf), m)
+                    b.store(kb.f32(0.0), total)
+                    with kb.loop(0, length) as slot:
+                        sc = score(slot)
+                        m_old = b.load(m)
+                        m_new = kb.maxnum(m_old, sc)
+                        b.store(b.fadd(b.fmul(b.load(total), kb.exp(b.fsub(m_old, m_new))),
+                                       kb.exp(b.fsub(sc, m_new))), total)
+                        b.store(m_new, m)
+                    with kb.loop(0, length) as slot:
+                        p = b.fdiv(kb.exp(b.fsub(score(slot), b.load(m))), b.load(total))
+                        at = kb.idx((kh, slots * 4), (slot, 4))
+                        kb.store(b.fadd(kb.load(F32, scores, at), p), scores, at)
 
 
 _EMITTERS = {

@@ -121,7 +121,7 @@ class _StepIO:
         arena = g.meta["layout"]["arena"]
         out = g.values[g.outputs[0]]
         return _StepIO(g.T, next(g.values[op.inputs[0]].shape[0] for op in g.ops if op.kind == "embedding"),
-                       min((g.values[s].shape[0] for s in g.state), default=None), arena[g.inputs[0]],
+                       g.kv_slots, arena[g.inputs[0]],
                        arena[out.name], out.shape[0], out.shape[1], out.shape[0] == g.T and g.T > 1)
 
 
