@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...compiler.ir import Graph
+from ...compiler.ir import Graph, storage_shape
 from .cpu_native import NativeCode, NativeCodeError, host_triple
 
 _STEP_ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5
@@ -153,6 +153,19 @@ class CpuBackend:
 
     def reset(self) -> None:
         self.kv[:] = 0
+
+    def kv_store(self):
+        """The caches for eviction (runtime/kv): numpy views of the KV region, at the plan's
+        layout["kv"] offsets, which the step functions read and write."""
+        from ..kv.store import HostKV
+        g = self.graphs["decode"]
+        offsets = self.layouts["decode"]["kv"]
+        views = {}
+        for name in g.state:
+            shape, np_dtype = storage_shape(g.values[name].shape, g.values[name].dtype)
+            off = offsets[name]
+            views[name] = self.kv[off:off + g.values[name].nbytes].view(np_dtype).reshape(shape)
+        return HostKV(g, views)
 
     def close(self) -> None:
         if self._pool is not None:

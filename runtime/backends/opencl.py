@@ -499,6 +499,11 @@ class OpenCLBackend:
         self.queue.finish()
         self.scoring = False    # the score control is zero now: off
 
+    def kv_store(self):
+        """The caches for eviction (runtime/kv): scores read back, rows moved by kv_compact.cl."""
+        from ..kv.opencl import OpenCLKV
+        return OpenCLKV(self)
+
     def write_value(self, phase: str, name: str, arr: np.ndarray) -> None:
         """Copy host data into a value's storage (inputs of single-kernel checks, caches);
         quantized weights are given as GGML blocks, as the plan holds them."""
