@@ -10,6 +10,7 @@ import numpy as np
 
 from ..compiler.cliutil import OneLineParser
 from .engine import Engine, EngineError
+from .kv.options import add_eviction_args, cache_manager
 from .builtin import default_plan
 from .plan import Plan, PlanError
 from .sampler import Sampler, SamplerConfig
@@ -24,6 +25,8 @@ def parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
                "  llmrs-run --prompt 'What is the capital of France?'   the built-in SmolLM2-135M-Instruct\n"
                "  llmrs-run plan.bin --prompt 'Once upon a time' -n 64 --stats\n"
+               "  llmrs-run plan.bin --prompt Hi -n 4096 --eviction-policy sliding --eviction-window 256 "
+               "--protected-prefix 4\n"
                "  llmrs-run plan.bin --prompt Hi --temperature 0.8 --top-p 0.9 --seed 1\n"
                "  llmrs-run plan.bin --prompt Hi --backend reference --dump-logits ref.npz\n")
     ap.add_argument("plan", nargs="?", type=Path,
@@ -43,6 +46,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--stats", action="store_true", help="print timings and memory to stderr")
     ap.add_argument("--dump-logits", type=Path, metavar="FILE.npz",
                     help="save tokens (prompt + generated) and the logits each generated token came from")
+    add_eviction_args(ap)
     return ap
 
 
@@ -93,13 +97,16 @@ def run(args: argparse.Namespace) -> int:
     m = plan.manifest
     tokenizer = Tokenizer.from_str(bytes(plan.section("tokenizer.json")).decode())
     backend = make_backend(args.backend, plan, args)
-    engine = Engine(backend, int(m["prefill_chunk"]), int(m["max_seq_len"]), tuple(m.get("stop_ids", ())))
+    engine = Engine(backend, int(m["prefill_chunk"]), int(m["max_seq_len"]), tuple(m.get("stop_ids", ())),
+                    cache=cache_manager(args, backend))
     load_s = time.perf_counter() - t0
     prompt = tokenizer.encode(args.prompt).ids
     stream = TextStream(tokenizer)
     gen = engine.generate(prompt, args.max_new_tokens, sampler, on_token=stream,
                           keep_logits=args.dump_logits is not None)
     stream.close()
+    if gen.notice:
+        print(f"llmrs-run: {gen.notice}", file=sys.stderr)
     gen.stats.load_s = load_s
     if args.dump_logits:
         logits = np.stack(gen.logits) if gen.logits else np.zeros((0, m["model"]["vocab_size"]), np.float32)
