@@ -64,6 +64,7 @@ class OpenCLKV:
                 i = j
         self.idx_buf = cl.Buffer(backend.ctx, cl.mem_flags.READ_ONLY,
                                  self.n_layers * self.n_kv_heads * self.slots * 4)
+        self._uploaded: np.ndarray | None = None   # what idx_buf holds
 
     def scores(self, n: int) -> np.ndarray:
         return np.stack([self.be.read_value("decode", layer.scores)[:, :n] for layer in self.layers])
@@ -83,7 +84,9 @@ class OpenCLKV:
         import pyopencl as cl
         k = keep.shape[-1]
         idx = np.ascontiguousarray(keep, dtype=np.int32)
-        cl.enqueue_copy(self.be.queue, self.idx_buf, idx, is_blocking=True)
+        if self._uploaded is None or not np.array_equal(self._uploaded, idx):   # sliding: the same each step
+            cl.enqueue_copy(self.be.queue, self.idx_buf, idx, is_blocking=True)
+            self._uploaded = idx
         for r in self.runs:
             s = r.spec
             r.kernel.set_args(r.buf, np.uint64(r.offset), np.uint64(r.stride), self.idx_buf,

@@ -7,6 +7,7 @@ scores reads (q, k, v, scores, score_ctl), with k and v the caches it attends ov
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,6 +45,24 @@ def layer_states(graph: Graph) -> tuple[list[LayerStates], str]:
     return layers, ctl
 
 
+def _runs(slots: np.ndarray) -> list[tuple[int, int, int]]:
+    """(destination, source, length) of each run of consecutive slots in an ascending keep list."""
+    breaks = np.flatnonzero(np.diff(slots) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(slots)]])
+    return [(int(a), int(slots[a]), int(b - a)) for a, b in zip(starts, ends) if slots[a] != a]
+
+
+def _move_rows(cache: np.ndarray, runs: list[tuple[int, int, int]]) -> None:
+    """Whole slots (every head at once) moved down by memmove, in order: a policy that keeps the
+    same slots in every head (sliding) evicts at memory speed, with no gathered copy (a Llama-3.2-1B
+    f16 cache of 1024 slots: 13 ms by numpy slices, 62 ms by a gather, for all 32 caches)."""
+    row = cache.strides[0]
+    base = cache.ctypes.data
+    for dst, src, n in runs:
+        ctypes.memmove(base + dst * row, base + src * row, n * row)
+
+
 class HostKV:
     """KV caches held in numpy arrays (storage dtype, storage shape) that the back end reads
     directly: state name -> array. A compaction is a gather per KV head, in place."""
@@ -71,11 +90,15 @@ class HostKV:
         slots past the survivors are zeroed (later steps add to them)."""
         k = keep.shape[-1]
         heads = np.arange(self.n_kv_heads)
+        runs = _runs(keep[0, 0]) if np.all(keep == keep[0, 0]) else None
         for li, layer in enumerate(self.layers):
             idx = keep[li]                                            # [KVH, k]
             for name in (layer.k, layer.v):
                 cache = self.arrays[name]
-                cache[:k] = cache[idx.T, heads[None, :]]              # the gather copies first
+                if runs is None:
+                    cache[:k] = cache[idx.T, heads[None, :]]          # the gather copies first
+                else:
+                    _move_rows(cache, runs)
             sc = self.arrays[layer.scores]
             sc[:, :k] = sc[heads[:, None], idx]
             sc[:, k:] = 0
