@@ -284,10 +284,10 @@ def _attention(kb: KernelBuilder, graph: Graph, op: Op) -> None:
                 kb.store(b.fdiv(b.load(acc[e][k]), inv), out, b.add(base, kb.i64(k * lanes * 4)))
     if len(op.inputs) == 5:
         # no barrier between: both parts only read q and the caches, and write disjoint outputs
-        _attention_scores(kb, graph, op, lanes)
+        _attention_scores(kb, graph, op)
 
 
-def _attention_scores(kb: KernelBuilder, graph: Graph, op: Op, lanes: int) -> None:
+def _attention_scores(kb: KernelBuilder, graph: Graph, op: Op) -> None:
     """Eviction scores (compiler/ir.py, attention): when score_ctl[0] != 0, each row t at slot
     n_past + t >= score_ctl[1] adds softmax(q_t,h . k * scale) over slots [0, n_past + t] to
     scores[kvh, :] for every query head h of the KV head. A work item is one KV head with all its
@@ -300,6 +300,7 @@ def _attention_scores(kb: KernelBuilder, graph: Graph, op: Op, lanes: int) -> No
     h, kvh, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
     kdt = cache_dtype(graph, op.inputs[1])
     slots = graph.values[op.inputs[3]].shape[1]
+    lanes = math.gcd(hd, 16 if kb.target.has("avx512f") else kb.vw)   # any head_dim: a power of 2 dividing it
     group, nv = h // kvh, hd // lanes
     fvec = vec(F32, lanes)
     zero = ir.Constant(fvec, [0.0] * lanes)
