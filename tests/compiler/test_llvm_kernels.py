@@ -18,7 +18,7 @@ from llmrs.compiler.codegen.llvm_target import Target, TargetError, emit, host_t
 from llmrs.runtime.backends.cpu_native import NativeCode
 
 from .kernel_cases import (SIMPLE_KINDS, Case, attention_case, embedding_case, matmul_case,
-                           simple_case)
+                           scored_attention_case, simple_case)
 
 TARGETS = {"host": host_target()}
 if TARGETS["host"].int8_dot == "vnni":  # the AVX2 path too, on a machine that has VNNI
@@ -209,3 +209,15 @@ def test_grouped_q4_0_block_sums_are_ggml_integer_sums_exactly():
     x[0, :32] = 127.0 / np.arange(1, 33)           # a block that uses the full int8 range
     w[0, 2:18] = 0xFF                               # a block of 15s: the largest u8 x s8 products
     _block_sums(lambda kb: emit_q4_group_probe(kb, k, n), TARGETS["host"], w, "q4_0", x, n, k)
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("T,n_tokens,first", [(1, 1, 0), (7, 7, 0), (7, 5, 8), (7, 4, None), (1, 1, 99)])
+def test_attention_eviction_scores_match_interpreter(kv_dtype, T, n_tokens, first):
+    """Each scored row (slot >= first) adds its softmax weights per KV head; the control off or
+    past the step leaves the scores untouched (the check compares them with the interpreter's)."""
+    case = scored_attention_case(T, n_tokens, kv_dtype, first)
+    arrays = run_case(case, TARGETS["host"], nth=3)[0]
+    check(case, arrays)
+    untouched = first is None or first >= case.step.n_past + n_tokens
+    assert np.array_equal(arrays["sc"], case.arrays["sc"]) == untouched
