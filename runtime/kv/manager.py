@@ -13,6 +13,7 @@ Every eviction is an EvictionEvent (policy, trigger, slots before and after, sec
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -126,6 +127,7 @@ class CacheManager:
         """Scores on for the rows the policy wants (off, the back ends skip the work)."""
         if not self.policy.uses_scores:
             return
+        step = dataclasses.replace(step, watch_memory=self.threshold is not None)
         if self.policy.clears_scores_before(step):
             self.store.clear_scores()
         first = self.policy.score_from(step)

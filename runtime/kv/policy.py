@@ -28,6 +28,7 @@ class StepInfo:
     prompt_left: int    # prompt tokens after this step (0 in decode)
     first_chunk: bool   # the first prefill step of a prompt
     slots: int          # the cache's slots
+    watch_memory: bool = False   # memory pressure may evict at any step
 
 
 @dataclass
@@ -145,11 +146,12 @@ class SnapKV(EvictionPolicy):
     top positions up to the budget, plus the observation window itself and the protected prefix.
 
     It compresses the prompt once after prefill (when the prompt is over the budget) and again
-    whenever the cache is full. The scores are cleared at a prompt's start, after every eviction
-    and when the last --snapkv-window decode steps before a full cache begin; a prompt scores its
-    last --snapkv-window rows and those in the last --snapkv-window slots of the cache (a prompt
-    longer than the cache is evicted at those points), so an eviction sees just the window before
-    it (under memory pressure: the queries since the window began)."""
+    whenever the cache is full. Only the rows that vote are scored: a prompt's last
+    --snapkv-window rows, and the rows in the cache's last --snapkv-window slots (the queries just
+    before it is full; a prompt longer than the cache is evicted there too). The scores are
+    cleared at a prompt's start, after every eviction and when that last window begins. Under
+    --memory-threshold-mb, which may evict at any step, every decode row is scored, so such an
+    eviction sees the queries since the scores were last cleared."""
     name = "snapkv"
     uses_scores = True
     clears_scores_after_eviction = True
@@ -170,7 +172,7 @@ class SnapKV(EvictionPolicy):
 
     def score_from(self, step: StepInfo) -> int | None:
         if step.phase == "decode":
-            return 0                                    # every step; cleared as said above
+            return 0 if step.watch_memory else max(0, step.slots - self.obs_window)
         prompt_end = step.n_past + step.n_tokens + step.prompt_left   # slot after the prompt
         return max(0, min(prompt_end, step.slots) - self.obs_window)
 

@@ -234,10 +234,14 @@ def test_scores_are_on_only_for_the_rows_a_policy_votes_with():
     store.arrays["s0"][...] = 1.0
     m.before_step(StepInfo("prefill", 8, 2, 0, False, S))
     assert list(ctl) == [1, 6] and store.arrays["s0"].all()
-    m.before_step(StepInfo("decode", 27, 1, 0, False, S))
-    assert list(ctl) == [1, 0] and store.arrays["s0"].all()
+    m.before_step(StepInfo("decode", 27, 1, 0, False, S))           # decode rows outside the window
+    assert list(ctl) == [0, NEVER] and store.arrays["s0"].all()
     m.before_step(StepInfo("decode", S - 4, 1, 0, False, S))         # the last window before full
-    assert not store.arrays["s0"].any()
+    assert list(ctl) == [1, S - 4] and not store.arrays["s0"].any()
+    # under a memory threshold every decode row votes: an eviction may come at any step
+    watched = CacheManager(make_policy("snapkv", window=8, snapkv_window=4), store, _Monitor(10), threshold_mb=1)
+    watched.before_step(StepInfo("decode", 20, 1, 0, False, S))
+    assert list(ctl) == [1, 0]
     # sliding never scores; h2o scores every row
     for name, want in (("sliding", [0, NEVER]), ("h2o", [1, 0])):
         store = _store(32)
