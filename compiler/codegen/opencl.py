@@ -318,7 +318,8 @@ def _attention_scores(ctx: _Ctx, op: Op, kv: str) -> None:
     q, k, _, scores, ctl = op.inputs
     m = ctx.shape(q)[0]
     ctx.launches.append(Launch(op.name, "attention_scores", "attention_scores",
-                               [f"-DHEAD_DIM={a['head_dim']}", *_kv_options(kv), f"-DSC_WG={SC_WG}"],
+                               [f"-DHEAD_DIM={a['head_dim']}", *_kv_options(kv), f"-DSC_WG={SC_WG}",
+                                f"-DSC_GROUP={a['n_heads'] // a['n_kv_heads']}"],
                                [_v(q), _v(k), _v(scores), _v(ctl), {"int": a["n_heads"]},
                                 {"int": a["n_kv_heads"]}, {"float": float(a["scale"])},
                                 {"int": ctx.shape(scores)[1]}],
