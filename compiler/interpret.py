@@ -173,7 +173,7 @@ def _read_cache(it: Interpreter, name: str, cache: np.ndarray, length: int) -> n
     return _to_float(rows, dtype, it.ft)
 
 
-def _attention(it, op, st, q, k_cache, v_cache):
+def _attention(it, op, st, q, k_cache, v_cache, kept_scores=None, score_ctl=None):
     a = op.attrs
     h, kvh, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
     n, length = st.n_tokens, st.n_past + st.n_tokens
@@ -188,7 +188,14 @@ def _attention(it, op, st, q, k_cache, v_cache):
     p = np.exp(scores)
     p /= p.sum(axis=-1, keepdims=True)
     out = np.einsum("kgtl,lkd->tkgd", p, v)
-    return [out.reshape(n, h * hd).astype(it.ft)]
+    if kept_scores is None:
+        return [out.reshape(n, h * hd).astype(it.ft)]
+    if score_ctl[0]:
+        # eviction scores: the rows at slots >= score_ctl[1] add their weights, summed over the
+        # query heads of each KV head (masked slots hold exactly 0)
+        rows = st.n_past + np.arange(n) >= score_ctl[1]
+        kept_scores[:, :length] += p[:, :, rows, :].sum(axis=(1, 2)).astype(kept_scores.dtype)
+    return [out.reshape(n, h * hd).astype(it.ft), kept_scores]
 
 
 def _silu(x: np.ndarray) -> np.ndarray:

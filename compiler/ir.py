@@ -23,9 +23,16 @@ Op kinds and their exact semantics (the interpreter in interpret.py is the execu
                                                        float32(pos) * inv_freq in float32
     kv_store(src[T,KVH*hd], cache[S,KVH,hd])        -> cache'      rows n_past.. of cache; cache'
                                                        aliases cache (Value.alias)
-    attention(q[T,H*hd], k[S,KVH,hd], v[S,KVH,hd]; n_heads, n_kv_heads, head_dim, scale)
-                                                    -> o[T,H*hd]   causal GQA: row t sees slots
-                                                       [0, n_past + t]
+    attention(q[T,H*hd], k[S,KVH,hd], v[S,KVH,hd] [, scores[KVH,S] f32, score_ctl[2] i32];
+              n_heads, n_kv_heads, head_dim, scale)
+                                                    -> o[T,H*hd] [, scores']
+                                                       causal GQA: row t sees slots [0, n_past + t].
+                                                       With scores (read by runtime/kv's eviction
+                                                       policies): when score_ctl[0] != 0, each row
+                                                       t with n_past + t >= score_ctl[1] adds its
+                                                       softmax weights, summed over the query heads
+                                                       of each KV head, to scores[kvh, 0..n_past+t];
+                                                       scores' aliases scores
     add(a, b), mul(a, b), silu(a), silu_mul(g, u) = silu(g) * u, softmax(x) over the last axis
     argmax(x[T,V])                                  -> y[T] i32
     slice(x[T,D]; rows="last")                      -> y[1,D]      row n_tokens - 1
@@ -181,6 +188,12 @@ class Graph:
     @property
     def state(self) -> list[str]:
         return self.by_kind("state")
+
+    @property
+    def kv_slots(self) -> int | None:
+        """Slots of the KV caches (the [S, KVH, hd] states), None in a graph without any."""
+        return min((self.values[n].shape[0] for n in self.state if len(self.values[n].shape) == 3),
+                   default=None)
 
     def producers(self) -> dict[str, Op]:
         return {out: op for op in self.ops for out in op.outputs}

@@ -76,7 +76,8 @@ def _cache_of(g: Graph, name: str):
 
 
 def _attention(g, op, ins):
-    q, k, v = ins
+    _need(len(ins) in (3, 5), op, "inputs are q, k, v and optionally scores, score_ctl")
+    q, k, v = ins[:3]
     _act(op, q)
     a = op.attrs
     _need(q.shape[1] == a["n_heads"] * a["head_dim"], op, f"q must be [T, {a['n_heads']}*{a['head_dim']}]")
@@ -84,7 +85,17 @@ def _attention(g, op, ins):
     for c in (k, v):
         _need(_cache_of(g, c.name).kind == "state" and c.shape[1:] == (a["n_kv_heads"], a["head_dim"]), op,
               f"{c.name!r} must be a KV cache [S, {a['n_kv_heads']}, {a['head_dim']}]")
-    return [(q.shape, "f32")]
+    if len(ins) == 3:
+        return [(q.shape, "f32")]
+    scores, ctl = ins[3:]
+    want = (a["n_kv_heads"], k.shape[0])
+    _need(scores.kind == "state" and scores.shape == want and scores.dtype == "f32", op,
+          f"scores {scores.name!r} must be a state f32{list(want)}")
+    _need(ctl.kind == "state" and ctl.shape == (2,) and ctl.dtype == "i32", op,
+          f"score_ctl {ctl.name!r} must be a state i32[2]")
+    _need(len(op.outputs) == 2 and g.values[op.outputs[1]].alias == scores.name, op,
+          f"second output must alias {scores.name!r}")
+    return [(q.shape, "f32"), (scores.shape, "f32")]
 
 
 def _same(g, op, ins):

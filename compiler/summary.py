@@ -54,7 +54,9 @@ def plan_stats(cfg: LlamaConfig, graphs: dict[str, Graph]) -> dict[str, float]:
         "prefill_arena_bytes": lay["prefill"].get("arena_bytes", 0),
         "prefill_naive_bytes": lay["prefill"].get("naive_bytes", 0),
         "prefill_lower_bound_bytes": lay["prefill"].get("lower_bound_bytes", 0),
-        "kv_bytes": sum(decode.values[s].nbytes for s in decode.state),
+        # the K and V caches [S, KVH, hd]; other state: eviction scores and their control
+        "kv_bytes": sum(decode.values[s].nbytes for s in decode.state if len(decode.values[s].shape) == 3),
+        "kv_score_bytes": sum(decode.values[s].nbytes for s in decode.state if len(decode.values[s].shape) != 3),
     }
 
 
@@ -78,7 +80,7 @@ def summarize(cfg: LlamaConfig, graphs: dict[str, Graph], info, seconds: float) 
                      f"lower bound {fmt_bytes(lb)} (arena = {ratio(a, lb)} of it)")
     lines += [
         f"arena shared  {fmt_bytes(s['arena_bytes'])} (max of both phases)",
-        f"KV cache      {fmt_bytes(s['kv_bytes'])}",
+        f"KV cache      {fmt_bytes(s['kv_bytes'])} (+ {fmt_bytes(s['kv_score_bytes'])} of eviction scores)",
         f"time          {seconds:.1f} s",
     ]
     return "\n".join(lines)

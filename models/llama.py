@@ -132,10 +132,14 @@ def build_graph(cfg: LlamaConfig, weights: dict[str, LazyTensor], T: int, max_se
     x = act("x.embed", T, d)
     g.add_op("embedding", ["model.embed_tokens.weight", "tokens"], [x])
     rope_attrs = dict(n_heads=h, head_dim=hd, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
+    # attention scores for KV-cache eviction (runtime/kv): which rows add to them, shared by all
+    # layers and set by the runtime; zero (the reset state) means none
+    score_ctl = g.add_value("cache.score_ctl", (2,), "i32", kind="state")
     for i in range(cfg.num_hidden_layers):
         p, a = f"model.layers.{i}.", f"l{i}."
         k_cache = g.add_value(f"cache.k.{i}", (max_seq_len, kvh, hd), kv_dtype, kind="state")
         v_cache = g.add_value(f"cache.v.{i}", (max_seq_len, kvh, hd), kv_dtype, kind="state")
+        scores = g.add_value(f"cache.scores.{i}", (kvh, max_seq_len), "f32", kind="state")
         # hidden_states = self.input_layernorm(hidden_states)
         xn = act(a + "attn_norm", T, d)
         g.add_op("rms_norm", [x, p + "input_layernorm.weight"], [xn], eps=cfg.rms_norm_eps)
@@ -152,8 +156,9 @@ def build_graph(cfg: LlamaConfig, weights: dict[str, LazyTensor], T: int, max_se
         g.add_op("kv_store", [kr, k_cache], [kc])
         g.add_op("kv_store", [v, v_cache], [vc])
         o = act(a + "attn", T, h * hd)
-        g.add_op("attention", [qr, kc, vc], [o], n_heads=h, n_kv_heads=kvh, head_dim=hd,
-                 scale=1.0 / math.sqrt(hd))
+        scores_out = g.add_value(a + "scores", (kvh, max_seq_len), "f32", alias=scores)
+        g.add_op("attention", [qr, kc, vc, scores, score_ctl], [o, scores_out], n_heads=h, n_kv_heads=kvh,
+                 head_dim=hd, scale=1.0 / math.sqrt(hd))
         o_proj = act(a + "o_proj", T, d)
         g.add_op("matmul", [o, p + "self_attn.o_proj.weight"], [o_proj])
         # hidden_states = residual + hidden_states

@@ -183,7 +183,7 @@ def make_case(kernel: Kernel, rng: np.random.Generator) -> Case:
     start_pos ahead of n_past so a kernel that confuses the two is caught."""
     g, op = kernel.graph, kernel.op
     n_tokens = g.T - 1 if g.T > 2 else g.T
-    seq = min((g.values[s].shape[0] for s in g.state), default=n_tokens + 7)
+    seq = g.kv_slots or n_tokens + 7
     n_tokens = min(n_tokens, seq)
     n_past = max(0, min(7, seq - n_tokens))
     arrays: dict[str, np.ndarray] = {}
@@ -191,7 +191,9 @@ def make_case(kernel: Kernel, rng: np.random.Generator) -> Case:
         v = g.values[n]
         if v.kind in ("param", "const"):
             continue
-        if v.dtype == "i32":  # token ids: rows of the embedding table
+        if v.kind == "state" and v.dtype == "i32":  # attention's score control: on from the 2nd row
+            arrays[n] = np.array([1, n_past + 1], np.int32)
+        elif v.dtype == "i32":  # token ids: rows of the embedding table
             arrays[n] = rng.integers(0, g.values[op.inputs[0]].shape[0], v.shape).astype(np.int32)
         else:
             arrays[n] = to_storage(_nonzero_normal(rng, v.shape), v.dtype)
@@ -340,11 +342,12 @@ class OpenCLRunner:
     def run(self, kernel: Kernel, case: Case) -> dict[str, np.ndarray]:
         g = _with_layout(kernel)
         launches = [e for e in self.program["graphs"].get(kernel.phase, []) if e["op"] == kernel.op.name]
-        if len(launches) != 1:
+        if sum(1 for e in launches if not e.get("scores")) != 1:   # an attention's scores launch goes along
             raise self._error(f"the plan's OpenCL launch table has {len(launches)} launches for op "
                               f"{kernel.op.name} of {kernel.phase}; recompile the plan")
         program = {**self.program, "graphs": {g.name: launches}}
         be = self._backend.from_graphs({g.name: g}, program, device=self.device)
+        be.scoring = True   # the case's score control decides which rows add scores
         for name in kernel.op.outputs:
             v = g.values[name]
             if not v.alias:

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..compiler.cliutil import OneLineParser, check_output_file
 from .engine import Engine, EngineError
+from .kv.options import add_eviction_args, cache_manager
 from .builtin import default_plan
 from .plan import Plan, PlanError
 from .sampler import Sampler, SamplerConfig
@@ -26,6 +27,8 @@ def parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
                "  llmrs-run --prompt 'What is the capital of France?'   the built-in SmolLM2-135M-Instruct\n"
                "  llmrs-run plan.bin --prompt 'Once upon a time' -n 64 --stats\n"
+               "  llmrs-run plan.bin --prompt Hi -n 4096 --eviction-policy sliding --eviction-window 256 "
+               "--protected-prefix 4\n"
                "  llmrs-run plan.bin --prompt Hi --temperature 0.8 --top-p 0.9 --seed 1\n"
                "  llmrs-run plan.bin --prompt Hi --backend reference --dump-logits ref.npz\n"
                "  llmrs-run --chat --system 'Be brief.'     a conversation through the model's chat template\n"
@@ -51,6 +54,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--stats", action="store_true", help="print timings and memory to stderr")
     ap.add_argument("--dump-logits", type=Path, metavar="FILE.npz",
                     help="save tokens (prompt + generated) and the logits each generated token came from")
+    add_eviction_args(ap)
     return ap
 
 
@@ -128,20 +132,20 @@ def run(args: argparse.Namespace) -> int:
     m = plan.manifest
     tokenizer = Tokenizer.from_str(bytes(plan.section("tokenizer.json")).decode())
     backend = make_backend(args.backend, plan, args)
-    engine = Engine(backend, int(m["prefill_chunk"]), int(m["max_seq_len"]), tuple(m.get("stop_ids", ())))
+    engine = Engine(backend, int(m["prefill_chunk"]), int(m["max_seq_len"]), tuple(m.get("stop_ids", ())),
+                    cache=cache_manager(args, backend))
     load_s = time.perf_counter() - t0
     prompt = tokenizer.encode(text).ids
     cache, n = int(m["max_seq_len"]), args.max_new_tokens
     room = cache - len(prompt) + 1   # the last token generated is never fed back into the cache
-    if 0 < room < n:   # (a prompt that does not fit at all is the engine's error)
+    if 0 < room < n and not engine.evicts:   # (a prompt that does not fit at all is the engine's error)
         warn(f"the KV cache holds {cache} tokens: after the prompt's {len(prompt)} at most {room} can be "
-             f"generated, not -n {n}; recompile with a larger --max-seq-len for more")
+             f"generated, not -n {n}; for more, --eviction-policy sliding|snapkv|h2o or a larger --max-seq-len")
     stream = TextStream(tokenizer)
     gen = engine.generate(prompt, n, sampler, on_token=stream, keep_logits=args.dump_logits is not None)
     stream.close()
-    if gen.stop_reason == "cache full":
-        warn(f"stopped after {len(gen.tokens)} of -n {n} tokens: the KV cache ({cache} tokens) is full; "
-             "recompile with a larger --max-seq-len")
+    if gen.notice:
+        warn(f"stopped after {len(gen.tokens)} of -n {n} tokens: {gen.notice}")
     gen.stats.load_s = load_s
     if args.dump_logits:
         logits = np.stack(gen.logits) if gen.logits else np.zeros((0, m["model"]["vocab_size"]), np.float32)

@@ -8,6 +8,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
+from .kv import CacheManager, StepInfo, summarize
 from .sampler import Sampler
 
 
@@ -36,6 +37,8 @@ class Stats:
     decode_tokens: int = 0         # tokens produced by decode steps (the first comes from prefill)
     decode_s: float = 0.0
     load_s: float = 0.0
+    evictions: list = field(default_factory=list)   # runtime/kv EvictionEvents of the request
+    eviction_policy: str | None = None
 
     @property
     def prefill_tok_s(self) -> float:
@@ -50,6 +53,8 @@ class Stats:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
     def report(self) -> str:
+        evictions = [f"evictions         {summarize(self.evictions)} [{self.eviction_policy}]"] \
+            if self.eviction_policy else []
         return "\n".join([
             f"prompt tokens     {self.prompt_tokens}",
             f"load              {self.load_s * 1e3:.0f} ms",
@@ -58,6 +63,7 @@ class Stats:
             f"decode            {self.decode_tokens} tokens in {self.decode_s * 1e3:.1f} ms "
             f"({self.decode_tok_s:.2f} tok/s)",
             f"peak memory       {self.peak_rss_bytes() / 2**20:.0f} MiB (resident)",
+            *evictions,
         ])
 
 
@@ -67,54 +73,90 @@ class Generation:
     logits: list[np.ndarray] = field(default_factory=list)  # row i: what token i was drawn from
     stop_reason: str = "length"                     # length | stop token | cache full
     stats: Stats = field(default_factory=Stats)
+    notice: str | None = None                       # one line for the user (why it stopped early)
+
+
+def cache_full_notice(max_seq_len: int) -> str:
+    return (f"the KV cache is full ({max_seq_len} slots); go on with "
+            f"--eviction-policy sliding|snapkv|h2o, or recompile with a larger --max-seq-len")
 
 
 class Engine:
-    """Owns the positions: n_past (cache slots used) and start_pos (RoPE position, only grows)."""
+    """Owns the positions: n_past (cache slots used; shrinks when `cache`, a runtime/kv
+    CacheManager, evicts) and start_pos (RoPE position, only grows)."""
 
-    def __init__(self, backend: Backend, prefill_T: int, max_seq_len: int, stop_ids: tuple[int, ...] = ()):
+    def __init__(self, backend: Backend, prefill_T: int, max_seq_len: int, stop_ids: tuple[int, ...] = (),
+                 cache: CacheManager | None = None):
         self.backend = backend
         self.prefill_T = prefill_T
         self.max_seq_len = max_seq_len
         self.stop_ids = set(stop_ids)
+        self.cache = cache
         self.n_past = 0
         self.start_pos = 0
+
+    @property
+    def evicts(self) -> bool:
+        return self.cache is not None and self.cache.evicts
 
     def reset(self) -> None:
         self.backend.reset()
         self.n_past = self.start_pos = 0
+        if self.cache is not None:
+            self.cache.reset()
 
     def rewind(self, n_past: int) -> None:
         """Keep the first n_past cached tokens and drop the rest: the next step writes over the
         slots after them (a backend keeps no other state). Only while every token fed is still
         cached (slot i holds position i), as after any run without eviction."""
+        if self.evicts:     # its policy's scores and positions would describe dropped slots
+            raise EngineError("cannot rewind a KV cache under an eviction policy (reset it instead)")
         if self.n_past != self.start_pos or not 0 <= n_past <= self.n_past:
             raise EngineError(f"cannot rewind the KV cache to {n_past} tokens: it holds {self.n_past} "
                               f"of the {self.start_pos} fed (reset it instead)")
         self.n_past = self.start_pos = n_past
 
-    def _step(self, phase: str, tokens: np.ndarray, argmax: bool = False) -> np.ndarray:
+    def _step(self, phase: str, tokens: np.ndarray, argmax: bool = False, prompt_left: int = 0,
+              first_chunk: bool = False) -> np.ndarray:
+        n = len(tokens)
+        if self.cache is not None:
+            self.n_past = self.cache.make_room(self.n_past, n)
+            self.cache.before_step(StepInfo(phase, self.n_past, n, prompt_left, first_chunk, self.max_seq_len))
         run = self.backend.run_argmax if argmax else self.backend.run
         out = run(phase, tokens, self.n_past, self.start_pos)
-        self.n_past += len(tokens)
-        self.start_pos += len(tokens)
+        if self.cache is not None:
+            self.cache.record_step(self.n_past, self.start_pos, n)
+        self.n_past += n
+        self.start_pos += n
         return out[-1]
 
     def prefill(self, tokens: list[int], argmax: bool = False) -> np.ndarray:
         """Feed the prompt in chunks of the prefill graph's T; logits of its last position
-        (or, with argmax, the greedy token chosen on the device)."""
+        (or, with argmax, the greedy token chosen on the device). With eviction a prompt may be
+        longer than the cache: chunks then fit what the policy's budget leaves free."""
         if not tokens:
             raise EngineError("the prompt is empty")
+        chunk = self.prefill_T
         if self.n_past + len(tokens) > self.max_seq_len:
-            raise EngineError(f"the prompt has {len(tokens)} tokens but the KV cache holds "
-                              f"{self.max_seq_len - self.n_past} more (recompile with a larger --max-seq-len)")
+            if not self.evicts:
+                raise EngineError(f"the prompt has {len(tokens)} tokens but the KV cache holds "
+                                  f"{self.max_seq_len - self.n_past} more (recompile with a larger --max-seq-len), "
+                                  "or evict with --eviction-policy sliding|snapkv|h2o")
+            chunk = min(chunk, self.max_seq_len - self.cache.budget)
         ids = np.asarray(tokens, dtype=np.int32)
-        for s in range(0, len(ids), self.prefill_T):
-            out = self._step("prefill", ids[s:s + self.prefill_T], argmax)
+        for s in range(0, len(ids), chunk):
+            part = ids[s:s + chunk]
+            left = len(ids) - s - len(part)
+            out = self._step("prefill", part, argmax, left, s == 0)
+            if self.cache is not None:
+                self.n_past = self.cache.after_step(self.n_past, after_prefill=left == 0)
         return out
 
     def decode_one_token(self, token: int, argmax: bool = False) -> np.ndarray:
-        return self._step("decode", np.array([token], dtype=np.int32), argmax)
+        out = self._step("decode", np.array([token], dtype=np.int32), argmax)
+        if self.cache is not None:
+            self.n_past = self.cache.after_step(self.n_past)
+        return out
 
     def generate(self, prompt: list[int], max_new_tokens: int, sampler: Sampler,
                  on_token: Callable[[int], None] | None = None, keep_logits: bool = False) -> Generation:
@@ -133,31 +175,40 @@ class Engine:
             raise EngineError(f"-n must be at least 1, got {max_new_tokens}")
         st = gen.stats
         st.prompt_tokens = len(prompt)
+        if self.cache is not None:
+            st.eviction_policy = self.cache.policy.name
+            seen = len(self.cache.events)
         on_device = sampler.greedy and not keep_logits and hasattr(self.backend, "run_argmax")
         t0 = time.perf_counter()
         logits = self.prefill(prompt, on_device)
         st.prefill_s = time.perf_counter() - t0
         history = [*context, *prompt]
         t_dec = None
-        while True:
-            if keep_logits:
-                gen.logits.append(np.asarray(logits, np.float32).copy())
-            token = int(logits) if on_device else sampler.sample(logits, history)
-            if not gen.tokens:
-                st.ttft_s = time.perf_counter() - t0
-            if token in self.stop_ids:
-                gen.stop_reason = "stop token"
-                gen.logits = gen.logits[:len(gen.tokens)]
-                break
-            gen.tokens.append(token)
-            history.append(token)
-            yield token
-            if len(gen.tokens) >= max_new_tokens:
-                break
-            if self.n_past >= self.max_seq_len:
-                gen.stop_reason = "cache full"
-                break
-            t_dec = t_dec or time.perf_counter()
-            logits = self.decode_one_token(token, on_device)
-            st.decode_tokens += 1
-            st.decode_s = time.perf_counter() - t_dec  # per step: a closed stream keeps its stats
+        try:
+            while True:
+                if keep_logits:
+                    gen.logits.append(np.asarray(logits, np.float32).copy())
+                token = int(logits) if on_device else sampler.sample(logits, history)
+                if not gen.tokens:
+                    st.ttft_s = time.perf_counter() - t0
+                if token in self.stop_ids:
+                    gen.stop_reason = "stop token"
+                    gen.logits = gen.logits[:len(gen.tokens)]
+                    break
+                gen.tokens.append(token)
+                history.append(token)
+                yield token
+                if len(gen.tokens) >= max_new_tokens:
+                    break
+                if self.n_past >= self.max_seq_len and not self.evicts:
+                    gen.stop_reason = "cache full"
+                    gen.notice = cache_full_notice(self.max_seq_len)
+                    break
+                t_dec = t_dec or time.perf_counter()
+                logits = self.decode_one_token(token, on_device)
+                st.decode_tokens += 1
+                st.decode_s = time.perf_counter() - t_dec  # per step: a closed stream keeps its stats
+        finally:   # a stream closed early keeps its stats too
+            if self.cache is not None:
+                st.evictions = self.cache.events[seen:]
+        return gen

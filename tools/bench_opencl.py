@@ -88,7 +88,7 @@ def kernel_profile(be: OpenCLBackend, phase: str, tokens: np.ndarray, n_past: in
     be.queue = cl.CommandQueue(be.ctx, properties=cl.command_queue_properties.PROFILING_ENABLE)
     be.enqueue(phase, tokens, n_past, n_past, kernels=False)   # tokens and scalars only
     events = [(b, cl.enqueue_nd_range_kernel(be.queue, b.kernel, b.global_size(len(tokens)), (b.local, 1)))
-              for b in be.launches[phase] + [be.greedy[phase]]]
+              for b in [b for b in be.launches[phase] if not b.scores] + [be.greedy[phase]]]   # eviction off
     be.queue.finish()
     out: dict[str, float] = {}
     for b, ev in events:
@@ -233,7 +233,7 @@ def measure_plan(path: Path, prefill: int, steps: int) -> dict:
     launch_us = launch_cost_us(be)
     launch_py_us = launch_cost_us(be, pyopencl=True)
     bw = copy_gbps(be)
-    launches = len(be.launches["decode"]) + 1     # + the greedy argmax
+    launches = sum(1 for b in be.launches["decode"] if not b.scores) + 1     # + the greedy argmax
     wbytes, _ = decode_weight_bytes(d)
     floor_s = max(launches * launch_us * 1e-6, wbytes / (bw * 1e9))
     best_s = min(decode_s, decode_batched_s)
@@ -258,7 +258,7 @@ def measure_plan(path: Path, prefill: int, steps: int) -> dict:
                    "context_at_end": n},
         "profile_us": profile,
         "prefill": {"tokens": prefill, "ms": round(prefill_s * 1e3, 2), "tok_s": round(prefill / prefill_s, 1),
-                    "kernels": len(be.launches["prefill"])},
+                    "kernels": sum(1 for b in be.launches["prefill"] if not b.scores)},
     }
 
 

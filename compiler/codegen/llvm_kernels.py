@@ -222,7 +222,8 @@ def _attention(kb: KernelBuilder, graph: Graph, op: Op) -> None:
     vector width; 16 on AVX-512): L scores per head, one max and one vector exp per block (not
     two scalar exps per slot), and each head's output row stays in registers, as L-wide pieces
     plus narrower ones where L does not divide head_dim."""
-    q, k_cache, v_cache, out = kb.bufs
+    q, k_cache, v_cache = kb.bufs[:3]
+    out = kb.bufs[len(op.inputs)]
     b = kb.b
     a = op.attrs
     h, kvh, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
@@ -306,6 +307,95 @@ def _attention(kb: KernelBuilder, graph: Graph, op: Op) -> None:
             base = b.mul(b.add(row0, kb.i64(e)), kb.i64(hd * 4))
             for x, (off, w) in zip(acc[e], chunks):
                 kb.store(b.fdiv(b.load(x), inv[w]), out, b.add(base, kb.i64(off * 4)))
+    if len(op.inputs) == 5:
+        # no barrier between: both parts only read q and the caches, and write disjoint outputs
+        _attention_scores(kb, graph, op)
+
+
+def _attention_scores(kb: KernelBuilder, graph: Graph, op: Op) -> None:
+    """Eviction scores (compiler/ir.py, attention): when score_ctl[0] != 0, each row t at slot
+    n_past + t >= score_ctl[1] adds softmax(q_t,h . k * scale) over slots [0, n_past + t] to
+    scores[kvh, :] for every query head h of the KV head. A work item is one KV head with all its
+    query heads and rows, so a thread owns its scores row and adds without atomics. Per row, two
+    passes over the slots in blocks of B: the query heads' running maxima and sums (one vector
+    exp per block and head), then the weights, summed over the heads, added to the scores B at a
+    time (the last partial block one slot at a time, so no store passes the row). Each K vector
+    is loaded once for all the group's heads; the dot products are recomputed in the second pass
+    (this runs only when a policy asks, and leaves the attention loop above untouched)."""
+    q, k_cache, scores, ctl = kb.bufs[0], kb.bufs[1], kb.bufs[3], kb.bufs[4]
+    b = kb.b
+    a = op.attrs
+    h, kvh, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
+    kdt = cache_dtype(graph, op.inputs[1])
+    slots = graph.values[op.inputs[3]].shape[1]
+    width = 16 if kb.target.has("avx512f") else kb.vw
+    lanes = math.gcd(hd, width)             # dot-product vectors: any head_dim, a power of 2 dividing it
+    blk = width                             # slots per block
+    group, nv = h // kvh, hd // lanes
+    fvec, bvec = vec(F32, lanes), vec(F32, blk)
+    zero = ir.Constant(fvec, [0.0] * lanes)
+    scale = kb.f32(a["scale"])
+    m = [kb.var(F32) for _ in range(group)]        # running max of each query head's scores
+    total = [kb.var(F32) for _ in range(group)]    # and its sum of exp(score - max)
+    on = b.icmp_signed("!=", kb.load(I32, ctl, 0), ir.Constant(I32, 0))
+    with kb.if_(on):
+        first = b.sub(b.sext(kb.load(I32, ctl, 4), ir.IntType(64)), kb.n_past)   # first scored row
+        t0 = b.select(b.icmp_signed("<", first, kb.i64(0)), kb.i64(0), first)
+        lo, hi = kb.split(kvh)
+        with kb.loop(lo, hi) as kh:
+            with kb.loop(t0, kb.n_tokens) as t:
+                length = b.add(b.add(kb.n_past, t), kb.i64(1))
+                row0 = b.add(b.mul(t, kb.i64(h)), b.mul(kh, kb.i64(group)))
+                qv = [[kb.load(fvec, q, kb.idx((row0, hd * 4), (g * hd * 4 + k * lanes * 4, 1))) for k in range(nv)]
+                      for g in range(group)]
+
+                def dots(slot: ir.Value) -> list[ir.Value]:
+                    kv = [load_kv(kb, kdt, k_cache, slot, kh, kvh, hd, kb.i64(k * lanes), lanes) for k in range(nv)]
+                    out = []
+                    for g in range(group):
+                        d = kb.fma(qv[g][0], kv[0], zero)
+                        for k in range(1, nv):
+                            d = kb.fma(qv[g][k], kv[k], d)
+                        out.append(b.fmul(kb.hsum(d), scale))
+                    return out
+
+                def block(s0: ir.Value, masked: bool) -> list[ir.Value]:
+                    """Each head's scores of slots s0 .. s0 + B - 1 (-inf past the row's length)."""
+                    vals = [ir.Constant(bvec, None) for _ in range(group)]
+                    for j in range(blk):
+                        slot = b.add(s0, kb.i64(j))
+                        live = b.icmp_signed("<", slot, length) if masked else None
+                        d = dots(b.select(live, slot, s0) if masked else slot)
+                        for g in range(group):
+                            x = b.select(live, d[g], kb.f32(-math.inf)) if masked else d[g]
+                            vals[g] = b.insert_element(vals[g], x, ir.Constant(I32, j))
+                    return vals
+
+                for g in range(group):
+                    b.store(kb.f32(-math.inf), m[g])
+                    b.store(kb.f32(0.0), total[g])
+                with kb.loop(0, length, blk) as s0:
+                    for g, x in enumerate(block(s0, masked=True)):
+                        m_old = b.load(m[g])
+                        m_new = kb.maxnum(m_old, kb.hmax(x))
+                        e = kb.exp(b.fsub(x, kb.splat(m_new, blk)))
+                        b.store(b.fadd(b.fmul(b.load(total[g]), kb.exp(b.fsub(m_old, m_new))), kb.hsum(e)), total[g])
+                        b.store(m_new, m[g])
+                full = b.sub(length, b.urem(length, kb.i64(blk)))
+                with kb.loop(0, full, blk) as s0:
+                    acc = None
+                    for g, x in enumerate(block(s0, masked=False)):
+                        p = b.fdiv(kb.exp(b.fsub(x, kb.splat(b.load(m[g]), blk))), kb.splat(b.load(total[g]), blk))
+                        acc = p if acc is None else b.fadd(acc, p)
+                    at = kb.idx((kh, slots * 4), (s0, 4))
+                    kb.store(b.fadd(kb.load(bvec, scores, at), acc), scores, at)
+                with kb.loop(full, length) as slot:
+                    acc = None
+                    for g, x in enumerate(dots(slot)):
+                        p = b.fdiv(kb.exp(b.fsub(x, b.load(m[g]))), b.load(total[g]))
+                        acc = p if acc is None else b.fadd(acc, p)
+                    at = kb.idx((kh, slots * 4), (slot, 4))
+                    kb.store(b.fadd(kb.load(F32, scores, at), acc), scores, at)
 
 
 _EMITTERS = {

@@ -10,15 +10,18 @@ generate(graphs) returns a JSON-able dict, stored as the plan's "opencl" section
     {"format": 1,
      "sources": {family: source text},
      "graphs": {graph name: [launch, ...]},             # launches in schedule order
-     "greedy": {graph name: launch}}                    # device-side argmax of the output
+     "greedy": {graph name: launch},                    # device-side argmax of the output
+     "kv_compact": [compaction, ...]}                   # eviction's gather of cache rows
 
     launch = {"op": op name, "family": str, "kernel": str, "options": [str],
               "args": [arg, ...],        # after the step buffer every kernel takes first
               "local": int,              # work-group size along dim 0
               "groups": int,             # groups along dim 0
               "rows": int,               # static row count M of the op's activation
-              "row_tile": int}           # rows per group along dim 1: dim-1 groups are
+              "row_tile": int,           # rows per group along dim 1: dim-1 groups are
                                          # ceil(min(rows, n_tokens) / row_tile)
+              "scores": bool}            # eviction scores: launched only while a policy
+                                         # wants them (runtime/kv)
     arg = {"value": name}                # a tensor: buffer + byte offset (two kernel args)
         | {"none": true}                 # an unused tensor slot: any buffer, offset 0
         | {"scratch": nbytes}            # nbytes of the back end's scratch buffer, a slice of
@@ -26,6 +29,13 @@ generate(graphs) returns a JSON-able dict, stored as the plan's "opencl" section
                                          # leave their ticket counters at 0: buffer + offset
         | {"result": nbytes}             # the back end's small result buffer (greedy tokens)
         | {"int": n} | {"float": x}
+
+    compaction = {"state": name,         # a KV cache or scores state (kv_compact.cl)
+                  "options": [str], "local": int,
+                  "heads": int, "rows": int,          # its [rows, heads] rows of `unit` bytes each
+                  "unit": int,                        # bytes a kernel moves at once
+                  "slot_stride": int, "head_stride": int,   # in units
+                  "zero_tail": bool}                  # rows past the survivors are zeroed
 
 Quantized weights are read in the split layout common.cl describes (the back end converts
 GGML blocks at upload).
@@ -43,7 +53,8 @@ from typing import Any
 from ..ir import Graph, IRError, Op
 
 FORMAT = 1
-FAMILIES = ("matvec", "matmul", "attention", "norm", "rope", "embedding", "elementwise", "reduce")
+FAMILIES = ("matvec", "matmul", "attention", "attention_scores", "norm", "rope", "embedding", "elementwise",
+            "reduce", "kv_compact")
 _PRELUDE = {"matvec": ("common", "matmul_common"), "matmul": ("common", "matmul_common")}
 KV_TYPES = ("f32", "f16", "q8_0")
 FLOAT_TYPES = ("f32", "f16", "bf16")
@@ -90,6 +101,8 @@ ATT_DEC_WG, ATT_DEC_MAX_SPLITS = 128, 64      # attention_decode: keys per split
 ATT_SHARE_KV = False          # decode attention: one group scores all query heads of a KV head
                               # (measured slower on the H200 at 1B shapes: fewer, longer groups)
 NORM_WG, RED_WG, ELT_WG = 64, 256, 64
+SC_WG = 128                   # attention_scores: threads per KV head
+COMPACT_WG = 64               # kv_compact: rows moved per pass of a group
 ARG_VALUES_PER_THREAD, ARG_MAX_GROUPS = 16, 64  # greedy argmax: groups per row
 
 
@@ -108,6 +121,7 @@ class Launch:
     groups: int
     rows: int
     row_tile: int = 1
+    scores: bool = False
 
 
 @dataclass
@@ -285,7 +299,7 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
 
 def _attention(ctx: _Ctx, op: Op) -> None:
     a = op.attrs
-    q, k, v = op.inputs
+    q, k, v = op.inputs[:3]
     m = ctx.shape(q)[0]
     hd, h = a["head_dim"], a["n_heads"]
     kv = _kv_type(ctx, op, k)
@@ -294,6 +308,8 @@ def _attention(ctx: _Ctx, op: Op) -> None:
           f"multiple of 4 (they read K/V rows 4 values at a time) of at most {4 * ATT_WG}")
     kvh = a["n_kv_heads"]
     _need(h % kvh == 0, op, f"n_heads {h} is not a multiple of n_kv_heads {kvh}")
+    if len(op.inputs) == 5:
+        _attention_scores(ctx, op, kv)
     options = [f"-DHEAD_DIM={hd}", *_kv_options(kv), f"-DATT_WG={ATT_WG}"]
     args = [_v(q), _v(k), _v(v), _v(op.outputs[0])]
     scalars = [{"int": h}, {"int": a["n_kv_heads"]}, {"float": float(a["scale"])}, {"int": m}]
@@ -319,6 +335,56 @@ def _attention(ctx: _Ctx, op: Op) -> None:
                                    options + [f"-DATT_SPLITS={splits}", f"-DATT_GROUP={group}"],
                                    args + [{"scratch": scratch}] + scalars,
                                    local=ATT_WG, groups=h // group * splits, rows=m))
+
+
+def _attention_scores(ctx: _Ctx, op: Op, kv: str) -> None:
+    """The op's eviction scores (attention_scores.cl), a launch of their own that the back end
+    leaves out of a step unless a policy wants scores: the attention kernels stay as they are."""
+    a = op.attrs
+    q, k, _, scores, ctl = op.inputs
+    m = ctx.shape(q)[0]
+    ctx.launches.append(Launch(op.name, "attention_scores", "attention_scores",
+                               [f"-DHEAD_DIM={a['head_dim']}", *_kv_options(kv), f"-DSC_WG={SC_WG}",
+                                f"-DSC_GROUP={a['n_heads'] // a['n_kv_heads']}"],
+                               [_v(q), _v(k), _v(scores), _v(ctl), {"int": a["n_heads"]},
+                                {"int": a["n_kv_heads"]}, {"float": float(a["scale"])},
+                                {"int": ctx.shape(scores)[1]}],
+                               local=SC_WG, groups=a["n_kv_heads"], rows=m, row_tile=m, scores=True))
+
+
+def _unit(row_bytes: int) -> tuple[int, str]:
+    """The widest load that divides a row: (bytes, OpenCL type)."""
+    for size, name in ((16, "uint4"), (8, "uint2"), (4, "uint"), (2, "ushort")):
+        if row_bytes % size == 0:
+            return size, name
+    raise CodegenError(f"a KV row of {row_bytes} bytes has no 2-byte unit to compact by")
+
+
+def compactions(graph: Graph) -> list[dict[str, Any]]:
+    """How kv_compact.cl moves each state an eviction touches: the K and V caches and the
+    scores of every attention op that writes scores."""
+    out = []
+    for op in graph.ops:
+        if op.kind != "attention" or len(op.inputs) != 5:
+            continue
+        for name in op.inputs[1:4]:
+            v = graph.values[name]
+            state = graph.values[v.alias] if v.alias else v
+            if len(state.shape) == 3:              # a cache [S, KVH, hd]: head rows of hd values
+                rows, heads = state.shape[:2]
+                row_bytes = state.nbytes // (rows * heads)
+                unit, utype = _unit(row_bytes)
+                slot_stride, head_stride, zero_tail = heads * row_bytes // unit, row_bytes // unit, False
+            else:                                  # scores [KVH, S]: one f32 per row
+                heads, rows = state.shape
+                row_bytes, unit, utype = 4, 4, "uint"
+                slot_stride, head_stride, zero_tail = 1, rows, True
+            out.append({"state": state.name, "local": COMPACT_WG,
+                        "options": [f"-DKV_UNIT={utype}", f"-DROW_UNITS={row_bytes // unit}",
+                                    f"-DCOMPACT_WG={COMPACT_WG}"],
+                        "heads": heads, "rows": rows, "unit": unit, "slot_stride": slot_stride,
+                        "head_stride": head_stride, "zero_tail": zero_tail})
+    return out
 
 
 def _rms_norm(ctx: _Ctx, op: Op) -> None:
@@ -431,7 +497,8 @@ def generate(graphs: dict[str, Graph] | list[Graph] | tuple[Graph, ...]) -> dict
         graphs = {g.name: g for g in graphs}
     tables = {name: [asdict(launch) for launch in lower_graph(g)] for name, g in graphs.items()}
     greedy = {name: asdict(launch) for name, g in graphs.items() if (launch := greedy_launch(g)) is not None}
+    compact = compactions(graphs["decode"] if "decode" in graphs else next(iter(graphs.values())))
     used = sorted({launch["family"] for table in tables.values() for launch in table}
-                  | {launch["family"] for launch in greedy.values()})
+                  | {launch["family"] for launch in greedy.values()} | ({"kv_compact"} if compact else set()))
     return {"format": FORMAT, "sources": {f: template_source(f) for f in used}, "graphs": tables,
-            "greedy": greedy}
+            "greedy": greedy, "kv_compact": compact}

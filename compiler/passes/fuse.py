@@ -279,7 +279,7 @@ _MATMUL = ("matmul", "fused_matmul")
 
 RULES: list[Rule] = [
     # attention(rope(x@wq), kv_store(rope(x@wk)), kv_store(x@wv)) -> one matmul over [q;k;v]
-    Rule("qkv_rope_kv", Pat("attention", "attn", keep=True, src=(
+    Rule("qkv_rope_kv", Pat("attention", "attn", keep=True, rest="scores", src=(
         Pat("rope", "rope_q", rest="q_freq", shared=True, src=(Pat("matmul", "mm_q", src=(Val("x"), Val("wq"))),)),
         Pat("kv_store", "store_k", shared=True, src=(
             Pat("rope", "rope_k", rest="k_freq", src=(Pat("matmul", "mm_k", src=(Val("x"), Val("wk"))),)),

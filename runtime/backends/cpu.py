@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...compiler.ir import Graph
+from ...compiler.ir import Graph, storage_shape
 from ..plan import Plan
 from .cpu_native import NativeCode, NativeCodeError, host_triple
 
@@ -127,7 +127,7 @@ class _StepIO:
         arena = g.meta["layout"]["arena"]
         out = g.values[g.outputs[0]]
         return _StepIO(g.T, next(g.values[op.inputs[0]].shape[0] for op in g.ops if op.kind == "embedding"),
-                       min((g.values[s].shape[0] for s in g.state), default=None), arena[g.inputs[0]],
+                       g.kv_slots, arena[g.inputs[0]],
                        arena[out.name], out.shape[0], out.shape[1], out.shape[0] == g.T and g.T > 1)
 
 
@@ -180,6 +180,19 @@ class CpuBackend:
 
     def reset(self) -> None:
         self.kv[:] = 0
+
+    def kv_store(self):
+        """The caches for eviction (runtime/kv): numpy views of the KV region, at the plan's
+        layout["kv"] offsets, which the step functions read and write."""
+        from ..kv.store import HostKV
+        g = self.graphs["decode"]
+        offsets = self.layouts["decode"]["kv"]
+        views = {}
+        for name in g.state:
+            shape, np_dtype = storage_shape(g.values[name].shape, g.values[name].dtype)
+            off = offsets[name]
+            views[name] = self.kv[off:off + g.values[name].nbytes].view(np_dtype).reshape(shape)
+        return HostKV(g, views)
 
     def close(self) -> None:
         if self._pool is not None:

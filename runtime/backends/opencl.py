@@ -278,6 +278,7 @@ class _Bound:
     rows: int
     row_tile: int
     variant: str = ""   # the fused prologue/epilogue switches, for profiles
+    scores: bool = False  # eviction scores: in a step only while self.scoring
 
     def global_size(self, n_tokens: int) -> tuple[int, int]:
         return self.groups * self.local, math.ceil(min(self.rows, n_tokens) / self.row_tile)
@@ -382,7 +383,7 @@ class OpenCLBackend:
         self.step_buf = cl.Buffer(self.ctx, mf.READ_WRITE, 16)   # greedy steps advance it
         self._in_flight: list[np.ndarray] = []
         self._limits: dict[str, tuple[int, int, int | None]] = {}
-        self._sized: dict[tuple[str, int], list[Any]] = {}
+        self._sized: dict[tuple[str, int, bool], list[Any]] = {}
         self._command_buffers: dict[tuple[Any, ...], CommandBuffer] = {}
         self._prepared: dict[tuple[Any, ...], list[Any]] = {}
         self.use_command_buffers = ("cl_khr_command_buffer" in self.device.extensions.split()
@@ -428,6 +429,8 @@ class OpenCLBackend:
         built: dict[tuple[str, tuple[str, ...]], Any] = {}
         self.launches: dict[str, list[_Bound]] = {}
         self.kernel_table = program["graphs"]
+        self.program = program
+        self.scoring = False    # runtime/kv turns eviction scores on for the steps that want them
         max_wg = self.device.max_work_group_size
         entries = [e for t in program["graphs"].values() for e in t] + list(program.get("greedy", {}).values())
         # every launch gets its own slice: ticket counters must be 0 when a kernel starts, and
@@ -492,7 +495,7 @@ class OpenCLBackend:
             variant = "+".join(o[2:].split("=")[0].lower() for o in entry["options"]
                                if o.startswith(("-DEPI_", "-DPROLOGUE_")))
             return _Bound(entry["op"], kern, entry["local"], entry["groups"], entry["rows"],
-                          entry["row_tile"], variant)
+                          entry["row_tile"], variant, bool(entry.get("scores")))
 
         for phase, table in program["graphs"].items():
             if phase in self.graphs:
@@ -514,6 +517,12 @@ class OpenCLBackend:
         for s, e, buf in self.kv.chunks:
             cl.enqueue_fill_buffer(self.queue, buf, np.uint8(0), 0, e - s)
         self.queue.finish()
+        self.scoring = False    # the score control is zero now: off
+
+    def kv_store(self):
+        """The caches for eviction (runtime/kv): scores read back, rows moved by kv_compact.cl."""
+        from ..kv.opencl import OpenCLKV
+        return OpenCLKV(self)
 
     def write_value(self, phase: str, name: str, arr: np.ndarray) -> None:
         """Copy host data into a value's storage (inputs of single-kernel checks, caches);
@@ -545,16 +554,17 @@ class OpenCLBackend:
         """(tokens per step, KV slots, embedding vocab or None) of a graph: a step's checks."""
         if phase not in self._limits:
             g = self.graphs[phase]
-            slots = min((g.values[n].shape[0] for n in g.state), default=1 << 62)
+            slots = g.kv_slots or 1 << 62
             vocab = next((g.values[op.inputs[0]].shape[0] for op in g.ops if op.kind == "embedding"), None)
             self._limits[phase] = (g.T, slots, vocab)
         return self._limits[phase]
 
     def _step_launches(self, phase: str, n_tokens: int) -> list[tuple[Any, tuple[int, int], tuple[int, int]]]:
         """(kernel, global size, local size) of every launch of a step, computed once per size."""
-        key = (phase, n_tokens)
+        key = (phase, n_tokens, self.scoring)
         if key not in self._sized:
-            self._sized[key] = [(b.kernel, b.global_size(n_tokens), (b.local, 1)) for b in self.launches[phase]]
+            self._sized[key] = [(b.kernel, b.global_size(n_tokens), (b.local, 1)) for b in self.launches[phase]
+                                if self.scoring or not b.scores]
         return self._sized[key]
 
     def enqueue(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int, kernels: bool = True) -> None:
@@ -583,7 +593,7 @@ class OpenCLBackend:
                 self._in_flight.append(tokens)   # released by the next blocking read
                 cl.enqueue_copy(self.queue, buf, tokens, dst_offset=off, is_blocking=False)
         if kernels:
-            self._enqueue_launches((phase, n_tokens, "logits"), self._step_launches(phase, n_tokens))
+            self._enqueue_launches((phase, n_tokens, "logits", self.scoring), self._step_launches(phase, n_tokens))
 
     def _enqueue_launches(self, key: tuple[Any, ...], launches: list[tuple[Any, tuple[int, int], tuple[int, int]]],
                           repeat: int = 1) -> None:
@@ -647,7 +657,7 @@ class OpenCLBackend:
         self.enqueue("decode", np.array([token], np.int32), n_past, start_pos, kernels=False)
         a = self.advance
         step = self._step_launches("decode", 1) + [(a.kernel, a.global_size(1), (a.local, 1))]
-        self._enqueue_launches(("greedy",), step, repeat=n)
+        self._enqueue_launches(("greedy", self.scoring), step, repeat=n)
         out = np.empty(n, np.int32)
         cl.enqueue_copy(self.queue, out, self.steps_buf, is_blocking=True)
         self._in_flight.clear()
@@ -677,7 +687,7 @@ class OpenCLBackend:
         if want == "argmax":
             b = self.greedy[phase]
             launches = launches + [(b.kernel, b.global_size(len(tokens)), (b.local, 1))]
-        self._enqueue_launches((phase, len(tokens), want), launches)
+        self._enqueue_launches((phase, len(tokens), want, self.scoring), launches)
         if want == "argmax":
             rows = min(len(tokens), b.rows)
             out = np.empty(rows, np.int32)

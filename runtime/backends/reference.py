@@ -22,3 +22,8 @@ class ReferenceBackend:
     def reset(self) -> None:
         for arr in self.state.values():
             arr[...] = 0
+
+    def kv_store(self):
+        """The caches for eviction (runtime/kv): the interpreter's state arrays themselves."""
+        from ..kv.store import HostKV
+        return HostKV(self.interpreters["decode"].graph, self.state)

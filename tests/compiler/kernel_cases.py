@@ -212,3 +212,26 @@ def simple_case(kind: str, seed: int = 3, hd: int = 32) -> Case:
 
 SIMPLE_KINDS = ("rms_norm", "add", "mul", "silu", "silu_mul", "argmax", "slice", "rope", "rope+inv_freq",
                 "kv_store:f32", "kv_store:f16", "kv_store:q8_0")
+
+
+def scored_attention_case(T: int, n_tokens: int, kv_dtype: str, first: int | None, hd: int = 32,
+                          seed: int = 4) -> Case:
+    """Attention that also adds eviction scores (compiler/ir.py): rows at slots >= first, or
+    none when first is None (the control off); the scores start from random non-zero values."""
+    rng = _rng(seed)
+    h, kvh, S, n_past = 4, 2, 24, 5
+    g = Graph("prefill" if T > 1 else "decode", T)
+    arrays: dict[str, np.ndarray] = {}
+    _act(g, arrays, "q", (T, h * hd), rng, kind="input")
+    _cache(g, arrays, "kc", S, kvh, hd, kv_dtype, rng, n_past + n_tokens)
+    _cache(g, arrays, "vc", S, kvh, hd, kv_dtype, rng, n_past + n_tokens)
+    g.add_value("sc", (kvh, S), "f32", "state")
+    arrays["sc"] = rng.random((kvh, S)).astype(np.float32) + 0.5
+    g.add_value("ctl", (2,), "i32", "state")
+    arrays["ctl"] = np.array([0, 0] if first is None else [1, first], np.int32)
+    _act(g, arrays, "o", (T, h * hd), rng, fill=False)
+    g.add_value("sc_out", (kvh, S), "f32", alias="sc")
+    op = g.add_op("attention", ["q", "kc", "vc", "sc", "ctl"], ["o", "sc_out"], n_heads=h, n_kv_heads=kvh,
+                  head_dim=hd, scale=1.0 / np.sqrt(hd))
+    return Case(f"scored-attention-T{T}-n{n_tokens}-{kv_dtype}-from{first}", g, op, arrays,
+                Step(n_tokens, n_past, n_past + 3))

@@ -87,7 +87,8 @@ def test_nx_view_has_one_edge_per_passed_value():
     order = list(nx.topological_sort(g))
     assert order[0] == prefill.ops[0].name  # the embedding feeds everything
     attn = next(op for op in prefill.ops if op.kind == "attention")
-    assert {d["value"] for _, _, d in g.in_edges(attn.name, data=True)} == set(attn.inputs)
+    produced = {v for v in attn.inputs if prefill.values[v].kind != "state"}   # states come from no op
+    assert {d["value"] for _, _, d in g.in_edges(attn.name, data=True)} == produced == set(attn.inputs[:3])
 
 
 def test_str_lists_one_op_per_line_with_types():
@@ -104,7 +105,8 @@ def test_llama_1b_graphs_build_fast_and_verify(llama_1b_graphs):
     prefill, decode = llama_1b_graphs
     for g in (prefill, decode):
         g.verify()
-        assert len(g.by_kind("state")) == 32 and len(g.by_kind("param")) == 146
+        # per layer K, V and eviction scores, and one score control
+        assert len(g.by_kind("state")) == 16 * 3 + 1 and len(g.by_kind("param")) == 146
     assert decode.values["logits"].shape == (1, 128256)
     assert prefill.values["l15.gate"].shape == (128, 8192)
     text = str(decode)

@@ -20,7 +20,7 @@ from llmrs.compiler.codegen.llvm_target import Target, TargetError, emit, host_t
 from llmrs.runtime.backends.cpu_native import NativeCode
 
 from .kernel_cases import (SIMPLE_KINDS, Case, attention_case, embedding_case, matmul_case,
-                           simple_case)
+                           scored_attention_case, simple_case)
 
 TARGETS = {"host": host_target()}
 if TARGETS["host"].int8_dot == "vnni":  # the AVX2 path too, on a machine that has VNNI
@@ -332,3 +332,15 @@ def test_grouped_q4_partial_group_never_reads_past_the_weights(wdtype, T, n_toke
     child.join(120)
     assert child.exitcode == 0, f"the kernel died (exit code {child.exitcode}): a read past the weights"
     assert queue.get(timeout=5) == "ok"
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("T,n_tokens,first", [(1, 1, 0), (7, 7, 0), (7, 5, 8), (7, 4, None), (1, 1, 99)])
+def test_attention_eviction_scores_match_interpreter(kv_dtype, T, n_tokens, first):
+    """Each scored row (slot >= first) adds its softmax weights per KV head; the control off or
+    past the step leaves the scores untouched (the check compares them with the interpreter's)."""
+    case = scored_attention_case(T, n_tokens, kv_dtype, first)
+    arrays = run_case(case, TARGETS["host"], nth=3)[0]
+    check(case, arrays)
+    untouched = first is None or first >= case.step.n_past + n_tokens
+    assert np.array_equal(arrays["sc"], case.arrays["sc"]) == untouched

@@ -15,7 +15,7 @@ from llmrs.compiler.codegen.llvm_matmul import _align, emit_block_dot_probe
 from llmrs.compiler.codegen.llvm_target import aarch64_target, emit
 from llmrs.compiler import quant
 
-from ..compiler.kernel_cases import attention_case, embedding_case, matmul_case, simple_case
+from ..compiler.kernel_cases import attention_case, embedding_case, matmul_case, scored_attention_case, simple_case
 from ..compiler.test_llvm_kernels import check
 from ..conftest import QEMU_SETUP, system_tool
 
@@ -28,6 +28,7 @@ CASES = [matmul_case("q4_0", 6, 5, True, "rope_kv_store", cache_dtype="q8_0"),
          matmul_case("f16", 6, 6, False, "add"),
          matmul_case("f32", 1, 1, True, None),
          attention_case(7, 4, "f16"),
+         scored_attention_case(7, 5, "q8_0", first=7),
          embedding_case("q4_0"),
          embedding_case("q4_1"),
          simple_case("rms_norm"),

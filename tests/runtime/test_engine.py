@@ -87,3 +87,43 @@ def test_greedy_uses_the_backends_argmax_and_gives_the_same_tokens():
     backend.calls = {"run": 0, "run_argmax": 0}
     Engine(backend, 16, 64).generate(list(gd["prompt_tokens"]), 3, Sampler(SamplerConfig(repetition_penalty=1.3)))
     assert backend.calls["run_argmax"] == 0
+
+
+def test_a_full_cache_without_eviction_stops_with_a_notice_naming_the_flags():
+    engine = _engine("golden-a", T=8, max_seq_len=12)
+    gen = engine.generate([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 50, Sampler(SamplerConfig()))
+    assert gen.stop_reason == "cache full" and len(gen.tokens) == 3
+    assert gen.notice == ("the KV cache is full (12 slots); go on with "
+                          "--eviction-policy sliding|snapkv|h2o, or recompile with a larger --max-seq-len")
+
+
+class _Pressure:
+    """A SystemMonitor whose MemAvailable drops under 100 MiB on its calls number `low`."""
+
+    def __init__(self, low: set[int]):
+        self.low, self.calls = low, 0
+
+    def mem_stats(self):
+        from llmrs.runtime.kv import MemoryStats
+        self.calls += 1
+        avail = (50 if self.calls in self.low else 500) << 20
+        return MemoryStats(1 << 33, avail, avail)
+
+
+def test_memory_pressure_evicts_to_the_target_ratio_and_generation_goes_on():
+    from llmrs.runtime.kv import CacheManager, make_policy
+    prefill, decode = build_graphs(load_model(DATA / "golden-a"), 8, 32)
+    backend = ReferenceBackend({"prefill": prefill, "decode": decode})
+    monitor = _Pressure(low={6})       # checks: 2 prompt chunks, then one per decode step
+    cache = CacheManager(make_policy("h2o", window=28, protected_prefix=2), backend.kv_store(), monitor,
+                         threshold_mb=100, target_ratio=0.5)
+    engine = Engine(backend, 8, 32, cache=cache)
+    gen = engine.generate(list(range(3, 19)), 40, Sampler(SamplerConfig()))
+    assert gen.stop_reason == "length" and len(gen.tokens) == 40
+    events = [(e.trigger, e.before, e.after, e.start_pos) for e in gen.stats.evictions]
+    # the 4th decode step left 16 + 4 slots: pressure halves them; 25 steps on, the h2o budget
+    # (prefix 2 + window 28) is reached and each step after evicts one slot
+    assert events[0] == ("memory", 20, 10, 20)
+    assert events[1:] == [("budget", 31, 30, p) for p in range(41, 56)]
+    assert engine.start_pos == 16 + 39 and engine.n_past == 30
+    assert "evictions         16 (budget 15, memory 1): 25 slots freed in" in gen.stats.report()

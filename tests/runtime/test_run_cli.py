@@ -130,8 +130,8 @@ def test_generation_cut_short_by_a_full_cache_keeps_its_text_and_says_so(plan, t
     first, last = err.splitlines()
     assert first.startswith("llmrs-run: warning: the KV cache holds 48 tokens") and f"at most {made}" in first
     assert "not -n 100" in first and "--max-seq-len" in first
-    assert last == (f"llmrs-run: warning: stopped after {made} of -n 100 tokens: the KV cache (48 tokens) "
-                    "is full; recompile with a larger --max-seq-len")
+    assert last == (f"llmrs-run: warning: stopped after {made} of -n 100 tokens: the KV cache is full (48 slots); "
+                    "go on with --eviction-policy sliding|snapkv|h2o, or recompile with a larger --max-seq-len")
 
 
 def test_a_run_that_fits_the_cache_says_nothing(plan, capsys):

@@ -1,0 +1,97 @@
+"""The OpenCL back end's KV caches as eviction sees them: device buffers, moved on the device.
+
+Compaction runs templates/opencl/kv_compact.cl as the plan's "kv_compact" entries describe it
+(compiler/codegen/opencl.py): one launch gathers one kind of state (K, V or scores) for a run of
+layers whose states lie in one buffer at a constant stride (all of them, unless the KV region
+was split over several buffers), so an eviction is three launches and one index upload. Scores
+are read back for the policy; the score control is written, and the back end's `scoring` flag
+puts the scoring launches into its steps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .store import NEVER, KVStoreError, layer_states
+
+
+@dataclass
+class _Run:
+    kernel: Any
+    buf: Any
+    offset: int          # byte offset of the first layer's state in buf
+    stride: int          # bytes from one layer's state to the next
+    first_layer: int
+    layers: int
+    spec: dict
+
+
+class OpenCLKV:
+    def __init__(self, backend: Any):
+        import pyopencl as cl
+        from ..backends.opencl import build_program
+
+        self.be = backend
+        g = backend.graphs["decode"]
+        self.layers, self.ctl_name = layer_states(g)
+        k0 = g.values[self.layers[0].k]
+        self.slots, self.n_kv_heads, self.n_layers = k0.shape[0], k0.shape[1], len(self.layers)
+        specs = {c["state"]: c for c in backend.program.get("kv_compact", [])}
+        states = [n for layer in self.layers for n in (layer.k, layer.v, layer.scores)]
+        if any(n not in specs for n in states) or "kv_compact" not in backend.program["sources"]:
+            raise KVStoreError("this plan's OpenCL program has no KV compaction kernel; recompile it with "
+                               "llmrs-compile to evict on the OpenCL back end")
+        built: dict[tuple[str, ...], Any] = {}
+        self.runs: list[_Run] = []
+        for kind in ("k", "v", "scores"):
+            names = [getattr(layer, kind) for layer in self.layers]
+            where = [backend.locate("decode", n) for n in names]
+            i = 0
+            while i < len(names):
+                j = i + 1
+                stride = where[j][1] - where[i][1] if j < len(names) and where[j][0] is where[i][0] else 0
+                while j < len(names) and where[j][0] is where[i][0] and where[j][1] - where[j - 1][1] == stride:
+                    j += 1
+                spec = specs[names[i]]
+                key = tuple(spec["options"])
+                if key not in built:
+                    built[key] = build_program(backend.ctx, backend.device, backend.program["sources"]["kv_compact"],
+                                               list(spec["options"]), "kv_compact")
+                self.runs.append(_Run(cl.Kernel(built[key], "kv_compact"), where[i][0], where[i][1], stride,
+                                      i, j - i, spec))
+                i = j
+        self.idx_buf = cl.Buffer(backend.ctx, cl.mem_flags.READ_ONLY,
+                                 self.n_layers * self.n_kv_heads * self.slots * 4)
+        self._uploaded: np.ndarray | None = None   # what idx_buf holds
+
+    def scores(self, n: int) -> np.ndarray:
+        return np.stack([self.be.read_value("decode", layer.scores)[:, :n] for layer in self.layers])
+
+    def clear_scores(self) -> None:
+        import pyopencl as cl
+        for layer in self.layers:
+            buf, off = self.be.locate("decode", layer.scores)
+            cl.enqueue_fill_buffer(self.be.queue, buf, np.uint8(0), off, self.be.graphs["decode"].values[layer.scores].nbytes)
+
+    def set_score_from(self, first_slot: int | None) -> None:
+        ctl = np.array([0, NEVER] if first_slot is None else [1, first_slot], np.int32)
+        self.be.write_value("decode", self.ctl_name, ctl)
+        self.be.scoring = first_slot is not None
+
+    def compact(self, keep: np.ndarray) -> None:
+        import pyopencl as cl
+        k = keep.shape[-1]
+        idx = np.ascontiguousarray(keep, dtype=np.int32)
+        if self._uploaded is None or not np.array_equal(self._uploaded, idx):   # sliding: the same each step
+            cl.enqueue_copy(self.be.queue, self.idx_buf, idx, is_blocking=True)
+            self._uploaded = idx
+        for r in self.runs:
+            s = r.spec
+            r.kernel.set_args(r.buf, np.uint64(r.offset), np.uint64(r.stride), self.idx_buf,
+                              np.uint64(r.first_layer * self.n_kv_heads * k * 4), np.int32(k),
+                              np.uint64(s["slot_stride"]), np.uint64(s["head_stride"]),
+                              np.int32(s["rows"] if s["zero_tail"] else 0))
+            cl.enqueue_nd_range_kernel(self.be.queue, r.kernel, (s["heads"] * s["local"], r.layers), (s["local"], 1))
+        self.be.queue.finish()

@@ -1,0 +1,71 @@
+// Eviction scores of an attention op (compiler/ir.py): when score_ctl[0] != 0, each query row t
+// at cache slot n_past + t >= score_ctl[1] adds its softmax weights over slots [0, n_past + t],
+// summed over the query heads of each KV head, to scores[kvh, slot].
+//   -DHEAD_DIM=<hd>  -DKV_T=<f32|f16|q8_0> -DKV_<T>  -DSC_WG=<threads, a power of 2>
+//   -DSC_GROUP=<query heads per KV head>
+//   q  f32 [M, H*hd]     k  KV_T [S, KVH, hd]     scores  f32 [KVH, S]     ctl  i32 [2]
+// One group per KV head: thread i owns slots i, i + SC_WG, ..., so it adds to its own scores
+// without atomics, across all rows. Per row: each thread reads each of its K rows once for all
+// SC_GROUP query heads and keeps an online max and sum per head; the group combines them; then
+// each thread adds its slots' weights, summed over the heads (a second read of its K rows). The
+// back end launches this only while a policy wants scores (free when off).
+// Grid: (KVH * SC_WG, 1).
+
+#define LD_KV(p, i) CAT(ld_, KV_T)(p, i)
+
+__kernel __attribute__((reqd_work_group_size(SC_WG, 1, 1)))
+void attention_scores(__global const int* step, gin qb, ulong q_off, gin kb, ulong k_off,
+                      gout sb, ulong s_off, gin cb, ulong c_off,
+                      int n_heads, int n_kv_heads, float scale, int slots) {
+    __global const int* ctl = (__global const int*)(cb + c_off);
+    if (ctl[0] == 0) return;
+    int lid = get_local_id(0), kvh = get_group_id(0);
+    int n_past = STEP_N_PAST(step), n_tokens = STEP_N_TOKENS(step);
+    size_t kv_stride = (size_t)n_kv_heads * HEAD_DIM, head_at = (size_t)kvh * HEAD_DIM;
+    gin k = kb + k_off;
+    __global const float* q = (__global const float*)(qb + q_off);
+    __global float* sc = (__global float*)(sb + s_off) + (size_t)kvh * slots;
+    __local float qs[SC_GROUP * HEAD_DIM];          // the row's queries of this KV head's heads
+    __local float red[SC_WG];
+    for (int t = max(0, ctl[1] - n_past); t < n_tokens; t++) {
+        int length = n_past + t + 1;
+        barrier(CLK_LOCAL_MEM_FENCE);              // the previous row's reads of qs are done
+        for (int e = lid; e < SC_GROUP * HEAD_DIM; e += SC_WG)
+            qs[e] = q[((size_t)t * n_heads + kvh * SC_GROUP) * HEAD_DIM + e];
+        barrier(CLK_LOCAL_MEM_FENCE);
+        float m[SC_GROUP], l[SC_GROUP];
+        for (int j = 0; j < SC_GROUP; j++) {
+            m[j] = -INFINITY;
+            l[j] = 0.0f;
+        }
+        for (int s = lid; s < length; s += SC_WG) {
+            float dot[SC_GROUP];
+            for (int j = 0; j < SC_GROUP; j++) dot[j] = 0.0f;
+            for (int d = 0; d < HEAD_DIM; d++) {
+                float kd = LD_KV(k, (size_t)s * kv_stride + head_at + d);
+                for (int j = 0; j < SC_GROUP; j++) dot[j] += qs[j * HEAD_DIM + d] * kd;
+            }
+            for (int j = 0; j < SC_GROUP; j++) {
+                float x = dot[j] * scale, mn = fmax(m[j], x);
+                l[j] = l[j] * exp(m[j] - mn) + exp(x - mn);   // exp(-inf) = 0 before the first slot
+                m[j] = mn;
+            }
+        }
+        float gm[SC_GROUP], gl[SC_GROUP];
+        for (int j = 0; j < SC_GROUP; j++) {
+            gm[j] = wg_max(m[j], red);
+            gl[j] = wg_sum(m[j] == -INFINITY ? 0.0f : l[j] * exp(m[j] - gm[j]), red);
+        }
+        for (int s = lid; s < length; s += SC_WG) {
+            float dot[SC_GROUP];
+            for (int j = 0; j < SC_GROUP; j++) dot[j] = 0.0f;
+            for (int d = 0; d < HEAD_DIM; d++) {
+                float kd = LD_KV(k, (size_t)s * kv_stride + head_at + d);
+                for (int j = 0; j < SC_GROUP; j++) dot[j] += qs[j * HEAD_DIM + d] * kd;
+            }
+            float add = 0.0f;
+            for (int j = 0; j < SC_GROUP; j++) add += exp(dot[j] * scale - gm[j]) / gl[j];
+            sc[s] += add;
+        }
+    }
+}
