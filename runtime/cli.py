@@ -39,7 +39,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("-p", "--prompt", help="prompt text (required unless --chat)")
     ap.add_argument("--chat", action="store_true",
                     help="a conversation: user turns from stdin (a line each), the KV cache kept between turns")
-    ap.add_argument("--system", metavar="TEXT", help="with --chat: a system prompt")
+    ap.add_argument("--system", metavar="TEXT", help="a system prompt (with --chat, or a templated --prompt)")
+    ap.add_argument("--raw", action="store_true",
+                    help="feed --prompt as is; by default a plan with a chat template (an instruct model) "
+                         "gets --prompt as one user turn through it, as llama-cli's conversation mode does")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=None, metavar="N",
                     help="tokens to generate (default 32; with --chat, a reply runs until it ends or the cache is full)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -115,6 +118,22 @@ def prompt_text(prompt: str) -> str:
     return raw.decode("utf-8", "replace")
 
 
+def prompt_ids(tokenizer, manifest: dict, text: str, args: argparse.Namespace) -> list[int]:
+    """An instruct model's plan carries its chat template: --prompt becomes one user turn (after
+    --system) with the assistant's turn opened, so the model answers instead of continuing the
+    question; --raw, or a plan without a template, tokenizes the text as it is."""
+    from .chat import from_manifest
+
+    template = None if args.raw else from_manifest(manifest)
+    if template is None:
+        if args.system is not None:
+            raise EngineError("--system needs a plan with a chat template (and no --raw)")
+        return tokenizer.encode(text).ids
+    messages = [{"role": "system", "content": args.system}] if args.system is not None else []
+    rendered = template.render(messages + [{"role": "user", "content": text}])
+    return tokenizer.encode(rendered, add_special_tokens=False).ids   # the template writes any BOS
+
+
 def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise EngineError(f"-n must be at least 1, got {args.max_new_tokens}")
@@ -135,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(backend, int(m["prefill_chunk"]), int(m["max_seq_len"]), tuple(m.get("stop_ids", ())),
                     cache=cache_manager(args, backend))
     load_s = time.perf_counter() - t0
-    prompt = tokenizer.encode(text).ids
+    prompt = prompt_ids(tokenizer, m, text, args)
     cache, n = int(m["max_seq_len"]), args.max_new_tokens
     room = cache - len(prompt) + 1   # the last token generated is never fed back into the cache
     if 0 < room < n and not engine.evicts:   # (a prompt that does not fit at all is the engine's error)
@@ -174,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--chat reads its turns from standard input: leave out --prompt and --dump-logits")
     if not args.chat and args.prompt is None:
         ap.error("give --prompt TEXT, or --chat for a conversation")
-    if not args.chat and args.system is not None:
-        ap.error("--system goes with --chat")
+    if args.chat and args.raw:
+        ap.error("--raw goes with --prompt: --chat always uses the chat template")
     if not args.chat and args.max_new_tokens is None:
         args.max_new_tokens = 32
     try:

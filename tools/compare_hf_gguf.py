@@ -5,7 +5,7 @@ against `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` in float32.
     python tools/compare_hf_gguf.py MODEL.gguf --plan PLAN_F32 [--backend cpu|reference] [--json FILE]
 
 Needs torch and transformers (tool only; the test suite never imports them):
-    pip install torch==2.13.0 transformers
+    pip install torch==2.13.0 transformers accelerate
 For each prompt, the last-position logits after prefill and after each of --steps greedy decode
 steps (fed the same tokens on both sides) are compared with the suite's one error measure,
 max |ours - hf| / max |hf|.

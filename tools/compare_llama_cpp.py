@@ -75,10 +75,12 @@ def llama_greedy_binary(llama_dir: Path) -> Path:
     return binary
 
 
-def run_llama_cpp(binary: Path, gguf: Path, prompts: list[list[int]], n: int, threads: int) -> list[dict]:
+def run_llama_cpp(binary: Path, gguf: Path, prompts: list[list[int]], n: int, threads: int,
+                  flash_attn: str = "auto") -> list[dict]:
     text = "".join(" ".join(map(str, p)) + "\n" for p in prompts)
+    env = {**os.environ, "LLAMA_GREEDY_FLASH_ATTN": {"auto": "", "on": "1", "off": "0"}[flash_attn]}
     done = subprocess.run([str(binary), str(gguf), str(n), str(threads)], input=text,
-                          capture_output=True, text=True, check=True)
+                          capture_output=True, text=True, check=True, env=env)
     out = []
     for line in done.stdout.strip().splitlines():
         parts = dict(p.strip().split(":", 1) for p in line.split("|"))
@@ -130,6 +132,8 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=32, help="tokens compared per prompt (default 32)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--raw", action="store_true", help="prompts as plain text, without the chat template")
+    ap.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto",
+                    help="llama.cpp's flash attention (default: its own auto choice)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
@@ -140,7 +144,8 @@ def main() -> int:
     texts = [template.render([{"role": "user", "content": p}]) if template else p for p in PROMPTS]
     prompts = [tok.encode(t).ids for t in texts]
 
-    theirs = run_llama_cpp(llama_greedy_binary(args.llama_dir), args.gguf, prompts, args.n, args.threads)
+    theirs = run_llama_cpp(llama_greedy_binary(args.llama_dir), args.gguf, prompts, args.n, args.threads,
+                           args.flash_attn)
     ours = run_llmrs(plan, prompts, args.n, args.threads)
     rows = []
     for p, o, t in zip(PROMPTS, ours, theirs):

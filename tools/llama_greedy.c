@@ -59,6 +59,10 @@ int main(int argc, char **argv) {
     cp.n_batch = 4096;
     cp.n_ubatch = 512;
     cp.n_threads = cp.n_threads_batch = threads;
+    /* LLAMA_GREEDY_FLASH_ATTN=0|1 (default: llama.cpp's auto): its flash attention rounds Q and
+       the V sums to f16 on the CPU, a source of differences of its own */
+    const char *fa = getenv("LLAMA_GREEDY_FLASH_ATTN");
+    if (fa && *fa) cp.flash_attn_type = atoi(fa) ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
     struct llama_context *ctx = llama_init_from_model(model, cp);
     if (!ctx) { fprintf(stderr, "llama_greedy: cannot make a context\n"); return 1; }
 

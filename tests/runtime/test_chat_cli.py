@@ -154,3 +154,42 @@ def test_a_terminal_session_prompts_and_ends_on_ctrl_d(plans):
         os.close(leader)
     assert proc.returncode == 0
     assert b"anananan\r\n>>> " in out and b"Ctrl-D ends the session" in proc.stderr.read()
+
+
+# -- --prompt on a plan with a chat template ---------------------------------------------------
+
+def _prompt_ids(plan, tmp_path, *flags: str) -> tuple[int, list[int], str]:
+    from llmrs.runtime.cli import main
+    dump = tmp_path / "d.npz"
+    import contextlib
+    import io
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main([str(plan), "-n", "2", "--dump-logits", str(dump), *flags])
+    if rc:
+        return rc, [], err.getvalue()
+    import numpy as np
+    d = np.load(dump)
+    return rc, d["tokens"][:len(d["tokens"]) - len(d["logits"])].tolist(), err.getvalue()
+
+
+@pytest.mark.parametrize("system", [None, "Be brief."])
+def test_a_prompt_goes_through_the_chat_template_unless_raw(plans, tmp_path, system):
+    model = Model.load(plans["chat"])
+    sys_flags = ["--system", system] if system else []
+    rc, ids, _ = _prompt_ids(plans["chat"], tmp_path, "-p", "Hello there", *sys_flags)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "Hello there"}]
+    want = model.tokenize(model.render_chat(messages), add_special_tokens=False)
+    assert rc == 0 and ids == want and want[0] == model.tokenize("<|begin_of_text|>", add_special_tokens=False)[0]
+    rc, raw, _ = _prompt_ids(plans["chat"], tmp_path, "-p", "Hello there", "--raw")
+    assert rc == 0 and raw == model.tokenize("Hello there") and raw != want
+
+
+def test_system_without_a_template_and_raw_with_chat_are_one_line_errors(plans, tmp_path):
+    rc, _, err = _prompt_ids(plans["base"], tmp_path, "-p", "Hi", "--system", "Be brief.")
+    assert rc == 2 and err == "llmrs-run: error: --system needs a plan with a chat template (and no --raw)\n"
+    rc, _, err = _prompt_ids(plans["chat"], tmp_path, "-p", "Hi", "--raw", "--system", "Be brief.")
+    assert rc == 2 and "--system needs a plan with a chat template" in err
+    got = _chat(plans["chat"], "hi\n", "--raw")
+    assert got.returncode == 2 and got.stderr.strip().endswith("--raw goes with --prompt: --chat always uses the chat template (see --help)")
+    assert len(got.stderr.strip().splitlines()) == 1

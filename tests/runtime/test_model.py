@@ -174,5 +174,5 @@ def test_bad_options_and_prompts_are_one_line_errors(plans):
 def test_load_refuses_unknown_backends_and_engine_options(plans):
     with pytest.raises(ValueError, match="backend 'tpu': choose one of cpu, opencl, reference"):
         Model.load(plans["a"], backend="tpu")
-    with pytest.raises(TypeError, match=r"unknown engine option 'eviction' \(this engine takes: none\)"):
+    with pytest.raises(TypeError, match=r"unknown engine option 'eviction' \(this engine takes: cache\)"):
         Model.load(plans["a"], eviction="sliding")
