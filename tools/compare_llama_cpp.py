@@ -95,10 +95,15 @@ def top_gap(logits: np.ndarray) -> float:
     return float(two[1] - two[0])
 
 
-def run_llmrs(plan: Plan, prompts: list[list[int]], n: int, threads: int | None) -> list[dict]:
+def run_llmrs(plan: Plan, prompts: list[list[int]], n: int, threads: int | None,
+              backend: str = "cpu") -> list[dict]:
     m = plan.manifest
-    engine = Engine(CpuBackend(plan, threads=threads), int(m["prefill_chunk"]), int(m["max_seq_len"]),
-                    tuple(m.get("stop_ids", ())))
+    if backend == "opencl":
+        from llmrs.runtime.backends.opencl import OpenCLBackend
+        be = OpenCLBackend(plan)
+    else:
+        be = CpuBackend(plan, threads=threads)
+    engine = Engine(be, int(m["prefill_chunk"]), int(m["max_seq_len"]), tuple(m.get("stop_ids", ())))
     out = []
     for ids in prompts:
         engine.reset()
@@ -134,6 +139,10 @@ def main() -> int:
     ap.add_argument("--raw", action="store_true", help="prompts as plain text, without the chat template")
     ap.add_argument("--flash-attn", choices=("auto", "on", "off"), default="auto",
                     help="llama.cpp's flash attention (default: its own auto choice)")
+    ap.add_argument("--also-opencl", action="store_true",
+                    help="also run the plan on OpenCL and count how often llmrs's own two back ends, "
+                         "each within 3e-7 of the interpreter kernel by kernel, agree: the baseline "
+                         "for what agreement with llama.cpp can be on this model")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
@@ -160,8 +169,16 @@ def main() -> int:
     ties = sum(1 for r in rows if not r["agree"] and r["near_tie"])
     print(f"\n{agree} of {len(rows)} prompts agree on the first {args.n} tokens; "
           f"{ties} of the {len(rows) - agree} that differ part at a near-tie (gap < {NEAR_TIE})")
+    result = {"n": args.n, "agree": agree, "near_ties": ties, "rows": rows}
+    if args.also_opencl:
+        other = run_llmrs(plan, prompts, args.n, args.threads, "opencl")
+        same = [compare(o, c, args.n) for o, c in zip(ours, other)]
+        own = sum(r["agree"] for r in same)
+        print(f"llmrs CPU vs llmrs OpenCL: {own} of {len(rows)} prompts agree on the first {args.n} tokens; "
+              f"first differences at {[r['diverge_at'] for r in same if not r['agree']]}")
+        result["cpu_vs_opencl"] = {"agree": own, "rows": same}
     if args.json:
-        args.json.write_text(json.dumps({"n": args.n, "agree": agree, "near_ties": ties, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps(result, indent=1))
     return 0
 
 
