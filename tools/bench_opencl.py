@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", type=Path)
     ap.add_argument("--weights", default="q4_0,f16",
-                    help=f"comma-separated weight formats, each of {', '.join(WEIGHT_DTYPES)} (default q4_0,f16)")
+                    help=f"comma-separated weight formats, each of {', '.join(WEIGHT_DTYPES)} or native (a GGUF's "
+                         "own formats; default q4_0,f16)")
     ap.add_argument("--kv", default="f16", help="KV cache dtype (f32 | f16 | q8_0)")
     ap.add_argument("--prefill", type=int, default=512, help="prompt tokens (one prefill chunk)")
     ap.add_argument("--steps", type=int, default=64, help="timed decode steps")
@@ -279,9 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     weights = args.weights.split(",")
-    bad = [w for w in weights if w not in WEIGHT_DTYPES]
+    bad = [w for w in weights if w not in (*WEIGHT_DTYPES, "native")]   # native: a GGUF's own formats
     if bad:
-        ap.error(f"--weights {','.join(bad)}: choose from {', '.join(WEIGHT_DTYPES)}")
+        ap.error(f"--weights {','.join(bad)}: choose from {', '.join(WEIGHT_DTYPES)}, native")
     variants = args.variants.split(",")
     for spec in variants:
         try:
