@@ -103,7 +103,7 @@ def host_ceilings(threads: int, read_bytes: int, gemm_n: int, weights: np.ndarra
     buf = np.ones(read_bytes // 8, np.int64)                   # touched: every page is resident
     out = {"read_gbs": read_bandwidth(buf.ctypes.data, buf.nbytes, threads)}
     del buf
-    if weights is not None and len(weights) >= 4096 * threads:
+    if weights is not None and len(weights) >= 16 << 20:   # smaller: page faults, not bandwidth
         out["weights_read_gbs"] = read_bandwidth(weights.ctypes.data, len(weights), threads)
     out["gemm_gflops"] = gemm_gflops(gemm_n)
     return out
