@@ -169,6 +169,9 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
         plan = Plan.open(a.plan)
     except PlanError as e:
         raise BenchError(str(e)) from None
+    missing = plan.missing_code(a.backend)
+    if missing:   # before any measuring: the one line is all the user sees
+        raise BenchError(f"{a.plan}: {missing}")
     m = plan.manifest
     max_seq, deep = int(m["max_seq_len"]), max(prefills)
     if max_seq < deep + a.decode:
@@ -229,9 +232,9 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
                      "samples_tok_s": [round(x, 2) for x in pre[n]]} for n in prefills],
         "decode": {
             "tokens": a.decode,
-            "empty": {"context": 1, "tok_s": round(d_empty, 2), "ms_per_token": round(1e3 / d_empty, 3),
+            "empty": {"context": 1, "tok_s": round(d_empty, 2), "ms_per_token": round(1e3 / d_empty, 4),
                       "samples_tok_s": [round(x, 2) for x in dec_empty]},
-            "deep": {"context": deep, "tok_s": round(d_deep, 2), "ms_per_token": round(1e3 / d_deep, 3),
+            "deep": {"context": deep, "tok_s": round(d_deep, 2), "ms_per_token": round(1e3 / d_deep, 4),
                      "samples_tok_s": [round(x, 2) for x in dec_deep]},
         },
         "decode_weight_gbs": round(wbytes * d_deep / 1e9, 2),

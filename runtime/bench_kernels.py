@@ -208,7 +208,7 @@ def time_kernels(plan: Any, backend: str, ceilings: dict[str, float], context: i
         nbytes, flops = kernel_cost(k.graph, k.op, step)
         gbs, gfl = nbytes / s / 1e9, flops / s / 1e9
         out.append(KernelTime(k.label, k.phase, k.op.name, k.ops, backend, step.n_tokens, step.n_past,
-                              round(s * 1e6, 2), nbytes, flops, round(gbs, 2), round(gfl, 2),
+                              round(s * 1e6, 4), nbytes, flops, round(gbs, 2), round(gfl, 2),
                               round(gbs / bw, 3) if bw else None, round(gfl / gemm, 3) if gemm else None))
     return out
 
