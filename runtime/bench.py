@@ -87,6 +87,11 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
+def sig(x: float, digits: int = 4) -> float:
+    """x to `digits` significant digits: a ratio of a tiny model is as exact as a large one's."""
+    return float(f"{x:.{digits}g}")
+
+
 def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -237,10 +242,10 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
             "deep": {"context": deep, "tok_s": round(d_deep, 2), "ms_per_token": round(1e3 / d_deep, 4),
                      "samples_tok_s": [round(x, 2) for x in dec_deep]},
         },
-        "decode_weight_gbs": round(wbytes * d_deep / 1e9, 2),
-        "decode_of_bandwidth": round(wbytes * d_deep / 1e9 / bw, 3),
-        "prefill_gops": round(gops, 2),
-        "prefill_of_gemm": round(gops / ceil["gemm_gflops"], 3),
+        "decode_weight_gbs": sig(wbytes * d_deep / 1e9),
+        "decode_of_bandwidth": sig(wbytes * d_deep / 1e9 / bw),
+        "prefill_gops": sig(gops),
+        "prefill_of_gemm": sig(gops / ceil["gemm_gflops"]),
         "peak_memory_bytes": peak,
         "llama_cpp": lcpp,
         "kernels": None,

@@ -192,6 +192,8 @@ def time_kernels(plan: Any, backend: str, ceilings: dict[str, float], context: i
     (read_gbs or device_copy_gbps, gemm_gflops)."""
     import json
 
+    from .bench import sig
+
     kernels = check.plan_kernels(plan.graphs())
     program = json.loads(bytes(plan.section("opencl")).decode()) if backend == "opencl" else None
     bw = ceilings.get("device_copy_gbps" if backend == "opencl" else "read_gbs")
@@ -208,8 +210,8 @@ def time_kernels(plan: Any, backend: str, ceilings: dict[str, float], context: i
         nbytes, flops = kernel_cost(k.graph, k.op, step)
         gbs, gfl = nbytes / s / 1e9, flops / s / 1e9
         out.append(KernelTime(k.label, k.phase, k.op.name, k.ops, backend, step.n_tokens, step.n_past,
-                              round(s * 1e6, 4), nbytes, flops, round(gbs, 2), round(gfl, 2),
-                              round(gbs / bw, 3) if bw else None, round(gfl / gemm, 3) if gemm else None))
+                              sig(s * 1e6), nbytes, flops, sig(gbs), sig(gfl),
+                              sig(gbs / bw) if bw else None, sig(gfl / gemm) if gemm else None))
     return out
 
 

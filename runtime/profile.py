@@ -162,7 +162,7 @@ def profiled_opencl(plan: Any, device: Any) -> Any:
                 op_name, fn = self._who.get(kern.int_ptr, (None, kern.function_name))
                 op = self._ops.get(phase, {}).get(op_name)
                 name = slice_name(op) if op is not None else fn
-                args = {**(_op_args(op) if op is not None else {}), "cl_kernel": fn}
+                args = {**(_op_args(op) if op is not None else {"op": op_name, "kernel": fn}), "cl_kernel": fn}
                 out.append((name, host_start_ns + ev.profile.start - origin,
                             host_start_ns + ev.profile.end - origin, args))
             return out

@@ -17,9 +17,9 @@ from .measure_plans import tiny_plan
 FAST = ["--prefill", "4,10", "--decode", "5", "--repeats", "1", "--read-mib", "8", "--gemm", "64"]
 
 
-@pytest.fixture(scope="module")
-def plan(tmp_path_factory) -> Path:
-    return tiny_plan(tmp_path_factory.mktemp("bench"), "--target", "cpu,opencl")
+@pytest.fixture
+def plan(measure_plan) -> Path:
+    return measure_plan
 
 
 def _run(plan: Path, tmp: Path, *flags: str) -> dict:
