@@ -13,7 +13,6 @@ the benchmark's peak memory.
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import subprocess

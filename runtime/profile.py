@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..compiler.ir import Graph, Op
+from ..compiler.ir import Op
 
 _LAYER = re.compile(r"^l(\d+)\.")
 
