@@ -89,3 +89,25 @@ def test_profile_refuses_the_reference_backend_and_chat(plan, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main([str(plan), "--chat", "--profile", str(tmp_path / "t.json")])
     assert e.value.code == 2
+
+
+def test_plot_bench_breaks_a_trace_down_by_kernel(plan, tmp_path):
+    """tools/plot_bench.py's profile figure: per phase, each kernel title's time per step, the
+    kernels per step adding up to the graph's ops, and the ms to the trace's slices."""
+    pytest.importorskip("matplotlib", reason="pip install 'llmrs[plot]'")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plot_bench", Path(__file__).parents[2] / "tools" / "plot_bench.py")
+    plot_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_bench)
+    trace, _ = _run(plan, tmp_path, "cpu", True)
+    graphs = Plan.open(plan).graphs()
+    out = tmp_path / "profile.png"
+    data = plot_bench.plot_trace(trace, out)
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    steps = {"prefill": 2, "decode": N_NEW - 1}
+    for phase, rows in data.items():
+        assert sum(n for _, _, n in rows) == len(graphs[phase].ops)
+        want = sum(e["dur"] for e in trace["traceEvents"] if e.get("cat") == "kernel" and e["args"]["phase"] == phase)
+        assert sum(ms for _, ms, _ in rows) == pytest.approx(want / 1e3 / steps[phase])
+    assert plot_bench.trace_table(trace).count("\n") == 1 + sum(len(r) for r in data.values())
