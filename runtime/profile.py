@@ -5,9 +5,10 @@ each step is a slice named by its phase ("prefill" / "decode") with one child sl
 named by what the kernel computes and its layer ("rms_norm+matmul+rope_kv_store L3").
 
 Nothing here runs unless asked for: the normal path has no timers at all.
-  cpu     the plan's graphs are compiled again (JIT, on load) with clock stamps: thread 0 reads
-          CLOCK_MONOTONIC at a step's start and after every kernel's barrier (the barrier ends a
-          kernel for every thread), so a slice is the kernel's time as the step sees it
+  cpu     the plan's graphs are compiled again (JIT, on load) with clock stamps: the team meets
+          at a barrier, then thread 0 reads CLOCK_MONOTONIC, and again after every kernel's
+          barrier (which ends a kernel for every thread), so a slice is the kernel's time as the
+          step sees it, and the threads' hand-off is the step's time before its first kernel
   opencl  a profiling-enabled queue, an event per launch (pyopencl's enqueue), the device's own
           start and end of each kernel; device time is placed on the host's clock at the step's
           first launch

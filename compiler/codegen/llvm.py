@@ -196,6 +196,10 @@ def build_module(graphs: Mapping[str, Graph] | Sequence[Graph], target: Target, 
                 with b.if_then(b.icmp_unsigned("==", tid, ir.Constant(I64, 0))):
                     b.call(stamp, [ir.Constant(I64, slot)])
 
+        if stamp is not None:
+            # the team meets first, so the first kernel's slice does not hold the threads' start
+            # (the step's slice around it shows that hand-off as time outside every kernel)
+            b.call(barrier, [bar, nth])
         stamp_at(0)
 
         def ptr(name: str) -> ir.Value:
