@@ -60,10 +60,9 @@ def plot_speeds(results: list[dict], path: Path) -> dict[str, list[float]]:
 
 
 def _short(label: str) -> str:
-    """'fused_matmul(rms_norm+silu_mul) f32[1,576] q4_1[3072,576]' -> 'rms_norm+silu_mul q4_1[3072,576]'."""
+    """'fused_matmul(rms_norm+silu_mul) f32[1,576] q4_1[3072,576]' -> 'matmul(rms_norm+silu_mul) q4_1[3072,576]'."""
     kind, _, types = label.partition(" ")
-    if kind.startswith("fused_matmul("):
-        kind = kind[len("fused_matmul("):-1] or "matmul"
+    kind = kind.replace("fused_matmul", "matmul")
     weights = [t for t in types.split() if not t.startswith(("f32[", "i32["))]
     return f"{kind} {weights[0]}" if weights else kind
 
@@ -131,8 +130,8 @@ def plot_trace(trace: dict, path: Path) -> dict[str, list[tuple[str, float, int]
         ax.set_xlabel("ms per step (kernels of all layers summed)")
         ax.set_title(f"{ph}: {step_ms:.2f} ms of kernels per step", fontsize=10)
     meta = trace.get("otherData", {})
-    fig.suptitle(f"{Path(meta.get('plan', '')).name} on {meta.get('backend', '')} "
-                 f"{meta.get('device', '')}: where a step's time goes", fontsize=10)
+    where = " ".join(x for x in (meta.get("backend"), meta.get("device")) if x)
+    fig.suptitle(f"{Path(meta.get('plan', '')).name} on {where}: where a step's time goes", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
