@@ -115,3 +115,27 @@ def test_bad_input_is_one_line_exit_2(plan, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main([str(plan), "--backend", "vulkan"])
     assert e.value.code == 2
+
+
+def test_llama_bench_records_are_read_and_failures_are_one_line(tmp_path):
+    """--llama-bench: llama-bench's JSON (one record per test) read as it prints it; a binary
+    that fails or prints something else is a BenchError naming it."""
+    records = [{"n_prompt": 10, "n_gen": 0, "avg_ts": 123.456, "samples_ts": [120.0, 126.9], "model_size": 4096,
+                "build_commit": "abc123"},
+               {"n_prompt": 0, "n_gen": 5, "avg_ts": 45.678, "samples_ts": [45.0, 46.356], "model_size": 4096}]
+    fake = tmp_path / "llama-bench"
+    fake.write_text(f"#!/bin/sh\necho '{json.dumps(records)}'\necho \"$@\" > {tmp_path / 'argv'}\n")
+    fake.chmod(0o755)
+    got = bench.run_llama_bench(str(fake), "m.gguf", 2, 3, 10, 5)
+    assert (tmp_path / "argv").read_text().split() == ["-m", "m.gguf", "-p", "10", "-n", "5", "-t", "2", "-r", "3",
+                                                      "-o", "json"]
+    assert got["prefill_tok_s"] == 123.46 and got["decode_tok_s"] == 45.68 and got["model_bytes"] == 4096
+    assert got["prefill_samples"] == [120.0, 126.9] and got["build_commit"] == "abc123"
+    fake.write_text("#!/bin/sh\necho 'error: no model' >&2\nexit 1\n")
+    with pytest.raises(bench.BenchError, match="failed on --gguf m.gguf: error: no model"):
+        bench.run_llama_bench(str(fake), "m.gguf", 2, 3, 10, 5)
+    fake.write_text("#!/bin/sh\necho '[]'\n")
+    with pytest.raises(bench.BenchError, match="no prefill and decode records"):
+        bench.run_llama_bench(str(fake), "m.gguf", 2, 3, 10, 5)
+    with pytest.raises(bench.BenchError, match="cannot run it"):
+        bench.run_llama_bench(str(tmp_path / "absent"), "m.gguf", 2, 3, 10, 5)
