@@ -49,9 +49,16 @@ def _check_trace(trace: dict, expected: dict[str, list[str]], n_steps: int) -> N
         assert starts == sorted(starts)
 
 
-def test_cpu_profile_has_a_slice_per_op_per_step_and_same_output(plan, tmp_path):
-    trace, logits = _run(plan, tmp_path, "cpu", True)
-    _, plain = _run(plan, tmp_path, "cpu", False)
+@pytest.fixture(scope="module")
+def cpu_runs(measure_plan, tmp_path_factory) -> tuple[dict, dict, dict]:
+    """(trace, logits with --profile, logits without) of one CPU run each."""
+    tmp = tmp_path_factory.mktemp("cpu_runs")
+    trace, logits = _run(measure_plan, tmp, "cpu", True)
+    return trace, logits, _run(measure_plan, tmp, "cpu", False)[1]
+
+
+def test_cpu_profile_has_a_slice_per_op_per_step_and_same_output(plan, cpu_runs):
+    trace, logits, plain = cpu_runs
     graphs = Plan.open(plan).graphs()
     # the CPU step runs every op of the graph as a kernel (slices too), one barrier after each
     expected = {p: [op.name for op in g.ops] for p, g in graphs.items()}
@@ -91,7 +98,7 @@ def test_profile_refuses_the_reference_backend_and_chat(plan, tmp_path, capsys):
     assert e.value.code == 2
 
 
-def test_plot_bench_breaks_a_trace_down_by_kernel(plan, tmp_path):
+def test_plot_bench_breaks_a_trace_down_by_kernel(plan, cpu_runs, tmp_path):
     """tools/plot_bench.py's profile figure: per phase, each kernel title's time per step, the
     kernels per step adding up to the graph's ops, and the ms to the trace's slices."""
     pytest.importorskip("matplotlib", reason="pip install 'llmrs[plot]'")
@@ -100,7 +107,7 @@ def test_plot_bench_breaks_a_trace_down_by_kernel(plan, tmp_path):
     spec = importlib.util.spec_from_file_location("plot_bench", Path(__file__).parents[2] / "tools" / "plot_bench.py")
     plot_bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plot_bench)
-    trace, _ = _run(plan, tmp_path, "cpu", True)
+    trace = cpu_runs[0]
     graphs = Plan.open(plan).graphs()
     out = tmp_path / "profile.png"
     data = plot_bench.plot_trace(trace, out)
