@@ -31,6 +31,7 @@ def parser() -> argparse.ArgumentParser:
                "--protected-prefix 4\n"
                "  llmrs-run plan.bin --prompt Hi --temperature 0.8 --top-p 0.9 --seed 1\n"
                "  llmrs-run plan.bin --prompt Hi --backend reference --dump-logits ref.npz\n"
+               "  llmrs-run plan.bin --prompt Hi --profile trace.json   per-kernel slices; open at ui.perfetto.dev\n"
                "  llmrs-run --chat --system 'Be brief.'     a conversation through the model's chat template\n"
                "\nPYOPENCL_COMPILER_OUTPUT=1 shows the OpenCL compiler's messages on builds that work.\n")
     ap.add_argument("plan", nargs="?", type=Path,
