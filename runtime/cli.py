@@ -31,6 +31,7 @@ def parser() -> argparse.ArgumentParser:
                "--protected-prefix 4\n"
                "  llmrs-run plan.bin --prompt Hi --temperature 0.8 --top-p 0.9 --seed 1\n"
                "  llmrs-run plan.bin --prompt Hi --backend reference --dump-logits ref.npz\n"
+               "  llmrs-run plan.bin --prompt Hi --profile trace.json   per-kernel slices; open at ui.perfetto.dev\n"
                "  llmrs-run --chat --system 'Be brief.'     a conversation through the model's chat template\n"
                "\nPYOPENCL_COMPILER_OUTPUT=1 shows the OpenCL compiler's messages on builds that work.\n")
     ap.add_argument("plan", nargs="?", type=Path,
@@ -55,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     ap.add_argument("--device", default=None, help="OpenCL device index or name (or LLMRS_OPENCL_DEVICE)")
     ap.add_argument("--stats", action="store_true", help="print timings and memory to stderr")
+    ap.add_argument("--profile", type=Path, metavar="TRACE.json",
+                    help="write a Chrome/Perfetto trace: one slice per kernel per step under its phase "
+                         "(cpu: code recompiled with clock stamps; opencl: a profiling queue); off by default")
     ap.add_argument("--dump-logits", type=Path, metavar="FILE.npz",
                     help="save tokens (prompt + generated) and the logits each generated token came from")
     add_eviction_args(ap)
@@ -141,6 +145,10 @@ def run(args: argparse.Namespace) -> int:
         raise EngineError(f"--threads must be at least 1, got {args.threads}")
     if args.dump_logits:   # before the run, not after it
         check_output_file(args.dump_logits, "--dump-logits")
+    if args.profile:
+        check_output_file(args.profile, "--profile")
+        if args.backend == "reference":
+            raise EngineError("--profile times kernels on --backend cpu or opencl, not reference")
     text = prompt_text(args.prompt)
     sampler = Sampler(SamplerConfig(args.temperature, args.top_k, args.top_p, args.repetition_penalty,
                                     args.repetition_window, args.seed))
@@ -150,7 +158,11 @@ def run(args: argparse.Namespace) -> int:
     plan = Plan.open(args.plan or default_plan())
     m = plan.manifest
     tokenizer = Tokenizer.from_str(bytes(plan.section("tokenizer.json")).decode())
-    backend = make_backend(args.backend, plan, args)
+    if args.profile:
+        from .profile import profiling_backend
+        backend = profiling_backend(args.backend, plan, args.threads, args.device)
+    else:
+        backend = make_backend(args.backend, plan, args)
     engine = Engine(backend, int(m["prefill_chunk"]), int(m["max_seq_len"]), tuple(m.get("stop_ids", ())),
                     cache=cache_manager(args, backend))
     load_s = time.perf_counter() - t0
@@ -169,6 +181,10 @@ def run(args: argparse.Namespace) -> int:
     if args.dump_logits:
         logits = np.stack(gen.logits) if gen.logits else np.zeros((0, m["model"]["vocab_size"]), np.float32)
         np.savez(args.dump_logits, tokens=np.array(prompt + gen.tokens, np.int32), logits=logits.astype(np.float32))
+    if args.profile:
+        n_slices = backend.write(args.profile)
+        print(f"llmrs-run: profile: {backend.trace.steps} steps, {n_slices} kernel slices in {args.profile} "
+              "(open it in https://ui.perfetto.dev)", file=sys.stderr)
     if args.stats:
         print(f"backend           {getattr(backend, 'name', args.backend)}\n{gen.stats.report()}\nstopped by        {gen.stop_reason}",
               file=sys.stderr)
@@ -189,8 +205,8 @@ def run_chat(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
-    if args.chat and (args.prompt is not None or args.dump_logits):
-        ap.error("--chat reads its turns from standard input: leave out --prompt and --dump-logits")
+    if args.chat and (args.prompt is not None or args.dump_logits or args.profile):
+        ap.error("--chat reads its turns from standard input: leave out --prompt, --dump-logits and --profile")
     if not args.chat and args.prompt is None:
         ap.error("give --prompt TEXT, or --chat for a conversation")
     if args.chat and args.raw:

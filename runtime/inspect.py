@@ -5,7 +5,10 @@ import sys
 from collections import Counter
 from typing import Any, TextIO
 
-from ..compiler.cliutil import OneLineParser
+from pathlib import Path
+
+from ..compiler.cliutil import OneLineParser, check_output_file
+from .plotting import PlotError, plot_arena, pyplot
 from ..compiler.ir import Graph
 from .plan import VERIFY_MODES, Plan, PlanError
 
@@ -98,13 +101,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verify", default="auto", choices=VERIFY_MODES,
                     help="checksum the weights: auto (first open of a file only), always, never")
     ap.add_argument("--no-layout", action="store_true", help="leave out the arena layouts")
+    ap.add_argument("--plot", type=Path, metavar="ARENA.png",
+                    help="draw each phase's arena: tensors as rectangles over op index x offset, the lower "
+                         "bound marked (needs matplotlib: pip install 'llmrs[plot]')")
     args = ap.parse_args(argv)
     try:
+        if args.plot:
+            check_output_file(args.plot, "--plot")
+            pyplot()    # before any output: a missing matplotlib is the one line said
         plan = Plan.open(args.plan, verify=args.verify)
-    except PlanError as e:
+    except (PlanError, PlotError, ValueError) as e:
         print(f"llmrs-inspect: error: {e}", file=sys.stderr)
         return 2
     graphs = plan.graphs()
+    if args.plot:
+        try:
+            drawn = plot_arena(graphs, args.plot)
+        except PlotError as e:
+            print(f"llmrs-inspect: error: {e}", file=sys.stderr)
+            return 2
+        print(f"arena picture: {args.plot} (" + ", ".join(f"{p} {len(r)} tensors" for p, r in drawn.items()) + ")",
+              file=sys.stderr)
     out = sys.stdout
     _print_summary(plan, graphs, out)
     if not args.no_layout:

@@ -33,50 +33,12 @@ from llmrs.compiler.pipeline import CompileOptions, compile_graphs
 from llmrs.compiler.summary import decode_weight_bytes
 from llmrs.compiler.plan import write_graph_plan
 from llmrs.runtime.backends.opencl import OpenCLBackend
+from llmrs.runtime.ceilings import device_copy_gbps, launch_us
 from llmrs.runtime.plan import Plan
 
-EMPTY_KERNEL = "__kernel void empty(__global int* p) { }"
-
-
 def launch_cost_us(be: OpenCLBackend, n: int = 2000, pyopencl: bool = False) -> float:
-    """One empty launch, back to back: as the back end launches kernel by kernel (with no
-    event, where it can: what a step pays, the floor's launch cost) or through pyopencl's
-    enqueue, which makes an event per launch."""
-    import pyopencl as cl
-    prg = cl.Program(be.ctx, EMPTY_KERNEL).build()
-    k = cl.Kernel(prg, "empty")
-    k.set_args(be.step_buf)
-    if be.direct is not None and not pyopencl:
-        prepared = be.direct.prepare([(k, (64, 1), (64, 1))] * n)
-        enqueue = lambda m: be.direct.enqueue(prepared[:m])   # noqa: E731
-    else:
-        def enqueue(m: int) -> None:
-            for _ in range(m):
-                cl.enqueue_nd_range_kernel(be.queue, k, (64,), (64,))
-    enqueue(100)
-    be.queue.finish()
-    t = time.perf_counter()
-    enqueue(n)
-    be.queue.finish()
-    return (time.perf_counter() - t) / n * 1e6
-
-
-def copy_gbps(be: OpenCLBackend, nbytes: int = 1 << 30, reps: int = 10) -> float:
-    import pyopencl as cl
-    nbytes = min(nbytes, be.device.max_mem_alloc_size // 2)
-    a = cl.Buffer(be.ctx, cl.mem_flags.READ_WRITE, nbytes)
-    b = cl.Buffer(be.ctx, cl.mem_flags.READ_WRITE, nbytes)
-    cl.enqueue_fill_buffer(be.queue, a, np.uint8(1), 0, nbytes)
-    cl.enqueue_copy(be.queue, b, a)
-    be.queue.finish()
-    t = time.perf_counter()
-    for _ in range(reps):
-        cl.enqueue_copy(be.queue, b, a)
-    be.queue.finish()
-    dt = time.perf_counter() - t
-    a.release()
-    b.release()
-    return 2 * nbytes * reps / dt / 1e9
+    """One empty launch as the runtime launches (llmrs-bench's probe, runtime/ceilings.py)."""
+    return launch_us(be, n, pyopencl)
 
 
 def kernel_profile(be: OpenCLBackend, phase: str, tokens: np.ndarray, n_past: int,
@@ -168,7 +130,7 @@ def measure(model: Path, p, d, weights: str, prefill: int, steps: int, kv: str, 
 
 def measure_plan(path: Path, prefill: int, steps: int) -> dict:
     """Everything above for one plan file (compiled with --target opencl): prefill of `prefill`
-    tokens in one chunk, then `steps` decode steps each way; `tools/bench.py --backend opencl`."""
+    tokens in one chunk, then `steps` decode steps each way."""
     t0 = time.perf_counter()
     be = OpenCLBackend(Plan.open(path))
     load_s = time.perf_counter() - t0
@@ -232,7 +194,7 @@ def measure_plan(path: Path, prefill: int, steps: int) -> dict:
     profile["decode_matrices"] = matrix_bandwidth(d, decode_op_us)
     launch_us = launch_cost_us(be)
     launch_py_us = launch_cost_us(be, pyopencl=True)
-    bw = copy_gbps(be)
+    bw = device_copy_gbps(be)
     launches = sum(1 for b in be.launches["decode"] if not b.scores) + 1     # + the greedy argmax
     wbytes, _ = decode_weight_bytes(d)
     floor_s = max(launches * launch_us * 1e-6, wbytes / (bw * 1e9))

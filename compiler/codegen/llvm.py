@@ -139,7 +139,38 @@ def _barrier(module: ir.Module, target: Target) -> ir.Function:
     return fn
 
 
-def build_module(graphs: Mapping[str, Graph] | Sequence[Graph], target: Target) -> ir.Module:
+CLOCK_MONOTONIC = 1     # Linux's id: the clock Python's time.monotonic_ns and perf_counter_ns read
+
+
+def _profile_clock(module: ir.Module) -> tuple[ir.GlobalVariable, ir.Function]:
+    """For build_module(profile=True): a global i64 buffer pointer, set by the exported
+    llmrs_profile_set(ptr), and stamp(i64 slot): CLOCK_MONOTONIC in ns into buffer[slot]."""
+    buf = ir.GlobalVariable(module, PTR, "llmrs_profile_buf")
+    buf.initializer = ir.Constant(PTR, None)
+    buf.linkage = "internal"
+    setter = ir.Function(module, ir.FunctionType(VOID, [PTR]), "llmrs_profile_set")
+    b = ir.IRBuilder(setter.append_basic_block("entry"))
+    b.store(setter.args[0], buf)
+    b.ret_void()
+    clock = ir.Function(module, ir.FunctionType(I32, [I32, PTR]), "clock_gettime")
+    stamp = ir.Function(module, ir.FunctionType(VOID, [I64]), "llmrs_profile_stamp")
+    stamp.linkage = "internal"
+    b = ir.IRBuilder(stamp.append_basic_block("entry"))
+    ts = b.alloca(ir.ArrayType(I64, 2))   # struct timespec {tv_sec, tv_nsec} on 64-bit Linux
+    b.call(clock, [ir.Constant(I32, CLOCK_MONOTONIC), ts])
+    sec = b.load(b.gep(ts, [ir.Constant(I64, 0), ir.Constant(I64, 0)], source_etype=ts.allocated_type), typ=I64)
+    nsec = b.load(b.gep(ts, [ir.Constant(I64, 0), ir.Constant(I64, 1)], source_etype=ts.allocated_type), typ=I64)
+    base = b.load(buf, typ=PTR)
+    slot = b.gep(base, [stamp.args[0]], source_etype=I64)
+    b.store(b.add(b.mul(sec, ir.Constant(I64, 1_000_000_000)), nsec), slot)
+    b.ret_void()
+    return buf, stamp
+
+
+def build_module(graphs: Mapping[str, Graph] | Sequence[Graph], target: Target, profile: bool = False) -> ir.Module:
+    """profile=True: thread 0 also stamps the clock at a step's start and after every kernel's
+    barrier into the buffer given to llmrs_profile_set (i64[len(ops) + 1]), for llmrs-run
+    --profile; plans never hold this code, so a normal step pays nothing for it."""
     gs = _graphs(graphs)
     for g in gs:
         if "layout" not in g.meta:
@@ -150,6 +181,7 @@ def build_module(graphs: Mapping[str, Graph] | Sequence[Graph], target: Target) 
     wnames = {n: i for i, n in enumerate(weight_names(gs))}
     stride = scratch_bytes(gs)
     barrier = _barrier(module, target)
+    stamp = _profile_clock(module)[1] if profile else None
     kernels: dict[str, ir.Function] = {}
     for g in gs:
         lay = g.meta["layout"]
@@ -158,6 +190,17 @@ def build_module(graphs: Mapping[str, Graph] | Sequence[Graph], target: Target) 
         b = ir.IRBuilder(fn.append_basic_block("entry"))
         my_scratch = b.gep(scratch, [b.mul(tid, ir.Constant(I64, stride))], source_etype=ir.IntType(8))
         work = b.gep(bar, [ir.Constant(I64, WORK_OFFSET)], source_etype=ir.IntType(8))
+
+        def stamp_at(slot: int) -> None:
+            if stamp is not None:
+                with b.if_then(b.icmp_unsigned("==", tid, ir.Constant(I64, 0))):
+                    b.call(stamp, [ir.Constant(I64, slot)])
+
+        if stamp is not None:
+            # the team meets first, so the first kernel's slice does not hold the threads' start
+            # (the step's slice around it shows that hand-off as time outside every kernel)
+            b.call(barrier, [bar, nth])
+        stamp_at(0)
 
         def ptr(name: str) -> ir.Value:
             v = g.values[name]
@@ -170,7 +213,7 @@ def build_module(graphs: Mapping[str, Graph] | Sequence[Graph], target: Target) 
                 off, base = lay["arena"][name], arena
             return b.gep(base, [ir.Constant(I64, off)], source_etype=ir.IntType(8))
 
-        for op in g.ops:
+        for i, op in enumerate(g.ops):
             key = _kernel_key(g, op)
             if key not in kernels:
                 kernels[key] = emit_op(module, target, g, op, f"k{len(kernels)}.{op.kind}", internal=True,
@@ -178,6 +221,7 @@ def build_module(graphs: Mapping[str, Graph] | Sequence[Graph], target: Target) 
             args = [ptr(n) for n in op.inputs + op.outputs]
             b.call(kernels[key], args + [n_tokens, n_past, start_pos, tid, nth, my_scratch, work])
             b.call(barrier, [bar, nth])   # after the last kernel too: it zeroes work for the next step
+            stamp_at(i + 1)
         b.ret_void()
     # self-description the runtime reads through the JIT: per-thread scratch size
     sfn = ir.Function(module, ir.FunctionType(I64, []), "llmrs_scratch_bytes")

@@ -1,0 +1,336 @@
+"""llmrs-bench PLAN: how fast a plan runs here, beside this machine's ceilings measured in the
+same run (a shared machine is noisy: compare figures of one run only)."""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ..compiler.cliutil import OneLineParser, check_output_file
+from ..compiler.summary import decode_weight_bytes
+from . import ceilings
+from .backends.cpu import physical_cores
+from .engine import Engine, Stats
+from .plan import Plan, PlanError
+
+SCHEMA = "llmrs-bench/1"
+BACKENDS = ("cpu", "opencl")
+
+EPILOG = """\
+what it measures (medians of --repeats runs, each from an empty cache):
+  prefill N     tok/s of an N-token prompt (random ids), and the time to the first token:
+                prefill plus choosing the token (greedy)
+  decode        tok/s of --decode greedy tokens after a 1-token prompt ("empty", as llama-bench's
+                tg128) and after a prompt of the largest --prefill size ("deep")
+  peak memory   the process's peak resident memory after the speeds (the probes run apart)
+ceilings, measured before and after the speeds (the best of both counts):
+  read GB/s     a generated vectorised read kernel on --threads threads over --read-mib MiB, in a
+                child process (and over the plan's mmapped weights)
+  numpy GEMM    f32 matmul of --gemm x --gemm matrices, GFLOP/s
+  opencl        the device's buffer copy GB/s and one empty launch's us, after the speeds
+decode is also shown as weight bytes per token x tok/s against the bandwidth (read GB/s on cpu,
+device copy on opencl); prefill as 2 x matmul params x tok/s against numpy's GEMM.
+
+--kernels times every distinct kernel of the plan alone (runtime/bench_kernels.py) with GB/s and
+GFLOP/s against those ceilings. --llama-bench runs llama.cpp's llama-bench on --gguf (the same
+weights) between the probes and adds its tok/s and the ratios llmrs / llama.cpp.
+
+examples:
+  llmrs-bench plan.bin
+  llmrs-bench plan.bin --backend opencl --json bench.json
+  llmrs-bench plan.bin --prefill 64 --decode 32 --repeats 1 --kernels
+  llmrs-bench plan.bin --threads 2 --llama-bench build/bin/llama-bench --gguf model.gguf
+exit status: 0 measured, 2 bad arguments or a plan this back end cannot run.
+"""
+
+
+class BenchError(ValueError):
+    """Bad input: one line, exit 2."""
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = OneLineParser(prog="llmrs-bench", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Benchmark a plan end to end (prefill, decode, time to first token, peak "
+                                   "memory) and optionally kernel by kernel, beside the machine's ceilings "
+                                   "measured in the same run.", epilog=EPILOG)
+    ap.add_argument("plan", type=Path, help="a plan.bin written by llmrs-compile")
+    ap.add_argument("--backend", default="cpu", choices=BACKENDS, help="cpu (default) or opencl")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    ap.add_argument("--device", default=None, help="OpenCL device index or name (default: as llmrs-run)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each measurement; medians (default 3)")
+    ap.add_argument("--prefill", default="128,512", metavar="N,N", help="prompt sizes in tokens (default 128,512)")
+    ap.add_argument("--decode", type=int, default=128, metavar="N", help="decoded tokens per run (default 128)")
+    ap.add_argument("--kernels", action="store_true", help="also time every distinct kernel alone")
+    ap.add_argument("--json", type=Path, metavar="FILE", help="write every figure as JSON here")
+    ap.add_argument("--llama-bench", metavar="BIN", help="llama.cpp's llama-bench binary, run in the same run")
+    ap.add_argument("--gguf", metavar="FILE", help="the GGUF for --llama-bench (the plan's weights)")
+    ap.add_argument("--read-mib", type=int, default=1024, help="read probe buffer, MiB (default 1024)")
+    ap.add_argument("--gemm", type=int, default=2048, help="GEMM probe size n (n x n x n; default 2048)")
+    return ap
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise BenchError(f"--prefill {text!r}: give token counts separated by commas, e.g. 128,512") from None
+    if not sizes or sizes[0] < 1:
+        raise BenchError(f"--prefill {text!r}: token counts must be at least 1")
+    return sizes
+
+
+def sig(x: float, digits: int = 4) -> float:
+    """x to `digits` significant digits: a ratio of a tiny model is as exact as a large one's."""
+    return float(f"{x:.{digits}g}")
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# -- llama.cpp --------------------------------------------------------------------------------
+
+def run_llama_bench(binary: str, gguf: str, threads: int, repeats: int, prompt: int, decode: int) -> dict:
+    """llama.cpp's own benchmark on the same machine and thread count; its JSON has one record per
+    test: n_prompt > 0 is prefill, n_gen > 0 decode; samples_ts are per-repetition tok/s."""
+    cmd = [binary, "-m", gguf, "-p", str(prompt), "-n", str(decode), "-t", str(threads), "-r", str(repeats),
+           "-o", "json"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        raise BenchError(f"--llama-bench {binary}: cannot run it ({e.strerror}); pass llama.cpp's llama-bench binary")
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
+        raise BenchError(f"--llama-bench {binary} failed on --gguf {gguf}: {last}")
+    try:
+        records = json.loads(proc.stdout)
+        pp = next(r for r in records if r["n_prompt"] > 0)
+        tg = next(r for r in records if r["n_gen"] > 0)
+    except (ValueError, StopIteration, KeyError, TypeError):
+        raise BenchError(f"--llama-bench {binary} printed no prefill and decode records; is it llama.cpp's llama-bench?")
+    return {"command": " ".join(cmd), "build_commit": str(pp.get("build_commit", "")),
+            "model_bytes": int(pp.get("model_size", 0)), "prefill_tokens": prompt,
+            "prefill_tok_s": round(pp["avg_ts"], 2), "decode_tok_s": round(tg["avg_ts"], 2),
+            "prefill_samples": [round(x, 2) for x in pp["samples_ts"]],
+            "decode_samples": [round(x, 2) for x in tg["samples_ts"]]}
+
+
+# -- speeds -----------------------------------------------------------------------------------
+
+def _greedy(engine: Engine) -> Callable[[Any], int]:
+    on_device = hasattr(engine.backend, "run_argmax")
+    return (lambda out: int(out)) if on_device else (lambda out: int(np.argmax(out)))
+
+
+def time_prefill(engine: Engine, n: int, rng: np.random.Generator, vocab: int) -> tuple[float, float]:
+    """(tok/s of the prompt, seconds to the first token: prefill + the greedy choice)."""
+    engine.reset()
+    prompt = rng.integers(0, vocab, n).tolist()
+    pick, argmax = _greedy(engine), hasattr(engine.backend, "run_argmax")
+    t0 = time.perf_counter()
+    out = engine.prefill(prompt, argmax)
+    t1 = time.perf_counter()
+    pick(out)
+    return n / (t1 - t0), time.perf_counter() - t0
+
+
+def time_decode(engine: Engine, prompt_len: int, n: int, rng: np.random.Generator, vocab: int) -> float:
+    engine.reset()
+    argmax = hasattr(engine.backend, "run_argmax")
+    pick = _greedy(engine)
+    out = engine.prefill(rng.integers(0, vocab, prompt_len).tolist(), argmax)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        out = engine.decode_one_token(pick(out), argmax)
+    return n / (time.perf_counter() - t0)
+
+
+def make_backend(name: str, plan: Plan, threads: int, device: Any) -> Any:
+    missing = plan.missing_code(name)
+    if missing:
+        raise BenchError(f"{plan.path}: {missing}")
+    if name == "opencl":
+        from .backends.opencl import OpenCLBackend, OpenCLError
+        try:
+            return OpenCLBackend(plan, device=device)
+        except OpenCLError as e:
+            raise BenchError(str(e)) from None
+    from .backends.cpu import CpuBackend
+    return CpuBackend(plan, threads=threads)
+
+
+def bench(a: argparse.Namespace) -> dict[str, Any]:
+    prefills = _sizes(a.prefill)
+    threads = a.threads or physical_cores()
+    try:
+        plan = Plan.open(a.plan)
+    except PlanError as e:
+        raise BenchError(str(e)) from None
+    missing = plan.missing_code(a.backend)
+    if missing:   # before any measuring: the one line is all the user sees
+        raise BenchError(f"{a.plan}: {missing}")
+    m = plan.manifest
+    max_seq, deep = int(m["max_seq_len"]), max(prefills)
+    if max_seq < deep + a.decode:
+        raise BenchError(f"{a.plan} holds {max_seq} tokens; --prefill {deep} + --decode {a.decode} need "
+                         f"{deep + a.decode}: recompile with --max-seq-len {deep + a.decode} or give smaller sizes")
+    graphs = plan.graphs()
+    decode_g = graphs["decode"]
+    vocab = next(decode_g.values[op.inputs[0]].shape[0] for op in decode_g.ops if op.kind == "embedding")
+    wbytes, params = decode_weight_bytes(decode_g)
+    read_bytes = a.read_mib << 20
+
+    say(f"llmrs-bench: ceilings ({threads} threads, {a.read_mib} MiB read probe, GEMM {a.gemm})")
+    host = [ceilings.measure_host(threads, read_bytes, a.gemm, str(a.plan))]
+    say(f"llmrs-bench: loading {a.plan} on {a.backend}")
+    backend = make_backend(a.backend, plan, threads, a.device)
+    engine = Engine(backend, int(m["prefill_chunk"]), max_seq)
+    rng = np.random.default_rng(0)
+    time_prefill(engine, min(16, deep), rng, vocab)       # warm: page in weights, build lazily built code
+    pre = {n: [] for n in prefills}
+    ttft = {n: [] for n in prefills}
+    dec_empty, dec_deep = [], []
+    for r in range(a.repeats):
+        say(f"llmrs-bench: repeat {r + 1}/{a.repeats}: prefill {','.join(map(str, prefills))}, decode {a.decode} "
+            f"from empty and after {deep}")
+        for n in prefills:
+            tok_s, first = time_prefill(engine, n, rng, vocab)
+            pre[n].append(tok_s)
+            ttft[n].append(first)
+        dec_empty.append(time_decode(engine, 1, a.decode, rng, vocab))
+        dec_deep.append(time_decode(engine, deep, a.decode, rng, vocab))
+    peak = Stats.peak_rss_bytes()
+    lcpp = None
+    if a.llama_bench:
+        say(f"llmrs-bench: llama-bench on {a.gguf}")
+        lcpp = run_llama_bench(a.llama_bench, a.gguf, threads, a.repeats, deep, a.decode)
+    say("llmrs-bench: ceilings again")
+    host.append(ceilings.measure_host(threads, read_bytes, a.gemm, str(a.plan)))
+    # best of before and after: the machine may be shared, and a low ceiling would flatter us
+    ceil = {k: round(max(h.get(k, 0.0) for h in host), 2) for k in host[0]}
+    device = None
+    if a.backend == "opencl":
+        device = backend.device_name
+        ceil["device_copy_gbps"] = round(ceilings.device_copy_gbps(backend, read_bytes), 2)
+        ceil["launch_us"] = round(ceilings.launch_us(backend), 2)
+    bw = ceil["device_copy_gbps"] if a.backend == "opencl" else ceil["read_gbs"]
+
+    med = statistics.median
+    d_deep, d_empty = med(dec_deep), med(dec_empty)
+    gops = 2 * params * med(pre[deep]) / 1e9
+    result: dict[str, Any] = {
+        "schema": SCHEMA, "plan": str(a.plan), "backend": a.backend, "device": device, "threads": threads,
+        "repeats": a.repeats, "machine": ceilings.machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
+        "ceilings": ceil,
+        "model": {"weight_bytes_per_token": wbytes, "matmul_params": params,
+                  "decode_kernels": decode_g.kernel_count(), "prefill_kernels": graphs["prefill"].kernel_count(),
+                  "prefill_chunk": int(m["prefill_chunk"]), "max_seq_len": max_seq},
+        "prefill": [{"tokens": n, "tok_s": round(med(pre[n]), 2), "ttft_ms": round(med(ttft[n]) * 1e3, 2),
+                     "samples_tok_s": [round(x, 2) for x in pre[n]]} for n in prefills],
+        "decode": {
+            "tokens": a.decode,
+            "empty": {"context": 1, "tok_s": round(d_empty, 2), "ms_per_token": round(1e3 / d_empty, 4),
+                      "samples_tok_s": [round(x, 2) for x in dec_empty]},
+            "deep": {"context": deep, "tok_s": round(d_deep, 2), "ms_per_token": round(1e3 / d_deep, 4),
+                     "samples_tok_s": [round(x, 2) for x in dec_deep]},
+        },
+        "decode_weight_gbs": sig(wbytes * d_deep / 1e9),
+        "decode_of_bandwidth": sig(wbytes * d_deep / 1e9 / bw),
+        "prefill_gops": sig(gops),
+        "prefill_of_gemm": sig(gops / ceil["gemm_gflops"]),
+        "peak_memory_bytes": peak,
+        "llama_cpp": lcpp,
+        "kernels": None,
+    }
+    if lcpp:
+        result["llama_cpp_ratios"] = {"decode_deep": round(d_deep / lcpp["decode_tok_s"], 3),
+                                      "decode_empty": round(d_empty / lcpp["decode_tok_s"], 3),
+                                      "prefill": round(med(pre[deep]) / lcpp["prefill_tok_s"], 3)}
+    if a.kernels:
+        from .bench_kernels import time_kernels
+        dev = a.device
+        if a.backend == "opencl":   # the device found above, by index: no second search and notice
+            from .backends.opencl import list_devices
+            dev = [d for _, d in list_devices()].index(backend.device)
+        close = getattr(backend, "close", None)
+        if close:
+            close()
+        rows = time_kernels(plan, a.backend, ceil, deep, threads, dev, max(a.repeats, 3), say)
+        result["kernels"] = [asdict(r) for r in rows]
+    return result
+
+
+def report(r: dict[str, Any]) -> str:
+    c, mdl = r["ceilings"], r["model"]
+    where = f"{r['backend']}" + (f" ({r['device']})" if r["device"] else f", {r['threads']} threads")
+    lines = [f"plan {r['plan']}  backend {where}  repeats {r['repeats']}  ({r['machine']}, {r['date']})",
+             f"ceilings    read {c['read_gbs']:.1f} GB/s"
+             + (f" (plan weights mmapped: {c['weights_read_gbs']:.1f} GB/s)" if "weights_read_gbs" in c else "")
+             + f", numpy f32 GEMM {c['gemm_gflops']:.1f} GFLOP/s"
+             + (f", device copy {c['device_copy_gbps']:.1f} GB/s, empty launch {c['launch_us']:.2f} us"
+                if "device_copy_gbps" in c else "")]
+    for p in r["prefill"]:
+        lines.append(f"prefill {p['tokens']:<5} {p['tok_s']:9.2f} tok/s   time to first token {p['ttft_ms']:.1f} ms")
+    last = r["prefill"][-1]
+    lines.append(f"            {r['prefill_gops']:.1f} G op/s at {last['tokens']} tokens = {r['prefill_of_gemm']:.2f} x "
+                 "numpy f32 GEMM")
+    d = r["decode"]
+    bw_name = "device copy" if r["backend"] == "opencl" else "read bandwidth"
+    lines += [f"decode      {d['empty']['tok_s']:9.2f} tok/s   {d['tokens']} tokens from an empty cache "
+              f"({d['empty']['ms_per_token']:.3f} ms/token)",
+              f"decode      {d['deep']['tok_s']:9.2f} tok/s   after {d['deep']['context']} tokens "
+              f"({d['deep']['ms_per_token']:.3f} ms/token) x {mdl['weight_bytes_per_token'] / 1e6:.1f} MB/token = "
+              f"{r['decode_weight_gbs']:.1f} GB/s = {r['decode_of_bandwidth']:.2f} of {bw_name}",
+              f"peak memory {r['peak_memory_bytes'] / 2**20:9.0f} MiB (resident)"]
+    lc = r.get("llama_cpp")
+    if lc:
+        ratio = r["llama_cpp_ratios"]
+        lines += [f"llama.cpp   decode {lc['decode_tok_s']:.2f} tok/s (from an empty cache): llmrs / llama.cpp "
+                  f"{ratio['decode_empty']:.2f} from empty, {ratio['decode_deep']:.2f} (ours after "
+                  f"{d['deep']['context']} tokens)",
+                  f"llama.cpp   prefill {lc['prefill_tokens']} {lc['prefill_tok_s']:.2f} tok/s: llmrs / llama.cpp "
+                  f"{ratio['prefill']:.2f}  ({lc['command']})"]
+    if r.get("kernels"):
+        from .bench_kernels import KernelTime, format_kernels
+        lines += ["", "kernels, each alone (prefill: a whole chunk from an empty cache; decode: one token after "
+                  f"{d['deep']['context']}; of BW: of {bw_name}):",
+                  format_kernels([KernelTime(**k) for k in r["kernels"]])]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
+    a = ap.parse_args(argv)
+    try:
+        if a.threads is not None and a.threads < 1 or a.repeats < 1 or a.decode < 1:
+            raise BenchError("--threads, --repeats and --decode must be at least 1")
+        if a.read_mib < 1 or a.gemm < 1:
+            raise BenchError("--read-mib and --gemm must be at least 1")
+        if (a.llama_bench is None) != (a.gguf is None):
+            raise BenchError("--llama-bench and --gguf go together: pass both or neither")
+        if not a.plan.is_file():
+            raise BenchError(f"plan {a.plan}: no such file")
+        if a.json:
+            check_output_file(a.json, "--json")
+        result = bench(a)
+    except (BenchError, PlanError, ValueError, OSError, RuntimeError) as e:
+        print(f"llmrs-bench: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    print(report(result))
+    if a.json:
+        a.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""llmrs-bench: the JSON's schema and sane values on a tiny plan, per back end; bad input."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llmrs.compiler.interpret import Step
+from llmrs.runtime import bench, check
+from llmrs.runtime.bench_kernels import kernel_cost
+from llmrs.runtime.plan import Plan
+
+from .measure_plans import tiny_plan
+
+FAST = ["--prefill", "4,10", "--decode", "5", "--repeats", "1", "--read-mib", "8", "--gemm", "64"]
+
+
+@pytest.fixture
+def plan(measure_plan) -> Path:
+    return measure_plan
+
+
+def _run(plan: Path, tmp: Path, *flags: str) -> dict:
+    out = tmp / "bench.json"
+    assert bench.main([str(plan), *FAST, "--json", str(out), *flags]) == 0
+    return json.loads(out.read_text())
+
+
+def _check_result(r: dict, plan: Path, backend: str) -> None:
+    p = Plan.open(plan)
+    graphs = p.graphs()
+    assert r["schema"] == bench.SCHEMA and r["backend"] == backend and r["repeats"] == 1
+    c = r["ceilings"]
+    assert c["read_gbs"] > 0 and c["gemm_gflops"] > 0
+    assert [x["tokens"] for x in r["prefill"]] == [4, 10]
+    for x in r["prefill"]:
+        assert x["tok_s"] > 0 and x["ttft_ms"] > 0 and len(x["samples_tok_s"]) == 1
+        # time to the first token holds the whole prefill: never less than tokens / tok/s
+        assert x["ttft_ms"] >= 1e3 * x["tokens"] / x["tok_s"] * 0.99
+    d = r["decode"]
+    assert d["tokens"] == 5 and d["empty"]["context"] == 1 and d["deep"]["context"] == 10
+    for key in ("empty", "deep"):
+        assert d[key]["tok_s"] > 0
+        assert d[key]["ms_per_token"] == pytest.approx(1e3 / d[key]["tok_s"], rel=1e-2, abs=1e-4)
+    wbytes = r["model"]["weight_bytes_per_token"]
+    assert wbytes > 0 and r["model"]["decode_kernels"] == graphs["decode"].kernel_count()
+    bw = c["device_copy_gbps"] if backend == "opencl" else c["read_gbs"]
+    assert r["decode_of_bandwidth"] == pytest.approx(wbytes * d["deep"]["tok_s"] / 1e9 / bw, rel=2e-2)
+    params = r["model"]["matmul_params"]
+    assert r["prefill_gops"] == pytest.approx(2 * params * r["prefill"][-1]["tok_s"] / 1e9, rel=2e-2)
+    assert 2**20 < r["peak_memory_bytes"] < 2**34
+
+
+def test_bench_cpu_json_schema_and_kernels(plan, tmp_path):
+    r = _run(plan, tmp_path, "--backend", "cpu", "--threads", "1", "--kernels")
+    _check_result(r, plan, "cpu")
+    assert r["device"] is None and r["threads"] == 1 and "weights_read_gbs" not in r["ceilings"]  # < 16 MiB of weights
+    kernels = check.plan_kernels(Plan.open(plan).graphs())
+    rows = r["kernels"]
+    assert [(k["phase"], k["op"]) for k in rows] == [(k.phase, k.op.name) for k in kernels]
+    for k in rows:
+        assert k["us"] > 0 and k["bytes"] > 0 and k["flops"] > 0
+        assert k["gbs"] == pytest.approx(k["bytes"] / k["us"] / 1e3, rel=2e-2, abs=0.01)
+        assert k["of_gemm"] == pytest.approx(k["gflops"] / r["ceilings"]["gemm_gflops"], rel=2e-2, abs=1e-3)
+        assert k["tokens"] == (1 if k["phase"] == "decode" else 12)
+
+
+def test_bench_opencl_json_schema(plan, tmp_path, opencl_device):
+    r = _run(plan, tmp_path, "--backend", "opencl", "--kernels")
+    _check_result(r, plan, "opencl")
+    assert r["device"] and r["ceilings"]["device_copy_gbps"] > 0 and r["ceilings"]["launch_us"] > 0
+    assert len(r["kernels"]) == len(check.plan_kernels(Plan.open(plan).graphs()))
+    assert all(k["us"] > 0 and k["of_gemm"] is None for k in r["kernels"])
+
+
+def test_kernel_cost_counts_matmul_and_attention_work(plan):
+    """Against counts made here from the shapes: 2 N K per row for a matmul, 4 x (heads x
+    head_dim) per visible (query, key) pair for attention, a cache's used slots only."""
+    g = Plan.open(plan).graphs()["prefill"]
+    mm = next(op for op in g.ops if op.kind == "fused_matmul" and op.attrs.get("epilogue") == "add")
+    w = g.values[mm.inputs[1]]
+    nbytes, flops = kernel_cost(g, mm, Step(12, 0, 0))
+    assert flops == 2 * 12 * w.shape[0] * w.shape[1]
+    acts = sum(g.values[n].nbytes for n in mm.inputs + mm.outputs if g.values[n].kind not in ("param", "const"))
+    assert nbytes == w.nbytes + acts
+    att = next(op for op in g.ops if op.kind == "attention")
+    q, k = g.values[att.inputs[0]], g.values[att.inputs[1]]
+    _, flops = kernel_cost(g, att, Step(3, 5, 5))
+    assert flops == 4 * int(np.prod(q.shape[1:])) * (6 + 7 + 8)
+    nbytes, _ = kernel_cost(g, att, Step(1, 7, 7))
+    per_slot = k.nbytes // k.shape[0]
+    assert nbytes == 2 * 8 * per_slot + (q.nbytes + g.values[att.outputs[0]].nbytes) // g.T
+
+
+def _one_line_error(capsys, argv: list[str], *words: str) -> None:
+    assert bench.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("llmrs-bench: error:") and "\n" not in err and "Traceback" not in err
+    for w in words:
+        assert w in err
+
+
+def test_bad_input_is_one_line_exit_2(plan, tmp_path, capsys):
+    _one_line_error(capsys, [str(tmp_path / "none.bin")], "no such file")
+    foreign = tmp_path / "foreign.bin"
+    foreign.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    _one_line_error(capsys, [str(foreign)])
+    cpu_only = tiny_plan(tmp_path, "--target", "cpu")
+    _one_line_error(capsys, [str(cpu_only), "--backend", "opencl", *FAST], "opencl")
+    _one_line_error(capsys, [str(plan), "--prefill", "40", "--decode", "20"], "--max-seq-len 60")
+    _one_line_error(capsys, [str(plan), "--prefill", "a,b"], "--prefill")
+    _one_line_error(capsys, [str(plan), "--llama-bench", "x"], "--gguf")
+    with pytest.raises(SystemExit) as e:
+        bench.main([str(plan), "--backend", "vulkan"])
+    assert e.value.code == 2
+
+
+def test_llama_bench_records_are_read_and_failures_are_one_line(tmp_path):
+    """--llama-bench: llama-bench's JSON (one record per test) read as it prints it; a binary
+    that fails or prints something else is a BenchError naming it."""
+    records = [{"n_prompt": 10, "n_gen": 0, "avg_ts": 123.456, "samples_ts": [120.0, 126.9], "model_size": 4096,
+                "build_commit": "abc123"},
+               {"n_prompt": 0, "n_gen": 5, "avg_ts": 45.678, "samples_ts": [45.0, 46.356], "model_size": 4096}]
+    fake = tmp_path / "llama-bench"
+    fake.write_text(f"#!/bin/sh\necho '{json.dumps(records)}'\necho \"$@\" > {tmp_path / 'argv'}\n")
+    fake.chmod(0o755)
+    got = bench.run_llama_bench(str(fake), "m.gguf", 2, 3, 10, 5)
+    assert (tmp_path / "argv").read_text().split() == ["-m", "m.gguf", "-p", "10", "-n", "5", "-t", "2", "-r", "3",
+                                                      "-o", "json"]
+    assert got["prefill_tok_s"] == 123.46 and got["decode_tok_s"] == 45.68 and got["model_bytes"] == 4096
+    assert got["prefill_samples"] == [120.0, 126.9] and got["build_commit"] == "abc123"
+    fake.write_text("#!/bin/sh\necho 'error: no model' >&2\nexit 1\n")
+    with pytest.raises(bench.BenchError, match="failed on --gguf m.gguf: error: no model"):
+        bench.run_llama_bench(str(fake), "m.gguf", 2, 3, 10, 5)
+    fake.write_text("#!/bin/sh\necho '[]'\n")
+    with pytest.raises(bench.BenchError, match="no prefill and decode records"):
+        bench.run_llama_bench(str(fake), "m.gguf", 2, 3, 10, 5)
+    with pytest.raises(bench.BenchError, match="cannot run it"):
+        bench.run_llama_bench(str(tmp_path / "absent"), "m.gguf", 2, 3, 10, 5)
