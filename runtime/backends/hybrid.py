@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -216,8 +216,9 @@ class HybridBackend:
         self.backends = {"cpu": cpu, "opencl": opencl}
         self.cpu, self.opencl = cpu, opencl
         shared = opencl.kv.chunks[0][2].flags & cl.mem_flags.USE_HOST_PTR
-        if kv_mode == "map" and not shared:
-            raise HybridError("--hybrid-kv map needs the OpenCL KV buffers made over the CPU's (load with HybridBackend.load)")
+        if (kv_mode == "map") != bool(shared) and kv_mode != "auto":
+            raise HybridError(f"--hybrid-kv {kv_mode}: the OpenCL KV buffers are {'' if shared else 'not '}made over "
+                              "the CPU's memory (HybridBackend.load makes them as the mode needs)")
         self.kv_mode = "map" if shared and kv_mode != "copy" else "copy"
         self.graph = cpu.graphs["decode"]
         self.kv_states, self.score_states, self.slots = _kv_states(self.graph)
@@ -434,9 +435,11 @@ class HybridBackend:
             pass
         if self._maps is not None:          # a failed map leaves nothing mapped
             self._maps = None
-        if self.evicted or len(self._fed) < n_past:
-            raise OpenCLError(f"the OpenCL device failed ({what}) and its evicted KV cache could not be read "
-                              "back; start again with --backend cpu") from None
+        if self.evicted or self.scores_live or len(self._fed) < n_past:
+            # evicted slots are no longer positions, and scores summed on the device over many steps
+            # cannot be summed again: neither can be recomputed from the tokens
+            raise OpenCLError(f"the OpenCL device failed ({what}) and its KV cache, kept by an eviction policy, "
+                              "could not be read back; start again with --backend cpu") from None
         t0 = time.perf_counter()
         self.active = "cpu"
         if self.kv_mode == "map":           # the CPU's memory is the device's: rebuild it in place
