@@ -456,7 +456,7 @@ class HybridBackend:
     def report_lines(self) -> list[str]:
         """--stats: every switch, then tokens and tok/s per phase and side."""
         lines = [f"switch            {e.line()}" for e in self.switches] or ["switch            none"]
-        for (phase, side), ph in sorted(self.phases.items()):
+        for (phase, side), ph in sorted(self.phases.items(), key=lambda kv: (kv[0][0] != "prefill", kv[0])):
             rate = ph.tokens / ph.seconds if ph.seconds else 0.0
             lines.append(f"{phase + ' on ' + side:<17} {ph.tokens} tokens in {ph.seconds * 1e3:.1f} ms ({rate:.1f} tok/s)")
         return lines
