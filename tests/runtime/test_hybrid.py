@@ -245,6 +245,22 @@ def test_the_python_api_passes_hybrid_options(plan_files):
         list(got)
         assert got.tokens == want_tokens
         assert [(e.src, e.position) for e in model.backend.switches] == [("opencl", 4), ("cpu", 15)]
+    # CPU prefill, OpenCL decode, over two turns: the second prompt starts with the cached first
+    # turn, so its prefill takes the cache back from the device before its new tokens
+    turns = {}
+    for backend in ("cpu", "hybrid"):
+        with llmrs.load(plan, backend=backend, threads=2, hybrid_kv="copy" if backend == "hybrid" else "auto") as model:
+            first = model.generate(ids, max_tokens=5)
+            list(first)
+            second = model.generate(ids + first.tokens + ids[:4], max_tokens=5)
+            list(second)
+            assert second.cached_tokens == len(ids) + 4       # the cache held the first turn (its last token unfed)
+            turns[backend] = first.tokens + second.tokens
+            if backend == "hybrid":
+                assert [(e.src, e.dst, e.position, e.live_slots) for e in model.backend.switches] == [
+                    ("cpu", "opencl", len(ids), len(ids)), ("opencl", "cpu", len(ids) + 4, len(ids) + 4),
+                    ("cpu", "opencl", len(ids) + 9, len(ids) + 9)]
+    assert turns["hybrid"] == turns["cpu"]
     with pytest.raises(ValueError, match="--switch-back-at goes with --backend hybrid"):
         llmrs.load(plan, backend="cpu", switch_back_at=3)
 
