@@ -208,7 +208,8 @@ def test_llmrs_run_hybrid_stats_and_flags(plan_files, tmp_path, capsys):
     for bad, says in [(["--switch-threshold", "4"], "--switch-threshold goes with --backend hybrid"),
                       (["--backend", "hybrid", "--switch-threshold", "9", "--switch-back-at", "9"],
                        "--switch-back-at 9 must come after --switch-threshold 9"),
-                      (["--backend", "hybrid", "--switch-threshold", "-1"], "must be 0 or more")]:
+                      (["--backend", "hybrid", "--switch-threshold", "-1"], "must be 0 or more"),
+                      (["--backend", "hybrid", "--recalibrate"], "--recalibrate goes with --backend auto")]:
         assert run_main(args + bad) == 2
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
@@ -290,3 +291,20 @@ def test_the_real_model_switches_and_keeps_its_tokens(smollm2_plan):
         assert [(e.src, e.dst, e.position) for e in switches] == [("cpu", "opencl", p + 3), ("opencl", "cpu", p + 9)]
         for e in switches:
             assert e.kv_bytes == 30 * 2 * e.live_slots * 3 * 64 * 4      # layers x K,V x slots x KV heads x head_dim x f32
+
+
+def test_shared_memory_is_detected_from_the_device(plan_files):
+    import pyopencl as cl
+    from llmrs.runtime.backends.hybrid import shares_host_memory
+
+    class Dev:
+        def __init__(self, kind, unified):
+            self.type, self.host_unified_memory = kind, unified
+    assert shares_host_memory(Dev(cl.device_type.GPU, 1))          # a phone's GPU
+    assert not shares_host_memory(Dev(cl.device_type.GPU, 0))      # a discrete GPU
+    assert shares_host_memory(Dev(cl.device_type.CPU, 0))          # PoCL
+    h = HybridBackend.load(Plan.open(plan_files("golden-b")), Schedule("cpu"), "auto", threads=1)
+    try:
+        assert h.kv_mode == ("map" if shares_host_memory(h.opencl.device) else "copy")
+    finally:
+        h.close()
