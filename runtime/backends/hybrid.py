@@ -326,7 +326,13 @@ class HybridBackend:
 
     def _run(self, side: str, phase: str, tokens: np.ndarray, n_past: int, start_pos: int, argmax: bool) -> np.ndarray:
         if side != self.active:
-            self._switch(side, n_past, start_pos, phase)
+            try:
+                self._switch(side, n_past, start_pos, phase)
+            except _device_errors() as err:
+                if side != "opencl":
+                    raise
+                # the CPU still holds the cache it was handing over: it just keeps it
+                self._note_failure(err, start_pos)
         be = self.backends[self.active]
         t0 = time.perf_counter()
         try:
@@ -414,9 +420,9 @@ class HybridBackend:
         self._maps = maps
 
     def _unmap(self) -> None:
-        for ary in self._maps or ():
+        maps, self._maps = self._maps or [], None    # none is released twice, even after a failure
+        for ary in maps:
             ary.base.release(self.opencl.queue)
-        self._maps = None
         self.opencl.queue.finish()
 
     # -- device failure -----------------------------------------------------------------------
@@ -424,10 +430,7 @@ class HybridBackend:
         """The device failed in a step: its rows past n_past may be half written, the ones before
         are whole. Take those back to the CPU; a device that cannot give them back leaves the
         CPU to recompute them from the tokens fed (only while no eviction has moved them)."""
-        what = " ".join(str(err).split())
-        self.failed = what
-        self.notice(f"llmrs: the OpenCL device failed at position {position} ({what}); "
-                    "going on on the CPU for the rest of the run")
+        what = self._note_failure(err, position)
         try:
             self._switch("cpu", n_past, position, phase, reason="device failure")
             return
@@ -451,6 +454,13 @@ class HybridBackend:
             self.store.handed_over()
         self.switches.append(SwitchEvent("opencl", "cpu", position, phase, n_past, 0, 0,
                                          time.perf_counter() - t0, "refill", "device failure"))
+
+    def _note_failure(self, err: BaseException, position: int) -> str:
+        what = " ".join(str(err).split())
+        self.failed = what
+        self.notice(f"llmrs: the OpenCL device failed at position {position} ({what}); "
+                    "going on on the CPU for the rest of the run")
+        return what
 
     # -- report -------------------------------------------------------------------------------
     def report_lines(self) -> list[str]:

@@ -191,6 +191,26 @@ def test_a_device_failure_goes_on_on_the_cpu(loaded, monkeypatch, readback):
     h.failed = None
 
 
+def test_a_device_that_fails_to_take_the_cache_leaves_it_on_the_cpu(loaded, monkeypatch):
+    plan, sides = loaded
+    h = sides["copy"]
+    want = _generate(plan, h, Schedule("cpu", NEVER))
+    notices = []
+    monkeypatch.setattr(h, "notice", notices.append)
+    copy = h._copy
+
+    def refused(dst, n_past):
+        if dst == "opencl" and n_past:
+            raise OpenCLError("clEnqueueWriteBuffer failed (CL_OUT_OF_RESOURCES)")
+        return copy(dst, n_past)
+    monkeypatch.setattr(h, "_copy", refused)
+    assert _generate(plan, h, Schedule("cpu", 7, P + 4)) == want
+    assert len(notices) == 1 and "at position 7" in notices[0]
+    assert not h.switches and {side for _, side in h.phases} == {"cpu"}
+    monkeypatch.undo()
+    h.failed = None
+
+
 def test_llmrs_run_hybrid_stats_and_flags(plan_files, tmp_path, capsys):
     plan = plan_files("golden-b")
     args = [str(plan), "--raw", "--prompt", "The quick brown fox jumps over the lazy dog", "-n", "6"]
