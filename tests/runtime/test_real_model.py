@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llmrs.compiler.cli import main as compile_main
 from llmrs.runtime.cli import main as run_main
 from llmrs.runtime.model import Model
 
