@@ -106,8 +106,10 @@ def compile(model: str | Path, out: str | Path | None = None, *, quiet: bool = T
 def load(plan: str | Path | None = None, backend: str = "cpu", threads: int | None = None,
          device: str | int | None = None, **engine_options: Any) -> "Model":
     """Open a plan (default: the built-in model, made on first use) on `backend`: "cpu" (threads:
-    default the physical cores), "opencl" (device: an index or a name) or "reference" (numpy).
-    engine_options go to the engine by name, for the options it has. Raises ValueError (PlanError,
+    default the physical cores), "opencl" (device: an index or a name), "reference" (numpy),
+    "hybrid" (both, switching: hybrid_start, switch_threshold, switch_back_at, hybrid_kv, as
+    llmrs-run's flags) or "auto" (each phase where it measured faster; recalibrate=True measures
+    again). engine_options go to the engine by name, for the options it has. Raises ValueError (PlanError,
     EngineError) with a one-line message."""
     from .runtime.builtin import default_plan
     from .runtime.model import Model

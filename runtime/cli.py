@@ -13,11 +13,12 @@ import numpy as np
 from ..compiler.cliutil import OneLineParser, check_output_file
 from .engine import Engine, EngineError
 from .kv.options import add_eviction_args, cache_manager
+from .backends.hybrid import add_hybrid_args, check_flags, hybrid_options
 from .builtin import default_plan
 from .plan import Plan, PlanError
 from .sampler import Sampler, SamplerConfig
 
-BACKENDS = ("cpu", "opencl", "reference")
+BACKENDS = ("cpu", "opencl", "reference", "hybrid", "auto")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -32,6 +33,8 @@ def parser() -> argparse.ArgumentParser:
                "  llmrs-run plan.bin --prompt Hi --temperature 0.8 --top-p 0.9 --seed 1\n"
                "  llmrs-run plan.bin --prompt Hi --backend reference --dump-logits ref.npz\n"
                "  llmrs-run plan.bin --prompt Hi --profile trace.json   per-kernel slices; open at ui.perfetto.dev\n"
+               "  llmrs-run plan.bin --prompt Hi --backend hybrid --stats   CPU prefill, OpenCL decode\n"
+               "  llmrs-run plan.bin --prompt Hi --backend hybrid --switch-threshold 8 --switch-back-at 20\n"
                "  llmrs-run --chat --system 'Be brief.'     a conversation through the model's chat template\n"
                "\nPYOPENCL_COMPILER_OUTPUT=1 shows the OpenCL compiler's messages on builds that work.\n")
     ap.add_argument("plan", nargs="?", type=Path,
@@ -52,7 +55,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--repetition-penalty", type=float, default=1.0, help="HF-style penalty for recent tokens (1 = off)")
     ap.add_argument("--repetition-window", type=int, default=64, help="recent tokens the penalty covers (default 64)")
     ap.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    ap.add_argument("--backend", choices=BACKENDS, default="cpu", help="cpu (default), opencl, or reference (numpy)")
+    ap.add_argument("--backend", choices=BACKENDS, default="cpu",
+                    help="cpu (default), opencl, reference (numpy), hybrid (cpu and opencl, switching: see "
+                         "below), or auto (the faster of cpu and opencl for prefill and for decode, measured "
+                         "once per plan and device)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     ap.add_argument("--device", default=None, help="OpenCL device index or name (or LLMRS_OPENCL_DEVICE)")
     ap.add_argument("--stats", action="store_true", help="print timings and memory to stderr")
@@ -62,10 +68,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dump-logits", type=Path, metavar="FILE.npz",
                     help="save tokens (prompt + generated) and the logits each generated token came from")
     add_eviction_args(ap)
+    add_hybrid_args(ap)
     return ap
 
 
 def make_backend(name: str, plan: Plan, args: argparse.Namespace):
+    check_flags(name, args)
+    if name in ("hybrid", "auto"):
+        from .backends.hybrid import make_hybrid
+        return make_hybrid(name, plan, args)
     if name == "reference":
         from .backends.reference import ReferenceBackend
         return ReferenceBackend(plan.graphs())
@@ -188,6 +199,8 @@ def run(args: argparse.Namespace) -> int:
     if args.stats:
         print(f"backend           {getattr(backend, 'name', args.backend)}\n{gen.stats.report()}\nstopped by        {gen.stop_reason}",
               file=sys.stderr)
+        for line in getattr(backend, "report_lines", lambda: [])():   # hybrid: switches, phases per side
+            print(line, file=sys.stderr)
     return 0
 
 
@@ -199,7 +212,8 @@ def run_chat(args: argparse.Namespace) -> int:
         raise EngineError(f"-n must be at least 1, got {args.max_new_tokens}")
     SamplerConfig(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.repetition_window,
                   args.seed).check()  # before the plan loads, naming the flags
-    return chat(Model.load(args.plan or default_plan(), args.backend, args.threads, args.device), args)
+    return chat(Model.load(args.plan or default_plan(), args.backend, args.threads, args.device,
+                           **hybrid_options(args)), args)
 
 
 def main(argv: list[str] | None = None) -> int:

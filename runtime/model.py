@@ -24,7 +24,7 @@ from .engine import Engine, EngineError, Generation, Stats
 from .plan import Plan
 from .sampler import Sampler, SamplerConfig
 
-BACKENDS = ("cpu", "opencl", "reference")
+BACKENDS = ("cpu", "opencl", "reference", "hybrid", "auto")
 
 
 @dataclass(frozen=True)
@@ -229,8 +229,11 @@ class Model:
 
     @classmethod
     def load(cls, plan: str | Path, backend: str = "cpu", threads: int | None = None,
-             device: str | int | None = None, **engine_options: Any) -> "Model":
-        """Open and verify `plan`, bind it to `backend` ("cpu", "opencl" or "reference").
+             device: str | int | None = None, *, hybrid_start: str = "cpu", switch_threshold: int | None = None,
+             switch_back_at: int | None = None, hybrid_kv: str = "auto", recalibrate: bool = False,
+             **engine_options: Any) -> "Model":
+        """Open and verify `plan`, bind it to `backend` ("cpu", "opencl", "reference", "hybrid" or
+        "auto"). The hybrid options are llmrs-run's flags of the same names (runtime/backends/hybrid.py).
         engine_options go to the engine by name (the options it has; an unknown one is a TypeError)."""
         from tokenizers import Tokenizer
         from .cli import make_backend
@@ -248,7 +251,9 @@ class Model:
             tokenizer_json = bytes(opened.section("tokenizer.json")).decode()
         except (KeyError, LookupError, ValueError):
             raise EngineError(f"{plan}: the plan has no tokenizer.json (recompile from a folder that has one)") from None
-        bound = make_backend(backend, opened, argparse.Namespace(threads=threads, device=device))
+        bound = make_backend(backend, opened, argparse.Namespace(
+            threads=threads, device=device, hybrid_start=hybrid_start, switch_threshold=switch_threshold,
+            switch_back_at=switch_back_at, hybrid_kv=hybrid_kv, recalibrate=recalibrate))
         model = cls(opened, bound, Tokenizer.from_str(tokenizer_json), engine_options)
         model.load_s = time.perf_counter() - t0
         return model

@@ -35,7 +35,9 @@ def parser() -> argparse.ArgumentParser:
                     help="address to listen on (default 127.0.0.1: this machine only; there is no authentication)")
     ap.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks a free one)")
     ap.add_argument("--model-name", help="the model's id in the API (default: the plan's file name)")
-    ap.add_argument("--backend", choices=BACKENDS, default="cpu", help="cpu (default), opencl, or reference (numpy)")
+    ap.add_argument("--backend", choices=BACKENDS, default="cpu",
+                    help="cpu (default), opencl, reference (numpy), hybrid (CPU prefill, OpenCL decode) or auto "
+                         "(whichever measured faster per phase)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     ap.add_argument("--device", default=None, help="OpenCL device index or name (or LLMRS_OPENCL_DEVICE)")
     return ap

@@ -118,3 +118,14 @@ def smollm2_gguf() -> Path:
     if spec is None or not spec.submodule_search_locations:
         unavailable(f"SmolLM2 GGUF not installed: {SMOLLM2_INSTALL} (or set LLMRS_SMOLLM2_GGUF)")
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_plan(smollm2_gguf, tmp_path_factory) -> Path:
+    """The real model compiled once per session, its own Q4_1 / Q8_0 bytes with an f32 cache (the
+    back ends then differ only in summation order, which a greedy answer survives)."""
+    from llmrs.compiler.cli import main as compile_main
+    out = tmp_path_factory.mktemp("smollm2") / "smollm2.plan.bin"
+    assert compile_main([str(smollm2_gguf), "-o", str(out), "--kv-type", "f32", "--max-seq-len", "128",
+                         "--prefill-chunk", "32", "-q"]) == 0
+    return out

@@ -115,8 +115,11 @@ def _first_working_cpu(found: list[tuple[str, Any]]) -> tuple[str, Any]:
 
 
 def pick_device(device: int | str | None = None) -> Any:
-    """A device by index or name substring (else $LLMRS_OPENCL_DEVICE, else the first GPU)."""
+    """A device by index or name substring (else $LLMRS_OPENCL_DEVICE, else the first GPU), or
+    the pyopencl Device given."""
     cl = _cl()
+    if isinstance(device, cl.Device):
+        return device
     found = list_devices()
     want = device if device is not None else os.environ.get("LLMRS_OPENCL_DEVICE")
     if want is None or want == "":
@@ -287,7 +290,9 @@ class _Bound:
 class OpenCLBackend:
     """Runs the plan's prefill and decode graphs on one OpenCL device."""
 
-    def __init__(self, plan: Any, device: int | str | None = None):
+    def __init__(self, plan: Any, device: int | str | None = None, kv_host: np.ndarray | None = None):
+        """kv_host: host memory (uint8, at least the plan's KV bytes) the KV buffers are made over
+        (CL_MEM_USE_HOST_PTR), so another back end shares the cache (runtime/backends/hybrid.py)."""
         missing = plan.missing_code("opencl") if isinstance(plan, Plan) else None
         if missing:   # the compiler left this back end out: say why, not which section is absent
             raise OpenCLError(f"{plan.path}: {missing}")
@@ -297,7 +302,7 @@ class OpenCLBackend:
             raise OpenCLError(f"{getattr(plan, 'path', 'plan')}: no usable 'opencl' section ({e}); "
                               "recompile with the opencl target") from None
         tensors = {n: (t.offset, t.nbytes) for n, t in plan.tensors.items()}
-        self._setup(plan.graphs(), program, plan.weights_region(), tensors, device)
+        self._setup(plan.graphs(), program, plan.weights_region(), tensors, device, kv_host)
 
     @classmethod
     def from_graphs(cls, graphs: dict[str, Graph] | Iterable[Graph], program: dict[str, Any] | None = None,
@@ -327,7 +332,8 @@ class OpenCLBackend:
 
     # -- load ---------------------------------------------------------------------------------
     def _setup(self, graphs: dict[str, Graph], program: dict[str, Any], region: np.ndarray,
-               tensors: dict[str, tuple[int, int]], device: int | str | None) -> None:
+               tensors: dict[str, tuple[int, int]], device: int | str | None,
+               kv_host: np.ndarray | None = None) -> None:
         cl = _cl()
         if program.get("format") != 1:
             raise OpenCLError(f"opencl section format {program.get('format')!r} is not 1; recompile the plan")
@@ -344,7 +350,7 @@ class OpenCLBackend:
             self.layouts = naive_layout(graphs)
         self.max_alloc = int(os.environ.get("LLMRS_OPENCL_MAX_ALLOC") or self.device.max_mem_alloc_size)
         try:
-            self._alloc(region, tensors)
+            self._alloc(region, tensors, kv_host)
             self._bind(program)
         except cl.MemoryError as e:
             raise OpenCLError(f"out of memory on OpenCL device {self.device_name} ({e}); "
@@ -352,7 +358,7 @@ class OpenCLBackend:
         except cl.Error as e:
             raise OpenCLError(f"OpenCL device {self.device_name} failed while loading the plan: {e}") from None
 
-    def _alloc(self, region: np.ndarray, tensors: dict[str, tuple[int, int]]) -> None:
+    def _alloc(self, region: np.ndarray, tensors: dict[str, tuple[int, int]], kv_host: np.ndarray | None = None) -> None:
         cl = _cl()
         mf = cl.mem_flags
         used = {n for g in self.graphs.values() for n in g.by_kind("param") + g.by_kind("const")}
@@ -370,7 +376,11 @@ class OpenCLBackend:
         kv = next(iter(self.layouts.values()))["kv"]
         kv_sizes = {n: g.values[n].nbytes for g in self.graphs.values() for n in g.state}
         kv_chunks = split_region([(kv[n], kv[n] + kv_sizes[n]) for n in kv_sizes], self.max_alloc, "KV cache")
-        self.kv = Region("kv", [(s, e, cl.Buffer(self.ctx, mf.READ_WRITE, e - s)) for s, e in kv_chunks])
+        if kv_host is None:
+            self.kv = Region("kv", [(s, e, cl.Buffer(self.ctx, mf.READ_WRITE, e - s)) for s, e in kv_chunks])
+        else:
+            self.kv = Region("kv", [(s, e, cl.Buffer(self.ctx, mf.READ_WRITE | mf.USE_HOST_PTR, hostbuf=kv_host[s:e]))
+                                    for s, e in kv_chunks])
         self.kv_offsets = kv
         spans = []
         for phase, g in self.graphs.items():

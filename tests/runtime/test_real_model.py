@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llmrs.compiler.cli import main as compile_main
 from llmrs.runtime.cli import main as run_main
 from llmrs.runtime.model import Model
 
@@ -18,12 +17,8 @@ N_NEW = 12
 
 
 @pytest.fixture(scope="module")
-def plan(smollm2_gguf, tmp_path_factory):
-    out = tmp_path_factory.mktemp("smollm2") / "smollm2.plan.bin"
-    # an f32 cache: the back ends then differ only in summation order, which a greedy answer survives
-    assert compile_main([str(smollm2_gguf), "-o", str(out), "--kv-type", "f32", "--max-seq-len", "128",
-                         "--prefill-chunk", "32", "-q"]) == 0
-    return out
+def plan(smollm2_plan):
+    return smollm2_plan     # conftest.py: compiled once per session (tests/runtime/test_hybrid.py runs it too)
 
 
 def _answer(plan, backend: str) -> tuple[list[int], np.ndarray, str]:
