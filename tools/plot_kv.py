@@ -1,0 +1,77 @@
+"""Plot tools/eval_kv.py's JSON: perplexity, agreement with the full cache and passkey retrieval
+against the budget, one line per policy, the full cache as a dashed line.
+
+    python tools/plot_kv.py bench/kv_eval.json -o bench/kv_eval.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from llmrs.compiler.cliutil import OneLineParser
+
+PANELS = (   # (row key, title, y label)
+    ("ppl", "perplexity (lower is better)", "perplexity"),
+    ("top1_agreement", "top-1 agreement, teacher-forced", "fraction of positions"),
+    ("greedy_agreement", "greedy tokens equal to the full cache's", "fraction of tokens"),
+    ("passkey", "passkey retrieval", "fraction of prompts"),
+)
+
+
+def plot(result: dict, out: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("plot_kv.py: error: matplotlib is not installed (pip install matplotlib)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    full = next(r for r in rows if r["policy"] == "full")
+    policies = list(dict.fromkeys(r["policy"] for r in rows if r["policy"] != "full"))
+    budgets = sorted({r["budget"] for r in rows if r["budget"]})
+    fig, grid = plt.subplots(2, 2, figsize=(10, 8))
+    axes = grid.ravel()
+    for ax, (key, title, ylabel) in zip(axes, PANELS):
+        for name in policies:
+            pts = sorted((r["budget"], r[key]) for r in rows if r["policy"] == name)
+            ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", label=name)
+        ax.axhline(full[key], color="black", linestyle="--", linewidth=1, label="full cache")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.set_xlabel("budget (KV slots kept)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        if key == "ppl":
+            ax.set_yscale("log")
+        else:
+            ax.set_ylim(-0.03, 1.03)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    s = result["settings"]
+    fig.suptitle(f"KV-cache eviction: {Path(result.get('plan', '')).name}, {s['scored_tokens']} scored tokens of "
+                 f"{Path(result['text']).name},\n{s['passkey_trials']} passkey prompts of ~{max(s['passkey_prompt_tokens'])} "
+                 f"tokens, cache = budget + {s['headroom']} slots ({result['date']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = OneLineParser(prog="plot_kv.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("json", type=Path, help="tools/eval_kv.py's output")
+    ap.add_argument("-o", "--output", type=Path, required=True, help="PNG file to write")
+    args = ap.parse_args(argv)
+    try:
+        result = json.loads(args.json.read_text())
+        result["rows"]
+    except (OSError, ValueError, KeyError) as e:
+        ap.error(f"{args.json}: not an eval_kv.py result ({e})")
+    plot(result, args.output)
+    print(f"plot_kv.py: wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
