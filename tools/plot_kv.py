@@ -58,10 +58,26 @@ def plot(result: dict, out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def table(result: dict) -> str:
+    """The rows as a Markdown table, budgets down, policies across (perplexity / top-1 / greedy / passkey)."""
+    rows = result["rows"]
+    full = next(r for r in rows if r["policy"] == "full")
+    policies = list(dict.fromkeys(r["policy"] for r in rows if r["policy"] != "full"))
+    cell = lambda r: (f"{r['ppl']:.2f} / {r['top1_agreement']:.2f} / {r['greedy_agreement']:.2f} / "  # noqa: E731
+                      f"{round(r['passkey'] * len(r['passkey_answers']))}/{len(r['passkey_answers'])}")
+    lines = ["| budget | " + " | ".join(policies) + " |", "|---:|" + "---|" * len(policies)]
+    for b in sorted({r["budget"] for r in rows if r["budget"]}):
+        by = {r["policy"]: r for r in rows if r["budget"] == b}
+        lines.append(f"| {b} | " + " | ".join(cell(by[p]) for p in policies) + " |")
+    lines.append("| full | " + " | ".join(cell(full) for _ in policies) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(prog="plot_kv.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("json", type=Path, help="tools/eval_kv.py's output")
     ap.add_argument("-o", "--output", type=Path, required=True, help="PNG file to write")
+    ap.add_argument("--table", action="store_true", help="also print the results as a Markdown table")
     args = ap.parse_args(argv)
     try:
         result = json.loads(args.json.read_text())
@@ -69,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as e:
         ap.error(f"{args.json}: not an eval_kv.py result ({e})")
     plot(result, args.output)
+    if args.table:
+        print(table(result))
     print(f"plot_kv.py: wrote {args.output}", file=sys.stderr)
     return 0
 
