@@ -21,7 +21,11 @@ sliding and h2o evict after every step that goes over B, snapkv when the cache i
     position by position, to what the full cache generates from the same point.
 (c) passkey: a 5-digit key early in a long filler prompt (longer than every budget), asked for
     at its end as a raw completion ("... What is the pass key? The pass key is"), which the
-    full cache answers; a trial passes when the greedy answer contains the key.
+    full cache answers; a trial passes when the greedy answer contains the key. "passkey": the
+    cache of B + --headroom slots, evicting while the prompt is prefilled (the question comes
+    after the key is gone); "passkey_fit": a cache that holds the whole prompt (its length + 16
+    slots), evicting to B as the policy does with a whole prompt (sliding and h2o after each
+    prefill chunk over B, snapkv once after the prompt, its last queries voting).
 
 Progress goes to stderr; the JSON (settings, machine, date, one row per policy and budget) to -o.
 """
@@ -95,14 +99,15 @@ def log(msg: str) -> None:
     print(f"eval_kv: {msg}", file=sys.stderr, flush=True)
 
 
-def make_engine(model: Model, label: str | None, budget: int | None, st: Settings) -> Engine:
+def make_engine(model: Model, label: str | None, budget: int | None, st: Settings,
+                slots: int | None = None) -> Engine:
     m = model.plan.manifest
     chunk, stops = int(m["prefill_chunk"]), tuple(m.get("stop_ids", ()))
     if label is None:
         return Engine(model.backend, chunk, model.max_seq_len, stops)
     name, prefix = POLICIES[label]
     prefix = min(prefix, st.sinks)
-    slots = budget + st.headroom
+    slots = slots or budget + st.headroom
     policy = make_policy(name, budget - prefix, prefix, snapkv_window=max(1, min(32, budget // 4)), snapkv_kernel=7)
     cache = CacheManager(policy, SmallerCache(model.backend.kv_store(), slots))
     return Engine(model.backend, chunk, slots, stops, cache=cache)
@@ -219,7 +224,8 @@ def machine() -> str:
 def evaluate(model: Model, text: Path, st: Settings, backend: str, threads: int) -> dict:
     ids = held_out(model, text, st.tokens)
     prompts = passkey_prompts(model, st)
-    need = max(st.tokens + st.greedy_k, max(len(p) for _, p in prompts) + 8, max(st.budgets) + st.headroom)
+    fit_slots = max(len(p) for _, p in prompts) + 16
+    need = max(st.tokens + st.greedy_k, fit_slots, max(st.budgets) + st.headroom)
     if model.max_seq_len < need:
         raise SystemExit(f"eval_kv: error: the plan's KV cache has {model.max_seq_len} slots; "
                          f"recompile with --max-seq-len {need} or more")
@@ -234,14 +240,18 @@ def evaluate(model: Model, text: Path, st: Settings, backend: str, threads: int)
         tf = teacher_forced(engine, ids, st)
         events = len(engine.cache.events) if engine.cache else 0
         hits, answers = passkey(engine, model, prompts)
+        # the same prompts in a cache that holds them whole: evicted down to the budget as the
+        # policy does it with the whole prompt seen (snapkv: once, the question voting)
+        fit = hits if label is None else passkey(make_engine(model, label, budget, st, fit_slots), model, prompts)[0]
         row = {"policy": label or "full", "budget": budget, "cache_slots": budget + st.headroom if budget else None,
                "ppl": float(np.exp(tf["nll"].mean())), "nll": float(tf["nll"].mean()),
                "evictions": events, "passkey": hits / len(prompts), "passkey_answers": answers,
+               "passkey_fit": fit / len(prompts),
                "_top1": tf["top1"], "_greedy": tf["greedy"]}
         rows.append(row)
         row["seconds"] = round(time.perf_counter() - t0, 1)
         log(f"[{n}/{len(configs)}] {row['policy']:<15} budget {budget or 'full':>4}: ppl {row['ppl']:.3f}, "
-            f"passkey {hits}/{len(prompts)}, {events} evictions, {row['seconds']:.0f} s "
+            f"passkey {hits}/{len(prompts)} ({fit}/{len(prompts)} in a cache of {fit_slots}), {events} evictions, {row['seconds']:.0f} s "
             f"({time.perf_counter() - t_all:.0f} s in all)")
     ref_top1, ref_greedy = rows[0]["_top1"], rows[0]["_greedy"]
     for row in rows:

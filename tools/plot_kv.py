@@ -16,7 +16,8 @@ PANELS = (   # (row key, title, y label)
     ("ppl", "perplexity (lower is better)", "perplexity"),
     ("top1_agreement", "top-1 agreement, teacher-forced", "fraction of positions"),
     ("greedy_agreement", "greedy tokens equal to the full cache's", "fraction of tokens"),
-    ("passkey", "passkey retrieval", "fraction of prompts"),
+    ("passkey", "passkey: prompt longer than the cache", "fraction of prompts"),
+    ("passkey_fit", "passkey: prompt in the cache, then evicted", "fraction of prompts"),
 )
 
 
@@ -32,8 +33,9 @@ def plot(result: dict, out: Path) -> None:
     full = next(r for r in rows if r["policy"] == "full")
     policies = list(dict.fromkeys(r["policy"] for r in rows if r["policy"] != "full"))
     budgets = sorted({r["budget"] for r in rows if r["budget"]})
-    fig, grid = plt.subplots(2, 2, figsize=(10, 8))
+    fig, grid = plt.subplots(2, 3, figsize=(14, 8))
     axes = grid.ravel()
+    axes[-1].axis("off")
     for ax, (key, title, ylabel) in zip(axes, PANELS):
         for name in policies:
             pts = sorted((r["budget"], r[key]) for r in rows if r["policy"] == name)
@@ -49,7 +51,7 @@ def plot(result: dict, out: Path) -> None:
         else:
             ax.set_ylim(-0.03, 1.03)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    axes[-1].legend(*axes[0].get_legend_handles_labels(), loc="center", title="policy (sinks: see the JSON)")
     s = result["settings"]
     fig.suptitle(f"KV-cache eviction: {Path(result.get('plan', '')).name}, {s['scored_tokens']} scored tokens of "
                  f"{Path(result['text']).name},\n{s['passkey_trials']} passkey prompts of ~{max(s['passkey_prompt_tokens'])} "
@@ -63,8 +65,9 @@ def table(result: dict) -> str:
     rows = result["rows"]
     full = next(r for r in rows if r["policy"] == "full")
     policies = list(dict.fromkeys(r["policy"] for r in rows if r["policy"] != "full"))
+    n = len(full["passkey_answers"])
     cell = lambda r: (f"{r['ppl']:.2f} / {r['top1_agreement']:.2f} / {r['greedy_agreement']:.2f} / "  # noqa: E731
-                      f"{round(r['passkey'] * len(r['passkey_answers']))}/{len(r['passkey_answers'])}")
+                      f"{round(r['passkey'] * n)}/{n} / {round(r['passkey_fit'] * n)}/{n}")
     lines = ["| budget | " + " | ".join(policies) + " |", "|---:|" + "---|" * len(policies)]
     for b in sorted({r["budget"] for r in rows if r["budget"]}):
         by = {r["policy"]: r for r in rows if r["budget"] == b}

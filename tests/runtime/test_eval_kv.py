@@ -50,6 +50,7 @@ def test_the_quick_run_writes_one_row_per_policy_and_budget(result, tool):
     for r in rows:
         assert math.isfinite(r["ppl"]) and r["ppl"] > 1 and abs(math.log(r["ppl"]) - r["nll"]) < 1e-9
         assert 0 <= r["top1_agreement"] <= 1 and 0 <= r["greedy_agreement"] <= 1 and 0 <= r["passkey"] <= 1
+        assert 0 <= r["passkey_fit"] <= 1
         assert len(r["passkey_answers"]) == res["settings"]["passkey_trials"]
         assert (r["evictions"] > 0) == (r["budget"] in (8, 16))
     full = rows[0]
