@@ -39,7 +39,9 @@ def plot(result: dict, out: Path) -> None:
     for ax, (key, title, ylabel) in zip(axes, PANELS):
         for name in policies:
             pts = sorted((r["budget"], r[key]) for r in rows if r["policy"] == name)
-            ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o", label=name)
+            sinks = result["settings"].get("sinks", {}).get(name)
+            ax.plot([b for b, _ in pts], [v for _, v in pts], marker="o",
+                    label=name if sinks is None else f"{name} ({sinks} sinks)")
         ax.axhline(full[key], color="black", linestyle="--", linewidth=1, label="full cache")
         ax.set_xscale("log", base=2)
         ax.set_xticks(budgets, [str(b) for b in budgets])
@@ -51,7 +53,7 @@ def plot(result: dict, out: Path) -> None:
         else:
             ax.set_ylim(-0.03, 1.03)
         ax.grid(alpha=0.3)
-    axes[-1].legend(*axes[0].get_legend_handles_labels(), loc="center", title="policy (sinks: see the JSON)")
+    axes[-1].legend(*axes[0].get_legend_handles_labels(), loc="center", title="policy")
     s = result["settings"]
     fig.suptitle(f"KV-cache eviction: {Path(result.get('plan', '')).name}, {s['scored_tokens']} scored tokens of "
                  f"{Path(result['text']).name},\n{s['passkey_trials']} passkey prompts of ~{max(s['passkey_prompt_tokens'])} "
