@@ -28,9 +28,9 @@ import numpy as np
 
 from llmrs.compiler.cliutil import OneLineParser
 from llmrs.runtime.cli import make_backend
-from llmrs.runtime.engine import Engine
+from llmrs.runtime.engine import Engine, EngineError
 from llmrs.runtime.kv import CacheManager, make_policy
-from llmrs.runtime.plan import Plan
+from llmrs.runtime.plan import Plan, PlanError
 from llmrs.runtime.sampler import Sampler, SamplerConfig
 
 POLICIES = ("sliding", "snapkv", "h2o")
@@ -210,4 +210,8 @@ def print_tables(result: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (PlanError, EngineError, ValueError, OSError) as e:   # bad input: one line, exit 2
+        print(f"bench_kv.py: error: {e}", file=sys.stderr)
+        sys.exit(2)

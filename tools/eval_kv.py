@@ -43,9 +43,10 @@ from pathlib import Path
 import numpy as np
 
 from llmrs.compiler.cliutil import OneLineParser
-from llmrs.runtime.engine import Engine
+from llmrs.runtime.engine import Engine, EngineError
 from llmrs.runtime.kv import CacheManager, make_policy
 from llmrs.runtime.model import Model
+from llmrs.runtime.plan import PlanError
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 TEXT_START = "TERMS AND CONDITIONS"      # the GPL's preamble is skipped: its body is the held-out text
@@ -207,7 +208,7 @@ def held_out(model: Model, path: Path, n: int) -> list[int]:
     at = text.find(TEXT_START)
     ids = model.tokenize(text[max(at, 0):], add_special_tokens=False)
     if len(ids) < n:
-        raise SystemExit(f"eval_kv: error: {path} has {len(ids)} tokens, --tokens asks for {n}")
+        raise ValueError(f"{path} has {len(ids)} tokens, --tokens asks for {n}")
     return ids[:n]
 
 
@@ -227,10 +228,10 @@ def evaluate(model: Model, text: Path, st: Settings, backend: str, threads: int)
     fit_slots = max(len(p) for _, p in prompts) + 16
     need = max(st.tokens + st.greedy_k, fit_slots, max(st.budgets) + st.headroom)
     if model.max_seq_len < need:
-        raise SystemExit(f"eval_kv: error: the plan's KV cache has {model.max_seq_len} slots; "
+        raise ValueError(f"the plan's KV cache has {model.max_seq_len} slots; "
                          f"recompile with --max-seq-len {need} or more")
     if not st.sinks < min(st.budgets) // 2:
-        raise SystemExit("eval_kv: error: every budget must be more than twice the sinks")
+        raise ValueError("every budget must be more than twice the sinks")
     t_all = time.perf_counter()
     rows = []
     configs = [(None, None)] + [(label, b) for b in st.budgets for label in POLICIES]
@@ -316,4 +317,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (PlanError, EngineError, ValueError, OSError) as e:   # bad input: one line, exit 2
+        print(f"eval_kv.py: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -25,7 +25,7 @@ def plot(result: dict, out: Path) -> None:
     try:
         import matplotlib
     except ImportError:
-        raise SystemExit("plot_kv.py: error: matplotlib is not installed (pip install matplotlib)") from None
+        raise RuntimeError("matplotlib is not installed (pip install matplotlib)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -89,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         result["rows"]
     except (OSError, ValueError, KeyError) as e:
         ap.error(f"{args.json}: not an eval_kv.py result ({e})")
-    plot(result, args.output)
+    try:
+        plot(result, args.output)
+    except (RuntimeError, OSError) as e:
+        print(f"plot_kv.py: error: {e}", file=sys.stderr)
+        return 2
     if args.table:
         print(table(result))
     print(f"plot_kv.py: wrote {args.output}", file=sys.stderr)

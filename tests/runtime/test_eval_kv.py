@@ -81,3 +81,31 @@ def test_bad_arguments_are_one_line_errors(tool, tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--budgets '8,x': give numbers separated by commas" in err
+
+
+@pytest.fixture(scope="module")
+def plot_tool():
+    spec = importlib.util.spec_from_file_location("plot_kv", TOOL.with_name("plot_kv.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_plot_kv_writes_a_png_and_the_table(result, plot_tool, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    _, res = result
+    (tmp_path / "kv.json").write_text(json.dumps(res))
+    assert plot_tool.main([str(tmp_path / "kv.json"), "-o", str(tmp_path / "kv.png"), "--table"]) == 0
+    assert (tmp_path / "kv.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = capsys.readouterr().out.splitlines()
+    assert len(table) == 2 + len(BUDGETS) + 1 and table[-1].startswith("| full | ")
+    assert f"{res['rows'][0]['ppl']:.2f} / 1.00 / 1.00 / " in table[-1]
+
+
+def test_plot_kv_without_matplotlib_says_so_in_one_line(result, plot_tool, tmp_path, capsys, monkeypatch):
+    _, res = result
+    (tmp_path / "kv.json").write_text(json.dumps(res))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)      # import matplotlib now fails
+    assert plot_tool.main([str(tmp_path / "kv.json"), "-o", str(tmp_path / "kv.png")]) == 2
+    err = capsys.readouterr().err
+    assert err == "plot_kv.py: error: matplotlib is not installed (pip install matplotlib)\n"
