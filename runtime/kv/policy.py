@@ -123,11 +123,16 @@ def pool1d(x: np.ndarray, kernel: int, mode: str) -> np.ndarray:
     """1-D pooling over the last axis, stride 1, padding kernel // 2 on both sides (same length
     for an odd kernel), as torch's max_pool1d (pads -inf) and avg_pool1d (pads 0, divides by the
     kernel: count_include_pad) do, which is how SnapKV smooths its scores."""
-    pad = kernel // 2
+    pad, n = kernel // 2, x.shape[-1]
     fill = -np.inf if mode == "max" else 0.0
     padded = np.pad(x.astype(np.float64), [(0, 0)] * (x.ndim - 1) + [(pad, pad)], constant_values=fill)
-    windows = np.lib.stride_tricks.sliding_window_view(padded, kernel, axis=-1)[..., :x.shape[-1], :]
-    return windows.max(axis=-1) if mode == "max" else windows.sum(axis=-1) / kernel
+    # one whole-array operation per kernel tap: a reduction over a strided window view took 21 ms
+    # for SmolLM2's 30 x 3 heads x 512 slots, this takes 1
+    acc = padded[..., :n].copy()
+    op = np.maximum if mode == "max" else np.add
+    for j in range(1, kernel):
+        op(acc, padded[..., j:j + n], out=acc)
+    return acc if mode == "max" else acc / kernel
 
 
 def _top(values: np.ndarray, lo: int, hi: int, count: int) -> np.ndarray:
@@ -135,8 +140,15 @@ def _top(values: np.ndarray, lo: int, hi: int, count: int) -> np.ndarray:
     (ties: the earlier slot), ascending."""
     if count <= 0:
         return np.zeros((*values.shape[:-1], 0), np.int64)
-    order = np.argsort(-values[..., lo:hi], axis=-1, kind="stable")[..., :count] + lo
-    return np.sort(order, axis=-1)
+    v = np.nan_to_num(values[..., lo:hi], nan=-np.inf)   # a NaN score never wins (nor breaks the count)
+    # a partition, not a sort (a stable argsort of SmolLM2's 90 heads x 512 slots took ~10 ms):
+    # everything above the count-th largest value, then the earliest of the slots equal to it
+    kth = np.partition(v, v.shape[-1] - count, axis=-1)[..., v.shape[-1] - count, None]
+    above = v > kth
+    ties = v == kth
+    need = count - above.sum(axis=-1, keepdims=True)
+    mask = above | (ties & (np.cumsum(ties, axis=-1) <= need))
+    return (np.nonzero(mask)[-1].reshape(*v.shape[:-1], count) + lo).astype(np.int64)
 
 
 class SnapKV(EvictionPolicy):

@@ -6,6 +6,7 @@ import pytest
 
 from llmrs.runtime.kv import (H2O, CacheManager, CacheView, MemoryStats, PolicyError, SlidingWindow, SnapKV,
                               StepInfo, make_policy, pool1d)
+from llmrs.runtime.kv.policy import _top
 from llmrs.runtime.kv.store import NEVER, HostKV
 
 L, KVH, S = 2, 3, 32
@@ -248,3 +249,15 @@ def test_scores_are_on_only_for_the_rows_a_policy_votes_with():
         m = CacheManager(make_policy(name, 8), store)
         m.before_step(StepInfo("prefill", 0, 8, 0, True, S))
         assert list(store.arrays["ctl"]) == want
+
+
+@pytest.mark.parametrize("n, lo, count", [(40, 0, 1), (40, 3, 20), (40, 3, 37), (7, 2, 5), (300, 4, 150)])
+def test_top_slots_are_a_stable_sorts_with_ties_going_to_the_earlier_slot(n, lo, count):
+    rng = np.random.default_rng(n + count)
+    values = rng.integers(0, 4, (L, KVH, n)).astype(np.float32)   # few distinct values: many ties
+    values[0, 0, lo + 1] = np.nan                                   # a broken score is never kept
+    got = _top(values, lo, n, count)
+    ranked = np.nan_to_num(values[..., lo:], nan=-np.inf)
+    want = np.sort(np.argsort(-ranked, axis=-1, kind="stable")[..., :count] + lo, axis=-1)
+    np.testing.assert_array_equal(got, want)
+    assert lo + 1 not in got[0, 0] or count > n - lo - 1
