@@ -82,6 +82,16 @@ def test_fused_matmul_prologue_and_epilogues_match_interpreter(wdtype, prologue,
     check(case, run_case(case, TARGETS["host"], nth=2)[0])
 
 
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("prologue,epilogue", [(True, None), (False, "add"), (True, "silu_mul"),
+                                               (True, "rope_kv_store")])
+def test_q8_0_decode_one_row_tiles_match_interpreter(target, prologue, epilogue):
+    """Q8_0 decode on AVX2 without VNNI takes one weight row a tile (two with silu_mul's gate and
+    up); an odd N and K = 576 (18 blocks) leave nothing to a whole tile count."""
+    case = matmul_case("q8_0", 1, 1, prologue, epilogue, K=576, N=45, seed=11)
+    check(case, run_case(case, TARGETS[target], nth=3)[0])
+
+
 @pytest.mark.parametrize("cache_dtype", ["f16", "q8_0"])
 def test_rope_kv_store_epilogue_writes_f16_and_q8_0_caches(cache_dtype):
     case = matmul_case("q8_0", 5, 5, True, "rope_kv_store", cache_dtype=cache_dtype)
