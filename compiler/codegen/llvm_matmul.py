@@ -133,7 +133,7 @@ def prefetch(kb: KernelBuilder, ptr: ir.Value, byte_offset: ir.Value) -> None:
     kb.b.call(fn, [addr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
-# -- q4_0 x Q8_0 and q4_1 x Q8_1 in groups of 4 blocks (AVX-512 VNNI) --------------------------
+# -- q4_0 x Q8_0 and q4_1 x Q8_1 in groups of 4 blocks (x86: AVX-512 VNNI, or AVX2) -------------
 #
 # Four q4 blocks (72 / 80 bytes) are one step: their 64 nibble bytes are unpacked to unsigned 0..15
 # in two <64 x i8> (low nibbles = values 0..15 of each block, high nibbles = values 16..31), and
@@ -143,7 +143,8 @@ def prefetch(kb: KernelBuilder, ptr: ir.Value, byte_offset: ir.Value) -> None:
 # is the sum of its 4 lanes, as GGML's. q4_1's codes need no offset (its lanes start at 0); its
 # m_w * s_x terms are one more FMA per group for 4 rows at once (pack_q4_1_mins).
 # A row whose K is not a multiple of 128 ends in a partial group, loaded through a byte mask (so
-# it never reads past the row), against activations whose padding is zero.
+# it never reads past the row), against activations whose padding is zero. AVX2 has the same
+# layout and lanes, with vpdpbusd emulated (q4_group_dot) and blocks loaded one by one.
 
 GROUP = 4 * QK          # values per step
 Q4 = ("q4_0", "q4_1")
@@ -475,7 +476,7 @@ class MatmulEmitter:
 
     @property
     def q8_stream(self) -> bool:
-        """Q8_0 decode on AVX2 without VNNI walks one weight row at a time, without prefetch: the
+        """Q8_0 decode on AVX2 without AVX-512 VNNI walks one weight row at a time, without prefetch: the
         thread's rows are then one sequential stream, which the hardware prefetcher follows where
         4 interleaved rows 612 bytes apart (SmolLM2's lm_head) stall it. Measured on an AMD EPYC
         (Zen 3, 2 threads, one process, medians of 9): lm_head [49152, 576] 3.95 ms with 4-row
@@ -608,7 +609,7 @@ class MatmulEmitter:
         return [[kb.hsum(b.load(accs[r][t])) for t in range(tt)] for r in range(len(rows))]
 
     def tile_q4_groups(self, rows: list[ir.Value], t0: ir.Value, tt: int, run: int) -> list[list[ir.Value]]:
-        """tile() for q4_0 / q4_1 on AVX-512 VNNI: each group of 4 weight blocks of a row is
+        """tile() for q4_0 / q4_1 on the grouped path: each group of 4 weight blocks of a row is
         unpacked once and used for tt tokens; accumulators are <16 x f32> per (row, token). The
         next unit's rows are `run` rows on from these."""
         s, kb = self.s, self.kb
