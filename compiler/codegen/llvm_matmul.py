@@ -26,6 +26,8 @@ PREFETCH_BYTES = 1024  # weight rows stream from DRAM: ask for them this far ahe
 DECODE_ROWS = 8         # weight rows per tile in decode on the grouped q4_0 path
 # (measured on Llama-3.2-1B, 1 thread, same run: 4 rows with the prefetch one tile ahead (4.6 KB)
 # 34 tok/s, two tiles ahead 37, 8 rows one tile ahead (9.2 KB) 39, two tiles ahead 36)
+AVX2_DECODE_ROWS = 4    # the same on AVX2: 8 rows' <16 x f32> accumulators are all 16 ymm
+# registers (SmolLM2-135M Q4_1, 2 threads, one run, medians of 5: 4 rows 40.6 tok/s, 8 rows 37.8)
 GRAB_BYTES = 64 << 10  # weight bytes a thread takes from the shared work counter at a time
 FLOAT_WEIGHTS = ("f32", "f16", "bf16")
 
@@ -131,7 +133,7 @@ def prefetch(kb: KernelBuilder, ptr: ir.Value, byte_offset: ir.Value) -> None:
     kb.b.call(fn, [addr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
-# -- q4_0 x Q8_0 and q4_1 x Q8_1 in groups of 4 blocks (AVX-512 VNNI) --------------------------
+# -- q4_0 x Q8_0 and q4_1 x Q8_1 in groups of 4 blocks (x86: AVX-512 VNNI, or AVX2) -------------
 #
 # Four q4 blocks (72 / 80 bytes) are one step: their 64 nibble bytes are unpacked to unsigned 0..15
 # in two <64 x i8> (low nibbles = values 0..15 of each block, high nibbles = values 16..31), and
@@ -141,7 +143,8 @@ def prefetch(kb: KernelBuilder, ptr: ir.Value, byte_offset: ir.Value) -> None:
 # is the sum of its 4 lanes, as GGML's. q4_1's codes need no offset (its lanes start at 0); its
 # m_w * s_x terms are one more FMA per group for 4 rows at once (pack_q4_1_mins).
 # A row whose K is not a multiple of 128 ends in a partial group, loaded through a byte mask (so
-# it never reads past the row), against activations whose padding is zero.
+# it never reads past the row), against activations whose padding is zero. AVX2 has the same
+# layout and lanes, with vpdpbusd emulated (q4_group_dot) and blocks loaded one by one.
 
 GROUP = 4 * QK          # values per step
 Q4 = ("q4_0", "q4_1")
@@ -156,9 +159,19 @@ def padded_k(K: int) -> int:
     return -(-K // GROUP) * GROUP
 
 
+def group_isa(target: Target) -> str | None:
+    """How the grouped q4 path computes its dot products on this target: vnni512 (vpdpbusd on
+    512-bit vectors), avx2 (vpmaddubsw + vpmaddwd on 256-bit halves, GGML's AVX2 sequence, the
+    same integer lanes), or None (no grouped path: the per-block 4-row tile)."""
+    if not target.is_x86:
+        return None
+    if all(target.has(f) for f in ("avx512f", "avx512bw", "avx512vnni")):
+        return "vnni512"
+    return "avx2" if target.has("avx2") else None
+
+
 def q4_group_ok(target: Target, wdtype: str) -> bool:
-    return (wdtype in Q4 and target.is_x86
-            and all(target.has(f) for f in ("avx512f", "avx512bw", "avx512vnni")))
+    return wdtype in Q4 and group_isa(target) is not None
 
 
 def _qs_mask(bb: int) -> list[int]:
@@ -185,6 +198,8 @@ def load_q4_group(kb: KernelBuilder, w: ir.Value, off: ir.Value, wdtype: str = "
     """(low nibbles <64 x u8>, high nibbles <64 x u8>, d <16 x f32> = each block's d 4 times,
     the group's first 64 bytes, which hold every block's header: pack_q4_1_mins reads q4_1's m
     there) of `blocks` blocks at w + off; missing blocks are all zero."""
+    if group_isa(kb.target) == "avx2":
+        return _load_q4_group_by_block(kb, w, off, wdtype, blocks)
     b = kb.b
     bb = BLOCK_BYTES[wdtype]
     v64 = vec(I8, 64)
@@ -202,6 +217,46 @@ def load_q4_group(kb: KernelBuilder, w: ir.Value, off: ir.Value, wdtype: str = "
     return lo, hi, _f16x16(kb, dbytes), a
 
 
+def _load_q4_group_by_block(kb: KernelBuilder, w: ir.Value, off: ir.Value, wdtype: str,
+                            blocks: int) -> tuple[ir.Value, ir.Value, ir.Value, ir.Value]:
+    """load_q4_group on AVX2: each block's 16 quant bytes and 4 header bytes are loaded apiece,
+    which x86 without AVX-512 does with plain 16-byte loads and lane inserts where the 64-byte
+    gather shuffle (and a partial group's masked load) would become byte-by-byte code. The 4th
+    value is the compact header <16 x i8>, block k's d and (q4_1) m at bytes 4k..4k+3."""
+    b = kb.b
+    bb = BLOCK_BYTES[wdtype]
+    zero = ir.Constant(vec(I8, 16), None)
+    qs = [kb.load(vec(I8, 16), w, b.add(off, kb.i64(bb * k + bb - 16))) if k < blocks else zero
+          for k in range(4)]
+    q = kb.concat(kb.concat(qs[0], qs[1]), kb.concat(qs[2], qs[3]))
+    lo = b.and_(q, ir.Constant(vec(I8, 64), [0x0F] * 64))
+    hi = b.lshr(q, ir.Constant(vec(I8, 64), [4] * 64))
+    heads = load_q4_heads(kb, w, off, wdtype, blocks)
+    dbytes = kb.shuffle(heads, None, [4 * (lane // 4) + byte for lane in range(16) for byte in (0, 1)])
+    return lo, hi, _f16x16(kb, dbytes), heads
+
+
+def load_q4_heads(kb: KernelBuilder, w: ir.Value, off: ir.Value, wdtype: str, blocks: int) -> ir.Value:
+    """The group headers pack_q4_1_mins reads, in the target's form: the group's first 64 bytes
+    (AVX-512; a partial group's through a byte mask), or the compact <16 x i8> of 4 bytes a block
+    (AVX2; absent blocks zero). Nothing past the row is read."""
+    b = kb.b
+    bb = BLOCK_BYTES[wdtype]
+    if group_isa(kb.target) != "avx2":
+        if blocks == 4:
+            return kb.load(vec(I8, 64), w, off)
+        return masked_load(kb, vec(I8, 64), w, off, blocks * bb)
+    heads = ir.Constant(vec(I32, 4), None)
+    for k in range(blocks):
+        heads = b.insert_element(heads, kb.load(I32, w, b.add(off, kb.i64(bb * k))), ir.Constant(I32, k))
+    return b.bitcast(heads, vec(I8, 16))
+
+
+def head_stride(kb: KernelBuilder, wdtype: str) -> int:
+    """Bytes from one block's header to the next in load_q4_heads' value."""
+    return 4 if group_isa(kb.target) == "avx2" else BLOCK_BYTES[wdtype]
+
+
 def _f16x16(kb: KernelBuilder, raw: ir.Value) -> ir.Value:
     """<32 x i8> holding 16 f16 -> <16 x f32>."""
     b = kb.b
@@ -210,15 +265,17 @@ def _f16x16(kb: KernelBuilder, raw: ir.Value) -> ir.Value:
 
 def pack_q4_1_mins(kb: KernelBuilder, heads: list[ir.Value]) -> ir.Value:
     """<16 x f32>, lane 4k+j = m of block k of row j, from the group headers of up to 4 rows
-    (load_q4_group's 4th value; absent rows give 0). One vector carries the minima of 4 rows, so
-    m_w * s_x costs one FMA per 4 rows and group, against s_x broadcast to its block's lanes."""
-    bb = BLOCK_BYTES["q4_1"]
-    zero = ir.Constant(vec(I8, 64), None)
+    (load_q4_group's 4th value, or load_q4_heads'; absent rows give 0). One vector carries the
+    minima of 4 rows, so m_w * s_x costs one FMA per 4 rows and group, against s_x broadcast to
+    its block's lanes."""
+    bb = head_stride(kb, "q4_1")
+    n = heads[0].type.count
+    zero = ir.Constant(vec(I8, n), None)
     heads = heads + [zero] * (4 - len(heads))
 
     def pair(j0: int) -> ir.Value:   # rows j0, j0+1 in their lanes (the others: don't care, 0)
         return kb.shuffle(heads[j0], heads[j0 + 1],
-                          [64 * (j - j0) + bb * k + 2 + byte if j in (j0, j0 + 1) else 0
+                          [n * (j - j0) + bb * k + 2 + byte if j in (j0, j0 + 1) else 0
                            for k in range(4) for j in range(4) for byte in (0, 1)])
     lo, hi = pair(0), pair(2)
     both = kb.shuffle(lo, hi, [i if (i // 2) % 4 < 2 else 32 + i for i in range(32)])
@@ -230,8 +287,22 @@ def q4_group_dot(kb: KernelBuilder, start: ir.Value, lo: ir.Value, hi: ir.Value,
     """<16 x i32>: lane 4k+j = start + exact sum over lane j's 8 values of block k of w * x
     (start = q4_0's bias makes it (w - 8) * x)."""
     v64 = vec(I8, 64)
+    b = kb.b
+    if group_isa(kb.target) == "avx2":
+        # per 256-bit half: u8 x s8 pairs as i16 (|15 * 127 * 2| and the lo + hi sum of two such
+        # stay far below 2^15: no saturation), then pairs of those summed to i32 by vpmaddwd
+        # against ones, so i32 lane i is bytes 4i..4i+3 of lo.xlo + hi.xhi: vpdpbusd's lanes
+        v32, i16x16 = vec(I8, 32), vec(I16, 16)
+        madd = kb.intrinsic("llvm.x86.avx2.pmadd.ub.sw", i16x16, [v32, v32])
+        wd = kb.intrinsic("llvm.x86.avx2.pmadd.wd", vec(I32, 8), [i16x16, i16x16])
+        ones = ir.Constant(i16x16, [1] * 16)
+        halves = []
+        for l_, h_, xl, xh in zip(kb.halves(lo), kb.halves(hi), kb.halves(xlo), kb.halves(xhi)):
+            pairs = b.add(b.call(madd, [l_, xl]), b.call(madd, [h_, xh]))
+            halves.append(b.call(wd, [pairs, ones]))
+        return b.add(start, kb.concat(*halves))
     fn = kb.intrinsic("llvm.x86.avx512.vpdpbusd.512", vec(I32, 16), [vec(I32, 16), v64, v64])
-    return kb.b.call(fn, [kb.b.call(fn, [start, lo, xlo]), hi, xhi])
+    return b.call(fn, [b.call(fn, [start, lo, xlo]), hi, xhi])
 
 
 def store_q4_group_activation(kb: KernelBuilder, wdtype: str, q: ir.Value, d: ir.Value, s: ir.Value | None,
@@ -399,7 +470,18 @@ class MatmulEmitter:
     def tile_rows(self) -> int:
         # decode: more rows in flight per thread hide DRAM latency, and each tile's horizontal
         # sums are spread over more bytes; prefill keeps R x TOKEN_TILE accumulators in registers
-        return DECODE_ROWS if self.s.T == 1 and self.grouped else 4
+        if self.s.T == 1 and self.grouped:
+            return DECODE_ROWS if group_isa(self.kb.target) == "vnni512" else AVX2_DECODE_ROWS
+        return 1 if self.q8_stream else 4
+
+    @property
+    def q8_stream(self) -> bool:
+        """Q8_0 decode on AVX2 without AVX-512 VNNI walks one weight row at a time, without prefetch: the
+        thread's rows are then one sequential stream, which the hardware prefetcher follows where
+        4 interleaved rows 612 bytes apart (SmolLM2's lm_head) stall it. Measured on an AMD EPYC
+        (Zen 3, 2 threads, one process, medians of 9): lm_head [49152, 576] 3.95 ms with 4-row
+        tiles and prefetch 1 KB ahead, 2.79 ms with 1 row and the prefetch, 2.13 ms without it."""
+        return self.s.T == 1 and self.s.wdtype == "q8_0" and group_isa(self.kb.target) == "avx2"
 
     def emit(self) -> None:
         self.prepare()
@@ -407,7 +489,7 @@ class MatmulEmitter:
         if s.epilogue == "rope_kv_store":
             units, self.unit_rows = s.n_heads + 2 * s.n_kv_heads, s.head_dim
         elif s.epilogue == "silu_mul":
-            units, self.unit_rows = s.N // 2 // self._rows_per_tile(s.N // 2, self.tile_rows // 2), 0
+            units, self.unit_rows = s.N // 2 // self._rows_per_tile(s.N // 2, max(1, self.tile_rows // 2)), 0
         else:
             units, self.unit_rows = s.N // self._rows_per_tile(s.N, self.tile_rows), 0
         kb, b = self.kb, self.kb.b
@@ -496,7 +578,7 @@ class MatmulEmitter:
         mins = [[kb.var(F32, kb.f32(0.0)) for _ in range(tt)] for _ in rows] if q4_1 else None
         if s.quantized:
             with kb.loop(0, self.nb) as blk:
-                for r in rows:
+                for r in rows if not self.q8_stream else []:
                     prefetch(kb, self.w, kb.idx((r, s.row_bytes), (blk, BLOCK_BYTES[s.wdtype]), (PREFETCH_BYTES, 1)))
                 ws = [load_weight_block(kb, s.wdtype, self.w, r, blk, s.row_bytes) for r in rows]
                 ms = [load_block_min(kb, self.w, r, blk, s.row_bytes) for r in rows] if q4_1 else None
@@ -527,7 +609,7 @@ class MatmulEmitter:
         return [[kb.hsum(b.load(accs[r][t])) for t in range(tt)] for r in range(len(rows))]
 
     def tile_q4_groups(self, rows: list[ir.Value], t0: ir.Value, tt: int, run: int) -> list[list[ir.Value]]:
-        """tile() for q4_0 / q4_1 on AVX-512 VNNI: each group of 4 weight blocks of a row is
+        """tile() for q4_0 / q4_1 on the grouped path: each group of 4 weight blocks of a row is
         unpacked once and used for tt tokens; accumulators are <16 x f32> per (row, token). The
         next unit's rows are `run` rows on from these."""
         s, kb = self.s, self.kb
@@ -581,11 +663,12 @@ class MatmulEmitter:
             # prefill: the minima in a second pass over the tile's group headers (L1-hot by now),
             # which leaves the first pass the registers of q4_0's, with no accumulator spilled
             with kb.loop(0, s.K // GROUP) as g:
-                add_mins([kb.load(vec(I8, 64), self.w, kb.idx((r, s.row_bytes), (g, gb))) for r in rows], g)
+                add_mins([load_q4_heads(kb, self.w, kb.idx((r, s.row_bytes), (g, gb)), "q4_1", 4)
+                          for r in rows], g)
             if s.K % GROUP:
                 g = kb.i64(s.K // GROUP)
-                add_mins([masked_load(kb, vec(I8, 64), self.w, kb.idx((r, s.row_bytes), (g, gb)),
-                                      s.K % GROUP // QK * BLOCK_BYTES["q4_1"]) for r in rows], g)
+                add_mins([load_q4_heads(kb, self.w, kb.idx((r, s.row_bytes), (g, gb)), "q4_1",
+                                        s.K % GROUP // QK) for r in rows], g)
         ys = [[kb.hsum(b.load(accs[r][t])) for t in range(tt)] for r in range(len(rows))]
         for i, quad in enumerate(quads if q4_1 else []):
             for t in range(tt):
@@ -612,7 +695,7 @@ class MatmulEmitter:
                     out_f32(y, t, rows[j], s.N)
         elif s.epilogue == "silu_mul":
             f = s.N // 2
-            r = self._rows_per_tile(f, self.tile_rows // 2)
+            r = self._rows_per_tile(f, max(1, self.tile_rows // 2))
             n0 = b.mul(u, kb.i64(r))
             feats = [b.add(n0, kb.i64(j)) for j in range(r)]
             ys = self.tile(feats + [b.add(n, kb.i64(f)) for n in feats], t0, tt, r)

@@ -82,6 +82,16 @@ def test_fused_matmul_prologue_and_epilogues_match_interpreter(wdtype, prologue,
     check(case, run_case(case, TARGETS["host"], nth=2)[0])
 
 
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("prologue,epilogue", [(True, None), (False, "add"), (True, "silu_mul"),
+                                               (True, "rope_kv_store")])
+def test_q8_0_decode_one_row_tiles_match_interpreter(target, prologue, epilogue):
+    """Q8_0 decode on AVX2 without VNNI takes one weight row a tile (two with silu_mul's gate and
+    up); an odd N and K = 576 (18 blocks) leave nothing to a whole tile count."""
+    case = matmul_case("q8_0", 1, 1, prologue, epilogue, K=576, N=45, seed=11)
+    check(case, run_case(case, TARGETS[target], nth=3)[0])
+
+
 @pytest.mark.parametrize("cache_dtype", ["f16", "q8_0"])
 def test_rope_kv_store_epilogue_writes_f16_and_q8_0_caches(cache_dtype):
     case = matmul_case("q8_0", 5, 5, True, "rope_kv_store", cache_dtype=cache_dtype)
@@ -243,27 +253,52 @@ def test_bad_target_is_an_error_not_a_crash():
         emit("define void @f() {\n  ret void\n}\n", Target("no-such-arch-linux-gnu"))
 
 
-GROUPED = q4_group_ok(TARGETS["host"], "q4_0")   # AVX-512 VNNI: q4_0 and q4_1, any K
+# the grouped q4 path (q4_0 and q4_1, any K): AVX-512 VNNI's vpdpbusd, or AVX2's vpmaddubsw +
+# vpmaddwd; on a VNNI machine both run (TARGETS["avx2"])
+GROUPED = [name for name in sorted(TARGETS) if q4_group_ok(TARGETS[name], "q4_0")]
+NO_GROUPED = "host CPU has neither AVX2 nor AVX-512 VNNI (the grouped q4 path)"
+VNNI512 = Target("x86_64-unknown-linux-gnu", "icelake-server",
+                 "+avx2,+fma,+f16c,+avx512f,+avx512bw,+avx512vl,+avx512vnni")
+AVX2 = Target("x86_64-unknown-linux-gnu", "znver3", "+avx2,+fma,+f16c")
 
 
-@pytest.mark.skipif(not GROUPED, reason="host CPU has no AVX-512 VNNI (the grouped q4_0 path)")
+@pytest.mark.skipif(not GROUPED, reason=NO_GROUPED)
+@pytest.mark.parametrize("target", GROUPED)
 @pytest.mark.parametrize("prologue,epilogue", [(False, None), (True, None), (False, "add"),
                                                (True, "silu_mul"), (True, "rope_kv_store")])
 @pytest.mark.parametrize("T,n_tokens", [(1, 1), (11, 11), (11, 6)])
-def test_grouped_q4_0_matmul_matches_interpreter(prologue, epilogue, T, n_tokens):
+def test_grouped_q4_0_matmul_matches_interpreter(target, prologue, epilogue, T, n_tokens):
     case = matmul_case("q4_0", T, n_tokens, prologue, epilogue, K=256, N=48)
-    check(case, run_case(case, TARGETS["host"], nth=3)[0])
+    check(case, run_case(case, TARGETS[target], nth=3)[0])
 
 
-@pytest.mark.skipif(not GROUPED, reason="host CPU has no AVX-512 VNNI (the grouped q4_0 path)")
-def test_grouped_q4_0_block_sums_are_ggml_integer_sums_exactly():
+@pytest.mark.parametrize("wdtype", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("T", [1, 8])
+def test_grouped_q4_code_uses_each_isas_dot_product_instructions(wdtype, T):
+    """Compile-only where the host cannot run it: AVX-512 VNNI's kernel does its dot products with
+    vpdpbusd on zmm registers; AVX2's with vpmaddubsw / vpmaddwd on ymm, and no AVX-512 at all."""
+    case = matmul_case(wdtype, T, T, True, None, K=576, N=48)
+    asm = {}
+    for name, target in (("vnni512", VNNI512), ("avx2", AVX2)):
+        module = ir.Module("t")
+        module.triple = target.triple
+        emit_op(module, target, case.graph, case.op, "kernel")
+        asm[name] = emit(str(module), target, "asm").decode()
+    assert "vpdpbusd" in asm["vnni512"] and "zmm" in asm["vnni512"]
+    assert "vpmaddubsw" in asm["avx2"] and "vpmaddwd" in asm["avx2"]
+    assert "zmm" not in asm["avx2"] and "vpdpbusd" not in asm["avx2"]
+
+
+@pytest.mark.skipif(not GROUPED, reason=NO_GROUPED)
+@pytest.mark.parametrize("target", GROUPED)
+def test_grouped_q4_0_block_sums_are_ggml_integer_sums_exactly(target):
     rng = np.random.default_rng(6)
     n, k = 5, 256
     w = quant.quantize(rng.standard_normal((n, k)).astype(np.float32), "q4_0")
     x = rng.standard_normal((1, k)).astype(np.float32) * 3
     x[0, :32] = 127.0 / np.arange(1, 33)           # a block that uses the full int8 range
     w[0, 2:18] = 0xFF                               # a block of 15s: the largest u8 x s8 products
-    _block_sums(lambda kb: emit_q4_group_probe(kb, k, n), TARGETS["host"], w, "q4_0", x, n, k)
+    _block_sums(lambda kb: emit_q4_group_probe(kb, k, n), TARGETS[target], w, "q4_0", x, n, k)
 
 
 # the grouped q4 path takes every K: whole groups of 4 blocks, then 1..3 blocks masked in
@@ -284,20 +319,21 @@ def test_q4_matmul_with_odd_k_and_n_matches_interpreter(wdtype, K, prologue, epi
         check(case, run_case(case, target, nth=3)[0])
 
 
-@pytest.mark.skipif(not GROUPED, reason="host CPU has no AVX-512 VNNI (the grouped q4 path)")
+@pytest.mark.skipif(not GROUPED, reason=NO_GROUPED)
+@pytest.mark.parametrize("target", GROUPED)
 @pytest.mark.parametrize("wdtype", ["q4_0", "q4_1"])
 @pytest.mark.parametrize("K", [k for k, _ in ODD_K] + [512], ids=[why for _, why in ODD_K] + ["whole groups"])
-def test_grouped_q4_block_sums_with_a_partial_group_are_ggml_integer_sums_exactly(wdtype, K):
+def test_grouped_q4_block_sums_with_a_partial_group_are_ggml_integer_sums_exactly(target, wdtype, K):
     rng = np.random.default_rng(K)
     n = 5
     w = quant.quantize(rng.standard_normal((n, K)).astype(np.float32) + 1.0, wdtype)
     x = rng.standard_normal((1, K)).astype(np.float32) * 3
     x[0, -32:] = -127.0 / np.arange(1, 33)         # the last block (a tail's) uses the full int8 range
     w[0, -16:] = 0xFF                               # and meets 15s: the largest u8 x s8 products
-    _block_sums(lambda kb: emit_q4_group_probe(kb, K, n, wdtype), TARGETS["host"], w, wdtype, x, n, K)
+    _block_sums(lambda kb: emit_q4_group_probe(kb, K, n, wdtype), TARGETS[target], w, wdtype, x, n, K)
 
 
-def _run_with_guard_page(case: Case, queue) -> None:
+def _run_with_guard_page(case: Case, target: str, queue) -> None:
     """Child process: the weight rows end where a PROT_NONE page begins, so a load past the last
     row's end faults (prefetches never do)."""
     page = mmap.PAGESIZE
@@ -312,7 +348,7 @@ def _run_with_guard_page(case: Case, queue) -> None:
     guarded = np.frombuffer(buf, np.uint8, w.nbytes, size - w.nbytes).reshape(w.shape)
     guarded[...] = w
     case.arrays["w"] = guarded
-    arrays, _ = run_case(case, TARGETS["host"], nth=2)
+    arrays, _ = run_case(case, TARGETS[target], nth=2)
     try:
         check(case, arrays)
         queue.put("ok")
@@ -320,14 +356,15 @@ def _run_with_guard_page(case: Case, queue) -> None:
         queue.put(str(e))
 
 
-@pytest.mark.skipif(not GROUPED, reason="host CPU has no AVX-512 VNNI (the grouped q4 path)")
+@pytest.mark.skipif(not GROUPED, reason=NO_GROUPED)
+@pytest.mark.parametrize("target", GROUPED)
 @pytest.mark.parametrize("wdtype", ["q4_0", "q4_1"])
 @pytest.mark.parametrize("T,n_tokens", [(1, 1), (5, 5)])
-def test_grouped_q4_partial_group_never_reads_past_the_weights(wdtype, T, n_tokens):
+def test_grouped_q4_partial_group_never_reads_past_the_weights(target, wdtype, T, n_tokens):
     case = matmul_case(wdtype, T, n_tokens, False, None, K=576, N=9)
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
-    child = ctx.Process(target=_run_with_guard_page, args=(case, queue))
+    child = ctx.Process(target=_run_with_guard_page, args=(case, target, queue))
     child.start()
     child.join(120)
     assert child.exitcode == 0, f"the kernel died (exit code {child.exitcode}): a read past the weights"

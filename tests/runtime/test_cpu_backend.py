@@ -125,8 +125,8 @@ def test_bad_steps_are_one_line_errors():
 
 @pytest.fixture(scope="module")
 def tiny_q4(tmp_path_factory) -> list[Graph]:
-    """The `tiny` preset (K = 256 and 768): q4_0 matmuls take the grouped VNNI path where the host
-    has it, whose decode tiles are 8 rows; 2 layers keep it quick."""
+    """The `tiny` preset (K = 256 and 768): q4_0 matmuls take the grouped path on x86 (AVX-512 VNNI
+    or AVX2), whose decode tiles are 8 or 4 rows; 2 layers keep it quick."""
     from llmrs.models.tiny import make_model
     path = make_model(tmp_path_factory.mktemp("tiny") / "m", "tiny", num_hidden_layers=2)
     return [plan_memory(g) for g in quantized(list(build_graphs(load_model(path), CHUNK, 64, kv_dtype="f16")), "q4_0")]
