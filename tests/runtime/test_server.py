@@ -234,7 +234,10 @@ def test_chat_on_a_model_without_a_template_is_a_400(plans):
         with pytest.raises(openai.BadRequestError, match="has no chat template") as e:
             client.chat.completions.create(model="base", messages=QUESTION)
         assert e.value.body["code"] == "no_chat_template"
-        assert client.completions.create(model="base", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        # and the server still serves: two tokens, or fewer where this random model picks its end token
+        done = client.completions.create(model="base", prompt="hi", max_tokens=2)
+        n, why = done.usage.completion_tokens, done.choices[0].finish_reason
+        assert (n, why) == (2, "length") or (n <= 2 and why == "stop"), (n, why)
     finally:
         stop()
 
