@@ -81,19 +81,9 @@ class SmallerCache:
 
     def __init__(self, inner, slots: int):
         self.inner, self.slots = inner, slots
-        self.n_layers, self.n_kv_heads = inner.n_layers, inner.n_kv_heads
 
-    def scores(self, n):
-        return self.inner.scores(n)
-
-    def clear_scores(self):
-        self.inner.clear_scores()
-
-    def set_score_from(self, first):
-        self.inner.set_score_from(first)
-
-    def compact(self, keep):
-        self.inner.compact(keep)
+    def __getattr__(self, name):      # everything but the slot count is the store's own
+        return getattr(self.inner, name)
 
 
 def log(msg: str) -> None:
