@@ -158,8 +158,8 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(args.dump_logits, "--dump-logits")
     if args.profile:
         check_output_file(args.profile, "--profile")
-        if args.backend == "reference":
-            raise EngineError("--profile times kernels on --backend cpu or opencl, not reference")
+        if args.backend not in ("cpu", "opencl"):   # before the plan loads
+            raise EngineError(f"--profile times kernels on --backend cpu or opencl, not {args.backend}")
     text = prompt_text(args.prompt)
     sampler = Sampler(SamplerConfig(args.temperature, args.top_k, args.top_p, args.repetition_penalty,
                                     args.repetition_window, args.seed))
