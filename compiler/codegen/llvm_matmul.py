@@ -578,8 +578,9 @@ class MatmulEmitter:
         mins = [[kb.var(F32, kb.f32(0.0)) for _ in range(tt)] for _ in rows] if q4_1 else None
         if s.quantized:
             with kb.loop(0, self.nb) as blk:
-                for r in rows if not self.q8_stream else []:
-                    prefetch(kb, self.w, kb.idx((r, s.row_bytes), (blk, BLOCK_BYTES[s.wdtype]), (PREFETCH_BYTES, 1)))
+                if not self.q8_stream:   # one row's stream: the hardware prefetcher follows it
+                    for r in rows:
+                        prefetch(kb, self.w, kb.idx((r, s.row_bytes), (blk, BLOCK_BYTES[s.wdtype]), (PREFETCH_BYTES, 1)))
                 ws = [load_weight_block(kb, s.wdtype, self.w, r, blk, s.row_bytes) for r in rows]
                 ms = [load_block_min(kb, self.w, r, blk, s.row_bytes) for r in rows] if q4_1 else None
                 for t in range(tt):
