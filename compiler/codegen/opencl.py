@@ -27,6 +27,8 @@ generate(graphs) returns a JSON-able dict, stored as the plan's "opencl" section
         | {"scratch": nbytes}            # nbytes of the back end's scratch buffer, a slice of
                                          # its own per launch, zero-filled at load; kernels
                                          # leave their ticket counters at 0: buffer + offset
+        | {"staging": nbytes}            # the back end's staging buffer (offset 0, shared by all
+                                         # launches): a launch writes it for the next to read
         | {"result": nbytes}             # the back end's small result buffer (greedy tokens)
         | {"int": n} | {"float": x}
 
@@ -86,6 +88,10 @@ TILE_M = 64                   # matmul_tiled: tokens per group (fixed in matmul.
 TILE_N_WIDE = 128             # and weight rows per group: 128 where N gives enough groups
 TILE_N_MIN_GROUPS = 128       # (about one per SM of an H200), else 64. H200 prefill 512 with
                               # 128 here / 512: q4_0 17.1 / 17.6 ms, f16 14.7 / 15.8 ms
+X_STAGED = True               # tiled matmuls with quantized (or f16, tensor-core body) weights:
+                              # stage_x prepares the activations once per matmul in the staging
+                              # buffer (matmul.cl) instead of once per group of the N / TN that
+                              # share a token tile
 MMA_PREFETCH_QUANT = ""       # tensor-core matmul: stages fetched a stage ahead, x and/or w,
 MMA_PREFETCH_F16 = "xw"       # by weights (H200, prefill 512: q4_0 17.6 ms with none, 18.3 w,
                               # 21.6 xw; f16 15.8 ms with xw, 16.4 none, 17.5 w)
@@ -101,6 +107,7 @@ ATT_DEC_WG, ATT_DEC_MAX_SPLITS = 128, 64      # attention_decode: keys per split
 ATT_SHARE_KV = False          # decode attention: one group scores all query heads of a KV head
                               # (measured slower on the H200 at 1B shapes: fewer, longer groups)
 NORM_WG, RED_WG, ELT_WG = 64, 256, 64
+STAGE_WG = 64                 # stage_x: threads per token (matmul.cl's STAGE_WG)
 SC_WG = 128                   # attention_scores: threads per KV head
 COMPACT_WG = 64               # kv_compact: rows moved per pass of a group
 ARG_VALUES_PER_THREAD, ARG_MAX_GROUPS = 16, 64  # greedy argmax: groups per row
@@ -214,6 +221,15 @@ def rope_heads_q8(a: dict[str, Any], kv: str) -> bool:
     return kv == "q8_0" and a["head_dim"] % 64 != 0
 
 
+def staging_bytes(m: int, k: int, wt: str) -> int:
+    """Bytes of stage_x's output for m rows of K values (matmul.cl): int8 codes, then an f32
+    scale per 32-value block, and for q4_1 weights an f32 Q8_1 sum per block; f16 weights: x
+    as f16."""
+    if wt == "f16":
+        return 2 * m * k
+    return m * k + 4 * m * (k // 32) * (2 if wt == "q4_1" else 1)
+
+
 def _row_groups(epilogue: str | None, rw: int, n: int, a: dict[str, Any], rope_heads: bool = False) -> int:
     """Groups along dim 0 of a matmul launch, by the slot rule of matmul.cl's slot_row()."""
     if epilogue == "silu_mul":
@@ -291,6 +307,16 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     args = [_v(x), _v(w), nw, *e, _v(op.outputs[0]),
             {"int": m}, {"int": k}, {"int": n}, {"float": float(a.get("eps", 0.0))},
             {"int": heads[0]}, {"int": heads[1]}, {"int": heads[2]}]
+    if tiled:
+        staged = _NONE
+        if X_STAGED and (quantized or wt == "f16") and k % 32 == 0:
+            options.append("-DX_STAGED")
+            staged = {"staging": staging_bytes(m, k, wt)}
+            ctx.launches.append(Launch(op.name, "matmul", "stage_x", options,
+                                       [_v(x), nw, staged, {"int": m}, {"int": k},
+                                        {"float": float(a.get("eps", 0.0))}],
+                                       local=STAGE_WG, groups=1, rows=m, row_tile=1))
+        args.append(staged)
     ctx.launches.append(Launch(op.name, "matmul" if tiled else "matvec", "matmul_tiled" if tiled else "matvec",
                                options, args,
                                local=256 if tiled else mv_wg, groups=_row_groups(epi, rw, n, a, rope_heads),

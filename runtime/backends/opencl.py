@@ -11,6 +11,7 @@ Memory (all planned at compile time, graph.meta["layout"]):
              batch of greedy steps, which advance it on the device (k: the batch's step)
     scratch  kernels' partial results (split attention, greedy argmax), zero-filled once
     result   int32 [rows]: greedy tokens, the only bytes a greedy step reads back
+    staging  one launch's output for the next (stage_x's Q8_0 activations for its matmul)
 A region larger than CL_DEVICE_MAX_MEM_ALLOC_SIZE is split over several buffers at tensor
 boundaries. Every kernel's arguments are set at load; a step writes `step` and the tokens,
 enqueues the launch table and reads the logits back.
@@ -447,11 +448,15 @@ class OpenCLBackend:
         # kernels that take tickets leave theirs at 0, so one zero fill at load lasts
         scratch = sum(-(-a["scratch"] // ALIGN) * ALIGN for e in entries for a in e["args"] if "scratch" in a)
         result = max([a["result"] for e in entries for a in e["args"] if "result" in a], default=0)
+        # launches run in order on one queue, so one staging buffer serves every producer /
+        # consumer pair (stage_x, then its matmul)
+        staging = max([a["staging"] for e in entries for a in e["args"] if "staging" in a], default=0)
         mf = cl.mem_flags
         self.scratch_buf = cl.Buffer(self.ctx, mf.READ_WRITE, max(scratch, ALIGN))
         cl.enqueue_fill_buffer(self.queue, self.scratch_buf, np.uint8(0), 0, max(scratch, ALIGN))
         scratch_at = [0]
         self.result_buf = cl.Buffer(self.ctx, mf.READ_WRITE, max(result, ALIGN))
+        self.staging_buf = cl.Buffer(self.ctx, mf.READ_WRITE, max(staging, ALIGN))
         self.steps_buf = cl.Buffer(self.ctx, mf.READ_WRITE, 4 * GREEDY_MAX_STEPS)  # int32 [steps]
         self._scratch_at: dict[tuple[str, str], int] = {}
 
@@ -490,6 +495,8 @@ class OpenCLBackend:
                     self._scratch_at[(phase, entry["kernel"])] = scratch_at[0]
                     args += [self.scratch_buf, np.uint64(scratch_at[0])]
                     scratch_at[0] += -(-a["scratch"] // ALIGN) * ALIGN
+                elif "staging" in a:
+                    args += [self.staging_buf, np.uint64(0)]
                 elif "result" in a and advance is not None:
                     args += [self.steps_buf, np.uint64(0)]
                 elif "result" in a:

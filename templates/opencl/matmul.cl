@@ -46,6 +46,87 @@ inline void tile_epilogue(__local const float* out, int t0, int rows, int g, int
 #define MMA_BODY 1
 #endif
 
+// -DX_STAGED: stage_x, a launch of its own, prepares the activations once per matmul (RMS
+// prologue included) in the staging buffer, and matmul_tiled reads them there (its last
+// argument): every one of the N / TN groups that share a token tile once repeated the loads of
+// f32 x (twice with the prologue), the prologue and the quantization. Staging layout for M rows
+// (codegen's staging_bytes):
+//   quantized weights: codes int8 [M][K], then d f32 [M][K / 32] (Q8_0 scale, f16-rounded),
+//                      then for q4_1 s f32 [M][K / 32] (Q8_1's s = f16(d * sum of the codes))
+//   f16 weights:       x as f16 [M][K], what the tensor-core body multiplies; only that body
+//                      reads it (the fp32 body keeps x in f32: stage_x is empty there)
+#define STAGE_WG 64
+#if defined(X_STAGED) && defined(W_QUANT)
+#define X_STAGED_Q 1
+#elif defined(X_STAGED) && defined(W_F16) && defined(MMA_BODY)
+#define X_STAGED_H 1
+#endif
+#define STAGED_D(sb, M, K) ((__global const float*)((sb) + (size_t)(M) * (K)))
+#define STAGED_S(sb, M, K) (STAGED_D(sb, M, K) + (size_t)(M) * ((K) / 32))
+
+#ifdef X_STAGED
+// A group per token; thread i prepares blocks i, i + STAGE_WG, .. of the row.
+__kernel __attribute__((reqd_work_group_size(STAGE_WG, 1, 1)))
+void stage_x(__global const int* step, gin xb, ulong x_off, gin nwb, ulong nw_off, gout sb, ulong s_off,
+             int M, int K, float eps) {
+#if defined(X_STAGED_Q) || defined(X_STAGED_H)
+    int lid = get_local_id(0), t = get_group_id(1);
+    if (t >= min(M, STEP_N_TOKENS(step))) return;   // the whole group: no barrier below is skipped by half
+    __global const float4* x = (__global const float4*)(xb + x_off) + (size_t)t * (K / 4);
+    gout s = sb + s_off;
+    int nb = K / 32;
+    float scale = 1.0f;
+#ifdef PROLOGUE_RMS
+    gin nw = nwb + nw_off;
+    __local float red[STAGE_WG];
+    float ss = 0.0f;
+    for (int b = lid; b < nb; b += STAGE_WG)
+        for (int i = 0; i < 8; i++) {
+            float4 v = x[b * 8 + i];
+            ss += dot(v, v);
+        }
+    ss = group_sum(ss, red);
+    scale = 1.0f / sqrt(ss / (float)K + eps);
+#endif
+    for (int b = lid; b < nb; b += STAGE_WG) {
+        float4 v[8];
+#ifdef X_STAGED_H
+        for (int i = 0; i < 8; i++) {
+            v[i] = x[b * 8 + i];
+#ifdef PROLOGUE_RMS
+            v[i] = v[i] * scale * LD4_NORM(nw, b * 8 + i);
+#endif
+            vstore_half4_rte(v[i], 0, (__global half*)(s + 2 * ((size_t)t * K + b * 32 + 4 * i)));
+        }
+#else
+        float amax = 0.0f;
+        for (int i = 0; i < 8; i++) {
+            v[i] = x[b * 8 + i];
+#ifdef PROLOGUE_RMS
+            v[i] = v[i] * scale * LD4_NORM(nw, b * 8 + i);
+#endif
+            float4 a = fabs(v[i]);
+            amax = fmax(amax, fmax(fmax(a.x, a.y), fmax(a.z, a.w)));
+        }
+        float d = amax / 127.0f;                 // as quantize_q8_block
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        float sum = 0.0f;
+        __global uint* codes = (__global uint*)(s + (size_t)t * K) + b * 8;
+        for (int i = 0; i < 8; i++) {
+            float4 q = round(v[i] * id);
+            sum += (q.x + q.y) + (q.z + q.w);   // integers: exact in any order
+            codes[i] = as_uint(convert_char4(q));
+        }
+        ((__global float*)STAGED_D(s, M, K))[(size_t)t * nb + b] = round_to_half(d);
+#ifdef W_Q4_1
+        ((__global float*)STAGED_S(s, M, K))[(size_t)t * nb + b] = round_to_half(d * sum);
+#endif
+#endif  // X_STAGED_H
+    }
+#endif  // X_STAGED_Q || X_STAGED_H
+}
+#endif  // X_STAGED
+
 #ifdef K_TAIL
 #define K_BLOCKS ((K + 31) / 32)
 #define K_LIVE(b, k) ((b) * 32 + (k) < K)
@@ -63,10 +144,12 @@ __kernel __attribute__((reqd_work_group_size(256, 1, 1))) \
 void matmul_tiled(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off, \
                   gin nwb, ulong nw_off, gout e0b, ulong e0_off, gout e1b, ulong e1_off, \
                   gout e2b, ulong e2_off, gout yb, ulong y_off, \
-                  int M, int K, int N, float eps, int n_heads, int n_kv_heads, int hd) { \
+                  int M, int K, int N, float eps, int n_heads, int n_kv_heads, int hd, \
+                  gin sbb, ulong sb_off) { \
     int lid = get_local_id(0), g = get_group_id(0), t0 = get_group_id(1) * TM; \
     int rows = min(M, STEP_N_TOKENS(step)); \
     __global const float* x = (__global const float*)(xb + x_off); \
+    gin sb = sbb + sb_off;   /* stage_x's output (X_STAGED) */ \
     gin w = wb + w_off;
 
 
@@ -85,7 +168,7 @@ MATMUL_TILED_BEGIN
     __local int rowmap[TN];
     for (int n = lid; n < TN; n += 256) rowmap[n] = slot_row(g, n, TN, N, n_heads, n_kv_heads, hd);
 
-#ifdef PROLOGUE_RMS
+#if defined(PROLOGUE_RMS) && !defined(X_STAGED_Q)   // staged codes carry it
     gin nw = nwb + nw_off;
     {   // 4 threads per token sum squares over strided k
         int tl = lid % TM, part = lid / TM;
@@ -109,6 +192,19 @@ MATMUL_TILED_BEGIN
         for (int i = 0; i < 4 * TN_H; i++) acc[j][i] = 0.0f;
 
     for (int b = 0; b < K_BLOCKS; b++) {
+#ifdef X_STAGED_Q
+        for (int e = lid; e < TM * 32; e += 256) {   // codes, k-major: thread e -> token e % TM
+            int tt = e % TM, k = e / TM;
+            xs[k * XS_STRIDE + tt] = t0 + tt < rows ? (float)((__global const char*)sb)[(size_t)(t0 + tt) * K + b * 32 + k] : 0.0f;
+        }
+        for (int tt = lid; tt < TM; tt += 256) {
+            size_t at = (size_t)(t0 + tt) * nb + b;
+            xd[tt] = t0 + tt < rows ? STAGED_D(sb, M, K)[at] : 0.0f;
+#ifdef W_Q4_1
+            xsum[tt] = t0 + tt < rows ? STAGED_S(sb, M, K)[at] : 0.0f;
+#endif
+        }
+#else
         for (int e = lid; e < TM * 32; e += 256) {   // x: coalesced along k
             int tt = e >> 5, k = e & 31;
             float v = 0.0f;
@@ -120,6 +216,7 @@ MATMUL_TILED_BEGIN
             }
             xr[tt * XR_STRIDE + k] = v;
         }
+#endif  // X_STAGED_Q
         for (int e = lid; e < TN * 32; e += 256) {   // w: along k, stored k-major
             int n = e >> 5, k = e & 31, row = rowmap[n];
             ws[k * WS_STRIDE + n] = row >= 0 && K_LIVE(b, k) ? W_ELEM(w, row, b, k) : 0.0f;
@@ -136,6 +233,7 @@ MATMUL_TILED_BEGIN
 #endif
         }
         barrier(CLK_LOCAL_MEM_FENCE);
+#ifndef X_STAGED_Q
         if (lid < TM) {
             float amax = 0.0f;
             for (int k = 0; k < 32; k++) amax = fmax(amax, fabs(xr[lid * XR_STRIDE + k]));
@@ -153,6 +251,7 @@ MATMUL_TILED_BEGIN
             int tt = e % TM, k = e / TM;
             xs[k * XS_STRIDE + tt] = round(xr[tt * XR_STRIDE + k] * xid[tt]);
         }
+#endif  // !X_STAGED_Q
 #else
         barrier(CLK_LOCAL_MEM_FENCE);
         for (int e = lid; e < TM * 32; e += 256) {
@@ -258,9 +357,51 @@ inline float small_int_to_float(int s) { return as_float(s + 0x4B400000) - 12582
 #define X_LANE_K(lane) (4 * ((lane) & 15))
 #define X_TOKEN(wp, lane, i) (8 * (wp) + 2 * (i) + ((lane) >> 4))
 #endif
+#if defined(X_STAGED_Q) || defined(X_STAGED_H)
+// Staged activations (stage_x): thread e owns 32 bytes of token e / 4's stage row, part e % 4
+// (quantized: block e % 4, its codes and d, q4_1 also s; f16: values 16 (e % 4) ..), as
+// fetch_w owns weight blocks: two 16-byte loads.
+#define X_PART_VALUES (STAGE_K / 4)
+typedef struct { uint4 q[2]; float d, s; } x_stage;
+
+inline void fetch_x(gin sb, int t0, int rows, int M, int K, int k0, int lid, gin nw, x_stage* r) {
+    int tt = lid >> 2, part = lid & 3, k = k0 + X_PART_VALUES * part;
+    bool live = t0 + tt < rows && k < K;
+    size_t row = (size_t)(live ? t0 + tt : 0);
+#ifdef X_STAGED_Q
+    __global const uint4* c = (__global const uint4*)(sb + row * K + k);
+#else
+    __global const uint4* c = (__global const uint4*)(sb + 2 * (row * K + k));
+#endif
+    r->q[0] = live ? c[0] : (uint4)0;
+    r->q[1] = live ? c[1] : (uint4)0;
+#ifdef X_STAGED_Q
+    r->d = live ? STAGED_D(sb, M, K)[row * (K / 32) + k / 32] : 0.0f;
+#ifdef W_Q4_1
+    r->s = live ? STAGED_S(sb, M, K)[row * (K / 32) + k / 32] : 0.0f;
+#endif
+#endif
+}
+
+inline void put_x(const x_stage* r, int lid, __local uint* xq, __local float* xd, __local const float* inv_rms) {
+    int tt = lid >> 2, part = lid & 3;
+    __local uint* dst = xq + tt * MMA_ROW_W + part * 8;
+    vstore4(r->q[0], 0, dst);
+    vstore4(r->q[1], 1, dst);
+#ifdef X_STAGED_Q
+    xd[tt * 4 + part] = r->d;
+#ifdef W_Q4_1
+    xd[TM * 4 + tt * 4 + part] = r->s;
+#endif
+#endif
+}
+#define X_SRC sb
+#else
+#define X_SRC x
 typedef struct { float4 v[X_FETCH]; float4 nv; } x_stage;
 
-inline void fetch_x(__global const float* x, int t0, int rows, int K, int k0, int lid, gin nw, x_stage* r) {
+inline void fetch_x(__global const float* x, int t0, int rows, int M, int K, int k0, int lid, gin nw,
+                    x_stage* r) {
     int lane = lid & 31, wp = lid >> 5, k = k0 + X_LANE_K(lane);
     bool k_live = k < K;
 #ifdef PROLOGUE_RMS
@@ -309,6 +450,7 @@ inline void put_x(const x_stage* r, int lid, __local uint* xq, __local float* xd
 #endif
     }
 }
+#endif  // X_STAGED_Q || X_STAGED_H
 
 // The weight rows of the tile's slots for K values k0..k0 + STAGE_K.
 //   quantized: thread e owns (slot e / 4, block e % 4) of the stage, TN / 64 of them
@@ -385,7 +527,7 @@ MATMUL_TILED_BEGIN
     __local int rowmap[TN];
     for (int n = lid; n < TN; n += 256) rowmap[n] = slot_row(g, n, TN, N, n_heads, n_kv_heads, hd);
 
-#ifdef PROLOGUE_RMS
+#if defined(PROLOGUE_RMS) && !defined(X_STAGED_Q) && !defined(X_STAGED_H)   // staged x carries it
     for (int i = 0; i < TM / 8; i++) {   // warp w: tokens 8w.., each read along k, whole lines
         int tt = 8 * (lid >> 5) + i;
         float ss = 0.0f;
@@ -413,14 +555,14 @@ MATMUL_TILED_BEGIN
     x_stage xr;
     w_stage wr;
 #ifdef MMA_PREFETCH_X
-    fetch_x(x, t0, rows, K, 0, lid, nw, &xr);
+    fetch_x(X_SRC, t0, rows, M, K, 0, lid, nw, &xr);
 #endif
 #ifdef MMA_PREFETCH_W
     fetch_w(w, K, 0, lid, nblk, rowmap, &wr);
 #endif
     for (int k0 = 0; k0 < K; k0 += STAGE_K) {
 #ifndef MMA_PREFETCH_X
-        fetch_x(x, t0, rows, K, k0, lid, nw, &xr);
+        fetch_x(X_SRC, t0, rows, M, K, k0, lid, nw, &xr);
 #endif
 #ifndef MMA_PREFETCH_W
         fetch_w(w, K, k0, lid, nblk, rowmap, &wr);
@@ -430,7 +572,7 @@ MATMUL_TILED_BEGIN
         barrier(CLK_LOCAL_MEM_FENCE);
         if (k0 + STAGE_K < K) {   // the next stage's loads fly during this stage's MMAs
 #ifdef MMA_PREFETCH_X
-            fetch_x(x, t0, rows, K, k0 + STAGE_K, lid, nw, &xr);
+            fetch_x(X_SRC, t0, rows, M, K, k0 + STAGE_K, lid, nw, &xr);
 #endif
 #ifdef MMA_PREFETCH_W
             fetch_w(w, K, k0 + STAGE_K, lid, nblk, rowmap, &wr);

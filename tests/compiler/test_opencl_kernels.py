@@ -210,6 +210,33 @@ def test_prefill_matmul_over_several_k_stages_and_token_tiles_matches_interprete
     _close(got[0], want[0], _tol(wdt))
 
 
+@pytest.mark.parametrize("wdt", ["q4_0", "q4_1", "q8_0", "f16"])
+@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize("prologue", ["rms_norm", None])
+def test_prefill_matmul_with_activations_staged_once_or_per_tile_matches_interpreter(wdt, staged, prologue,
+                                                                                     monkeypatch):
+    # stage_x quantizes x once per matmul (RMS prologue included) and the tiled kernel reads its
+    # codes; K = 352 (11 blocks: a partial last tensor-core stage), 130 of 131 rows (3 token
+    # tiles, rows past 130 of the staging buffer never read), K / 32 > stage_x's 64 threads
+    # with k = 2560 (80 blocks: threads own 1 or 2). f16 weights: only the tensor-core body reads
+    # the staged f16 x; the fp32 body's stage_x does nothing
+    from llmrs.compiler.codegen import opencl as codegen
+    monkeypatch.setattr(codegen, "X_STAGED", staged)
+    rng = np.random.default_rng(26)
+    for k, n in [(352, 200), (2560, 72)]:
+        b = OneOp(131)
+        x = b.act("x", _rand(rng, 131, k, scale=2.0))
+        w = b.param("w", _rand(rng, n, k), wdt)
+        y = b.out("y", (131, n))
+        if prologue:
+            nw = b.param("nw", _rand(rng, k), "f16")
+            got, want = b.run("fused_matmul", [x, w, nw], [y], 130, prologue="rms_norm", eps=1e-5)
+        else:
+            got, want = b.run("matmul", [x, w], [y], 130)
+        assert b.kernels == (["stage_x", "matmul_tiled"] if staged else ["matmul_tiled"])
+        _close(got[0], want[0], _tol(wdt))
+
+
 @pytest.mark.parametrize("wdt", EPILOGUE_DTYPES)
 @pytest.mark.parametrize("rows,n_tokens", [(1, 1), (66, 65)])
 def test_fused_add_epilogue_matches_interpreter(wdt, rows, n_tokens):
