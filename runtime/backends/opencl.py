@@ -209,7 +209,8 @@ def device_options(dev: Any) -> list[str]:
     extension but compiles inline PTX: warp shuffles and dp4a come from there, and on compute
     capability 8.0+ the prefill matmul's tensor-core body (-DUSE_NV_MMA)
     (LLMRS_OPENCL_PORTABLE=1 keeps the portable C path, LLMRS_OPENCL_NO_MMA=1 only drops the
-    tensor cores, for comparisons)."""
+    tensor cores, for comparisons; LLMRS_OPENCL_EMULATE_MMA=1 runs the tensor-core bodies on any
+    device, their mma.sync emulated in C, for tests)."""
     cl = _cl()
     opts = []
     if dev.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT:
@@ -218,6 +219,8 @@ def device_options(dev: Any) -> list[str]:
         opts.append("-DUSE_NV_PTX")
         if _nv_compute_capability(dev) >= (8, 0) and os.environ.get("LLMRS_OPENCL_NO_MMA", "") in ("", "0"):
             opts.append("-DUSE_NV_MMA")   # mma.sync m16n8k32 s8 / m16n8k16 f16 need sm_80
+    if os.environ.get("LLMRS_OPENCL_EMULATE_MMA", "") not in ("", "0") and "-DUSE_NV_MMA" not in opts:
+        opts += ["-DUSE_NV_MMA", "-DEMU_MMA"]   # tests: the tensor-core bodies, emulated (common.cl)
     return opts
 
 

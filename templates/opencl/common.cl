@@ -9,6 +9,7 @@
 //                  cl_khr_subgroups); without it the same arithmetic runs in portable C.
 //   -DUSE_NV_MMA   NVIDIA sm_80+ (with USE_NV_PTX): the prefill matmul's tensor-core body
 //                  (matmul.cl) for q4_0 / q4_1 / q8_0 / f16 weights.
+//   -DEMU_MMA      (tests, with USE_NV_MMA) the tensor-core bodies on any device: see below.
 //
 // Quantized WEIGHTS (not KV caches) sit on the device in a split layout the back end makes
 // at upload, same bytes in total: for a tensor of nblk blocks, the blocks' quants first
@@ -177,6 +178,62 @@ inline int dot4_ss(int a, int b, int c) {
 }
 inline float2 half2_bits_to_float2(uint u) {
     return vload_half2(0, (__private const half*)&u);
+}
+#endif
+
+// -- tensor-core emulation (tests) --------------------------------------------------------------
+// -DEMU_MMA (with USE_NV_MMA; runtime's LLMRS_OPENCL_EMULATE_MMA=1): mma.sync's fragment
+// semantics in portable C through local memory, so the tensor-core bodies run, and are tested,
+// on devices without tensor cores (PoCL). sc: EMU_SC_WORDS words of local memory; every
+// work-item of the group calls it (the bodies issue MMAs in uniform control flow). Fragments,
+// as the PTX ISA lays them out (gq = lane / 4, tq = lane % 4; 32-bit registers):
+//   m16n8k32 s8:  A a0..a3 = rows gq, gq + 8, gq, gq + 8; bytes k = 4 tq .. (a0, a1) and
+//                 16 + 4 tq .. (a2, a3); B b0, b1 = column gq, k = 4 tq .., 16 + 4 tq ..
+//   m16n8k16 f16: the same with 2 halves per register: k = 2 tq .. and 8 + 2 tq ..
+//   C / D:        c0, c1 = row gq, columns 2 tq, 2 tq + 1; c2, c3 = row gq + 8
+#ifdef EMU_MMA
+#define EMU_SC_WORDS (((256 + 31) / 32) * 32 * 6)
+inline float emu_half(uint w, int hi) {
+    ushort h = (ushort)(hi ? w >> 16 : w & 0xFFFFu);
+    return vload_half(0, (__private const half*)&h);
+}
+inline void emu_mma_exchange(const uint* a, uint b0, uint b1, __local uint* sc) {
+    int lid = get_local_id(0);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    __local uint* me = sc + lid * 6;
+    me[0] = a[0]; me[1] = a[1]; me[2] = a[2]; me[3] = a[3]; me[4] = b0; me[5] = b1;
+    barrier(CLK_LOCAL_MEM_FENCE);
+}
+inline void emu_mma_s8(int* d, const uint* a, uint b0, uint b1, __local uint* sc) {
+    emu_mma_exchange(a, b0, b1, sc);
+    int lid = get_local_id(0), lane = lid & 31, gq = lane >> 2, tq = lane & 3;
+    __local const uint* wp = sc + (lid - lane) * 6;
+    for (int i = 0; i < 4; i++) {
+        int row = gq + 8 * (i >> 1), col = 2 * tq + (i & 1), s = 0;
+        for (int k = 0; k < 32; k++) {
+            uint aw = wp[((row & 7) * 4 + (k & 15) / 4) * 6 + (row >> 3) + 2 * (k >> 4)];
+            uint bw = wp[(col * 4 + (k & 15) / 4) * 6 + 4 + (k >> 4)];
+            s += (int)(char)(aw >> (8 * (k & 3))) * (int)(char)(bw >> (8 * (k & 3)));
+        }
+        d[i] = s;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+}
+inline void emu_mma_f16(float* c, const uint* a, uint b0, uint b1, __local uint* sc) {
+    emu_mma_exchange(a, b0, b1, sc);
+    int lid = get_local_id(0), lane = lid & 31, gq = lane >> 2, tq = lane & 3;
+    __local const uint* wp = sc + (lid - lane) * 6;
+    for (int i = 0; i < 4; i++) {
+        int row = gq + 8 * (i >> 1), col = 2 * tq + (i & 1);
+        float s = c[i];
+        for (int k = 0; k < 16; k++) {
+            uint aw = wp[((row & 7) * 4 + (k & 7) / 2) * 6 + (row >> 3) + 2 * (k >> 3)];
+            uint bw = wp[(col * 4 + (k & 7) / 2) * 6 + 4 + (k >> 3)];
+            s += emu_half(aw, k & 1) * emu_half(bw, k & 1);
+        }
+        c[i] = s;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
 }
 #endif
 

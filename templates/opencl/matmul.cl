@@ -42,7 +42,9 @@ inline void tile_epilogue(__local const float* out, int t0, int rows, int g, int
 #endif
 }
 
-#if defined(USE_NV_MMA) && defined(USE_NV_PTX) && (defined(W_QUANT) || defined(W_F16)) && !defined(K_TAIL)
+// (emulated, -DEMU_MMA: only with X_STAGED, whose tensor-core path needs no warp shuffles)
+#if defined(USE_NV_MMA) && (defined(USE_NV_PTX) || (defined(EMU_MMA) && defined(X_STAGED))) \
+    && (defined(W_QUANT) || defined(W_F16)) && !defined(K_TAIL)
 #define MMA_BODY 1
 #endif
 
@@ -321,6 +323,10 @@ MATMUL_TILED_BEGIN
 #define MMA_HDR 1
 #endif
 
+#ifdef EMU_MMA
+#define MMA_S8(d, a, b0, b1) emu_mma_s8(d, a, b0, b1, emu_sc)
+#define MMA_F16(c, a, b0, b1) emu_mma_f16(c, a, b0, b1, emu_sc)
+#else
 // d[0..3] = A (16x32 s8, row) * B (32x8 s8, col), fragments as the PTX ISA lays them out
 #define MMA_S8(d, a, b0, b1)                                                                   \
     asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, " \
@@ -333,6 +339,7 @@ MATMUL_TILED_BEGIN
         "{%8,%9}, {%0,%1,%2,%3};"                                                              \
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                       \
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+#endif
 
 // |s| < 2^22 (a block's sum is at most 32 * 127 * 128): the float through the mantissa, which
 // issues at full rate where int-to-float conversion runs at a quarter
@@ -524,6 +531,9 @@ MATMUL_TILED_BEGIN
     __local float xd[TM * 4 * MMA_HDR], wd[TN * 4 * MMA_HDR];   // [TM][4], [TN][4] block scales
                                              // of the stage; q4_1: then s_x [TM][4], m_w [TN][4]
     __local float rms[TM];                   // 1 / rms of each token (prologue)
+#ifdef EMU_MMA
+    __local uint emu_sc[EMU_SC_WORDS];
+#endif
     __local int rowmap[TN];
     for (int n = lid; n < TN; n += 256) rowmap[n] = slot_row(g, n, TN, N, n_heads, n_kv_heads, hd);
 

@@ -81,6 +81,7 @@ class OneOp:
         start_pos = n_past if start_pos is None else start_pos
         be = OpenCLBackend.from_graphs({g.name: g})
         self.kernels = [b.kernel.function_name for b in be.launches[g.name]]
+        self.build_options = be.build_options
         for name, arr in self.data.items():
             be.write_value(g.name, name, arr)
         be.enqueue(g.name, np.zeros(n_tokens, np.int32), n_past, start_pos)
@@ -235,6 +236,32 @@ def test_prefill_matmul_with_activations_staged_once_or_per_tile_matches_interpr
             got, want = b.run("matmul", [x, w], [y], 130)
         assert b.kernels == (["stage_x", "matmul_tiled"] if staged else ["matmul_tiled"])
         _close(got[0], want[0], _tol(wdt))
+
+
+@pytest.mark.parametrize("wdt", ["q4_0", "q4_1", "q8_0", "f16"])
+@pytest.mark.parametrize("epilogue", [None, "silu_mul", "add"])
+def test_tensor_core_prefill_body_emulated_matches_interpreter(wdt, epilogue, monkeypatch):
+    # The tensor-core body (USE_NV_MMA) with mma.sync emulated in C (common.cl EMU_MMA): its
+    # fragment layouts, staging and epilogues checked on any device. K = 352: a partial last
+    # stage (f16: 5.5 stages of 64); 130 of 131 rows: three token tiles, the last of 2
+    monkeypatch.setenv("LLMRS_OPENCL_EMULATE_MMA", "1")
+    rng = np.random.default_rng(27)
+    k, n = 352, 272
+    b = OneOp(131)
+    x = b.act("x", _rand(rng, 131, k, scale=2.0))
+    w = b.param("w", _rand(rng, n, k), wdt)
+    nw = b.param("nw", _rand(rng, k), "f16")
+    if epilogue == "add":
+        res = b.act("res", _rand(rng, 131, n))
+        y = b.out("y", (131, n))
+        got, want = b.run("fused_matmul", [x, w, nw, res], [y], 130, prologue="rms_norm", epilogue="add", eps=1e-5)
+    else:
+        y = b.out("y", (131, n // 2 if epilogue else n))
+        got, want = b.run("fused_matmul", [x, w, nw], [y], 130, prologue="rms_norm", epilogue=epilogue, eps=1e-5)
+    if "-DUSE_NV_MMA" in device_options(pick_device()) and "-DEMU_MMA" not in b.build_options:
+        pytest.skip("the device runs the real tensor-core body (the tests above check it)")
+    assert "-DEMU_MMA" in b.build_options and b.kernels == ["stage_x", "matmul_tiled"]
+    _close(got[0], want[0], 1e-3 if wdt == "f16" else _tol(wdt))   # f16: x rounded to f16
 
 
 @pytest.mark.parametrize("wdt", EPILOGUE_DTYPES)
