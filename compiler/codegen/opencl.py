@@ -92,6 +92,8 @@ X_STAGED = True               # tiled matmuls with quantized (or f16, tensor-cor
                               # stage_x prepares the activations once per matmul in the staging
                               # buffer (matmul.cl) instead of once per group of the N / TN that
                               # share a token tile
+MMA_PAIRED = True             # tensor-core body with staged x: the paired local layout
+                              # (matmul.cl), 8-byte fragment and scale loads; False: -DMMA_UNPAIRED
 MMA_PREFETCH_QUANT = ""       # tensor-core matmul: stages fetched a stage ahead, x and/or w,
 MMA_PREFETCH_F16 = "xw"       # by weights (H200, prefill 512: q4_0 17.6 ms with none, 18.3 w,
                               # 21.6 xw; f16 15.8 ms with xw, 16.4 none, 17.5 w)
@@ -311,6 +313,8 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
         staged = _NONE
         if X_STAGED and (quantized or wt == "f16") and k % 32 == 0:
             options.append("-DX_STAGED")
+            if not MMA_PAIRED:
+                options.append("-DMMA_UNPAIRED")
             staged = {"staging": staging_bytes(m, k, wt)}
             ctx.launches.append(Launch(op.name, "matmul", "stage_x", options,
                                        [_v(x), nw, staged, {"int": m}, {"int": k},

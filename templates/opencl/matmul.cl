@@ -309,7 +309,22 @@ MATMUL_TILED_BEGIN
 // q4_1 (codes 0..15, Q8_1 activations) adds m_w * s_x per block.
 // f16: a chunk is 16 values, one m16n8k16 MMA with f32 accumulation (x rounded to f16).
 // Warp w computes tokens 32 (w / 4) .. + 31 and slots (TN / 4)(w % 4) .. + TN / 4 - 1.
+// Paired layout (staged x, unless -DMMA_UNPAIRED): each chunk's 8 words are stored in the
+// order 0 4 1 5 2 6 3 7, so the two registers a lane takes from a row (words tq and tq + 4) are
+// one 8-byte local load, and the row stride is 40 words (a half-warp's 8-byte loads of rows
+// gq = 0..3 cover the 32 banks once); block scales sit chunk-major ([4][TN], [4][TM]) so a
+// lane's two slot scales (2 tq, 2 tq + 1) are one 8-byte load too. Unpaired: stride 36 (row r
+// of a fragment load hits bank 4r + lane % 4), 4-byte loads, scales [TN][4].
+#if (defined(X_STAGED_Q) || defined(X_STAGED_H)) && !defined(MMA_UNPAIRED)
+#define MMA_PAIRED 1
+#define MMA_ROW_W 40
+#define SC_W(n, c) ((c) * TN + (n))
+#define SC_X(t, c) ((c) * TM + (t))
+#else
 #define MMA_ROW_W 36
+#define SC_W(n, c) ((n) * 4 + (c))
+#define SC_X(t, c) ((t) * 4 + (c))
+#endif
 #define MMA_NT (TN / 32)                     // 8-slot MMA columns per warp
 #ifdef W_QUANT
 #define STAGE_K 128
@@ -340,6 +355,17 @@ MATMUL_TILED_BEGIN
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                       \
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
 #endif
+
+// a chunk's 8 words (lo = words 0..3, hi = 4..7) into local memory, in the layout's order
+inline void put_chunk(__local uint* dst, uint4 lo, uint4 hi) {
+#ifdef MMA_PAIRED
+    *(__local uint4*)dst = (uint4)(lo.x, hi.x, lo.y, hi.y);
+    *(__local uint4*)(dst + 4) = (uint4)(lo.z, hi.z, lo.w, hi.w);
+#else
+    vstore4(lo, 0, dst);
+    vstore4(hi, 1, dst);
+#endif
+}
 
 // |s| < 2^22 (a block's sum is at most 32 * 127 * 128): the float through the mantissa, which
 // issues at full rate where int-to-float conversion runs at a quarter
@@ -392,13 +418,11 @@ inline void fetch_x(gin sb, int t0, int rows, int M, int K, int k0, int lid, gin
 
 inline void put_x(const x_stage* r, int lid, __local uint* xq, __local float* xd, __local const float* inv_rms) {
     int tt = lid >> 2, part = lid & 3;
-    __local uint* dst = xq + tt * MMA_ROW_W + part * 8;
-    vstore4(r->q[0], 0, dst);
-    vstore4(r->q[1], 1, dst);
+    put_chunk(xq + tt * MMA_ROW_W + part * 8, r->q[0], r->q[1]);
 #ifdef X_STAGED_Q
-    xd[tt * 4 + part] = r->d;
+    xd[SC_X(tt, part)] = r->d;
 #ifdef W_Q4_1
-    xd[TM * 4 + tt * 4 + part] = r->s;
+    xd[TM * 4 + SC_X(tt, part)] = r->s;
 #endif
 #endif
 }
@@ -442,7 +466,7 @@ inline void put_x(const x_stage* r, int lid, __local uint* xq, __local float* xd
         float id = d != 0.0f ? 1.0f / d : 0.0f;
         float4 q = round(v * id);
         xq[tt * MMA_ROW_W + lane] = as_uint(convert_char4(q));
-        if ((lane & 7) == 0) xd[tt * 4 + (lane >> 3)] = round_to_half(d);
+        if ((lane & 7) == 0) xd[SC_X(tt, lane >> 3)] = round_to_half(d);
 #ifdef W_Q4_1
         float sum = (q.x + q.y) + (q.z + q.w);   // integers: exact in any order
         for (int o = 4; o > 0; o >>= 1) {
@@ -450,7 +474,7 @@ inline void put_x(const x_stage* r, int lid, __local uint* xq, __local float* xd
             asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(t) : "f"(sum), "r"(o));
             sum += t;
         }
-        if ((lane & 7) == 0) xd[TM * 4 + tt * 4 + (lane >> 3)] = round_to_half(d * sum);   // Q8_1's s
+        if ((lane & 7) == 0) xd[TM * 4 + SC_X(tt, lane >> 3)] = round_to_half(d * sum);   // Q8_1's s
 #endif
 #else
         vstore_half4_rte(v, 0, (__local half*)(xq + tt * MMA_ROW_W + 2 * (lane & 15)));
@@ -507,15 +531,17 @@ inline void put_w(const w_stage* r, int lid, __local uint* wq, __local float* wd
 #else
         uint8 q = as_uint8(r->q[i]);
 #endif
-        __local uint* dst = wq + n * MMA_ROW_W + part * 8;
-        vstore4(q.lo, 0, dst);
-        vstore4(q.hi, 1, dst);
+        put_chunk(wq + n * MMA_ROW_W + part * 8, q.lo, q.hi);
 #ifdef W_Q4_1
-        wd[n * 4 + part] = r->d[i].x;
-        wd[TN * 4 + n * 4 + part] = r->d[i].y;
+        wd[SC_W(n, part)] = r->d[i].x;
+        wd[TN * 4 + SC_W(n, part)] = r->d[i].y;
 #else
-        wd[n * 4 + part] = r->d[i];
+        wd[SC_W(n, part)] = r->d[i];
 #endif
+#elif defined(MMA_PAIRED)
+        // unit e % 8 is words 0..3 (even units) or 4..7 (odd) of chunk (e % 8) / 2
+        __local uint* dst = wq + (e >> 3) * MMA_ROW_W + ((e & 7) >> 1) * 8 + (e & 1);
+        dst[0] = r->u[i].x; dst[2] = r->u[i].y; dst[4] = r->u[i].z; dst[6] = r->u[i].w;
 #else
         vstore4(r->u[i], 0, wq + (e >> 3) * MMA_ROW_W + (e & 7) * 4);
 #endif
@@ -525,11 +551,14 @@ inline void put_w(const w_stage* r, int lid, __local uint* wq, __local float* wd
 MATMUL_TILED_BEGIN
     gin nw = nwb + nw_off;
     size_t nblk = (size_t)N * (K / 32);
-    __local uint lds[MMA_LDS_WORDS];         // xq, wq; at the end out [TM][TN]
+    // 16-byte aligned: chunks are stored, fragments and scale pairs loaded, as whole vectors
+    __local uint lds[MMA_LDS_WORDS] __attribute__((aligned(16)));   // xq, wq; at the end out [TM][TN]
     __local uint* xq = lds;                  // [TM][MMA_ROW_W]
     __local uint* wq = lds + TM * MMA_ROW_W; // [TN][MMA_ROW_W]
-    __local float xd[TM * 4 * MMA_HDR], wd[TN * 4 * MMA_HDR];   // [TM][4], [TN][4] block scales
-                                             // of the stage; q4_1: then s_x [TM][4], m_w [TN][4]
+    __local float xd[TM * 4 * MMA_HDR] __attribute__((aligned(16)));   // block scales of the
+    __local float wd[TN * 4 * MMA_HDR] __attribute__((aligned(16)));   // stage ([TM][4], [TN][4] or
+                                             // chunk-major, SC_X / SC_W); q4_1: then
+                                             // s_x, m_w in the same layout
     __local float rms[TM];                   // 1 / rms of each token (prologue)
 #ifdef EMU_MMA
     __local uint emu_sc[EMU_SC_WORDS];
@@ -593,38 +622,61 @@ MATMUL_TILED_BEGIN
             uint a[2][4];
 #pragma unroll
             for (int mi = 0; mi < 2; mi++) {
+#ifdef MMA_PAIRED
+                __local const uint* p = xq + (wm + 16 * mi + gq) * MMA_ROW_W + 8 * c + 2 * tq;
+                uint2 r0 = *(__local const uint2*)p, r8 = *(__local const uint2*)(p + 8 * MMA_ROW_W);
+                a[mi][0] = r0.x;
+                a[mi][1] = r8.x;
+                a[mi][2] = r0.y;
+                a[mi][3] = r8.y;
+#else
                 __local const uint* p = xq + (wm + 16 * mi + gq) * MMA_ROW_W + 8 * c + tq;
                 a[mi][0] = p[0];
                 a[mi][1] = p[8 * MMA_ROW_W];
                 a[mi][2] = p[4];
                 a[mi][3] = p[8 * MMA_ROW_W + 4];
+#endif
             }
 #ifdef W_QUANT
             float sx[2][2];
 #pragma unroll
             for (int mi = 0; mi < 2; mi++) {
-                sx[mi][0] = xd[(wm + 16 * mi + gq) * 4 + c];
-                sx[mi][1] = xd[(wm + 16 * mi + gq + 8) * 4 + c];
+                sx[mi][0] = xd[SC_X(wm + 16 * mi + gq, c)];
+                sx[mi][1] = xd[SC_X(wm + 16 * mi + gq + 8, c)];
             }
 #endif
 #ifdef W_Q4_1
             float ssx[2][2];                 // s_x of the same rows
 #pragma unroll
             for (int mi = 0; mi < 2; mi++) {
-                ssx[mi][0] = xd[TM * 4 + (wm + 16 * mi + gq) * 4 + c];
-                ssx[mi][1] = xd[TM * 4 + (wm + 16 * mi + gq + 8) * 4 + c];
+                ssx[mi][0] = xd[TM * 4 + SC_X(wm + 16 * mi + gq, c)];
+                ssx[mi][1] = xd[TM * 4 + SC_X(wm + 16 * mi + gq + 8, c)];
             }
 #endif
 #pragma unroll
             for (int ni = 0; ni < MMA_NT; ni++) {
+#ifdef MMA_PAIRED
+                uint2 bb = *(__local const uint2*)(wq + (wn + 8 * ni + gq) * MMA_ROW_W + 8 * c + 2 * tq);
+                uint b0 = bb.x, b1 = bb.y;
+#else
                 __local const uint* p = wq + (wn + 8 * ni + gq) * MMA_ROW_W + 8 * c + tq;
                 uint b0 = p[0], b1 = p[4];
-#ifdef W_QUANT
+#endif
+#if defined(W_QUANT) && defined(MMA_PAIRED)
+                float2 sw = *(__local const float2*)(wd + SC_W(wn + 8 * ni + 2 * tq, c));
+                float sw0 = sw.x, sw1 = sw.y;
+#ifdef W_Q4_1
+                float2 mw = *(__local const float2*)(wd + TN * 4 + SC_W(wn + 8 * ni + 2 * tq, c));
+                float mw0 = mw.x, mw1 = mw.y;
+#endif
+#elif defined(W_QUANT)
                 float sw0 = wd[(wn + 8 * ni + 2 * tq) * 4 + c], sw1 = wd[(wn + 8 * ni + 2 * tq + 1) * 4 + c];
 #ifdef W_Q4_1
                 float mw0 = wd[TN * 4 + (wn + 8 * ni + 2 * tq) * 4 + c];
                 float mw1 = wd[TN * 4 + (wn + 8 * ni + 2 * tq + 1) * 4 + c];
 #endif
+#endif
+#ifdef W_QUANT
 #pragma unroll
                 for (int mi = 0; mi < 2; mi++) {
                     int s[4];

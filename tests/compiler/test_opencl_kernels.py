@@ -239,12 +239,20 @@ def test_prefill_matmul_with_activations_staged_once_or_per_tile_matches_interpr
 
 
 @pytest.mark.parametrize("wdt", ["q4_0", "q4_1", "q8_0", "f16"])
-@pytest.mark.parametrize("epilogue", [None, "silu_mul", "add"])
-def test_tensor_core_prefill_body_emulated_matches_interpreter(wdt, epilogue, monkeypatch):
+@pytest.mark.parametrize("epilogue,variant", [(None, "default"), ("silu_mul", "default"), ("add", "default"),
+                                              (None, "unpaired"), (None, "prefetch")])
+def test_tensor_core_prefill_body_emulated_matches_interpreter(wdt, epilogue, variant, monkeypatch):
     # The tensor-core body (USE_NV_MMA) with mma.sync emulated in C (common.cl EMU_MMA): its
     # fragment layouts, staging and epilogues checked on any device. K = 352: a partial last
-    # stage (f16: 5.5 stages of 64); 130 of 131 rows: three token tiles, the last of 2
+    # stage (f16: 5.5 stages of 64); 130 of 131 rows: three token tiles, the last of 2.
+    # Variants: the unpaired local layout; both operands fetched a stage ahead
+    from llmrs.compiler.codegen import opencl as codegen
     monkeypatch.setenv("LLMRS_OPENCL_EMULATE_MMA", "1")
+    if variant == "unpaired":
+        monkeypatch.setattr(codegen, "MMA_PAIRED", False)
+    if variant == "prefetch":
+        monkeypatch.setattr(codegen, "MMA_PREFETCH_QUANT", "xw")
+        monkeypatch.setattr(codegen, "MMA_PREFETCH_F16", "xw")
     rng = np.random.default_rng(27)
     k, n = 352, 272
     b = OneOp(131)
