@@ -109,7 +109,7 @@ ATT_DEC_WG, ATT_DEC_MAX_SPLITS = 128, 64      # attention_decode: keys per split
 ATT_SHARE_KV = False          # decode attention: one group scores all query heads of a KV head
                               # (measured slower on the H200 at 1B shapes: fewer, longer groups)
 NORM_WG, RED_WG, ELT_WG = 64, 256, 64
-STAGE_WG = 64                 # stage_x: threads per token (matmul.cl's STAGE_WG)
+STAGE_WG = 256                # stage_x: threads per token (matmul.cl's STAGE_WG)
 SC_WG = 128                   # attention_scores: threads per KV head
 COMPACT_WG = 64               # kv_compact: rows moved per pass of a group
 ARG_VALUES_PER_THREAD, ARG_MAX_GROUPS = 16, 64  # greedy argmax: groups per row

@@ -57,7 +57,7 @@ inline void tile_epilogue(__local const float* out, int t0, int rows, int g, int
 //                      then for q4_1 s f32 [M][K / 32] (Q8_1's s = f16(d * sum of the codes))
 //   f16 weights:       x as f16 [M][K], what the tensor-core body multiplies; only that body
 //                      reads it (the fp32 body keeps x in f32: stage_x is empty there)
-#define STAGE_WG 64
+#define STAGE_WG 256
 #if defined(X_STAGED) && defined(W_QUANT)
 #define X_STAGED_Q 1
 #elif defined(X_STAGED) && defined(W_F16) && defined(MMA_BODY)
@@ -67,62 +67,68 @@ inline void tile_epilogue(__local const float* out, int t0, int rows, int g, int
 #define STAGED_S(sb, M, K) (STAGED_D(sb, M, K) + (size_t)(M) * ((K) / 32))
 
 #ifdef X_STAGED
-// A group per token; thread i prepares blocks i, i + STAGE_WG, .. of the row.
+// A group per token. Thread i takes float4 i, i + STAGE_WG, .. of the row, so every load and
+// store of a warp is one contiguous run; a Q8_0 block is 8 neighbouring threads, which meet in
+// local memory for its amax (and q4_1's code sum).
 __kernel __attribute__((reqd_work_group_size(STAGE_WG, 1, 1)))
 void stage_x(__global const int* step, gin xb, ulong x_off, gin nwb, ulong nw_off, gout sb, ulong s_off,
              int M, int K, float eps) {
 #if defined(X_STAGED_Q) || defined(X_STAGED_H)
-    int lid = get_local_id(0), t = get_group_id(1);
+    int lid = get_local_id(0), t = get_group_id(1), n4 = K / 4;
     if (t >= min(M, STEP_N_TOKENS(step))) return;   // the whole group: no barrier below is skipped by half
-    __global const float4* x = (__global const float4*)(xb + x_off) + (size_t)t * (K / 4);
+    __global const float4* x = (__global const float4*)(xb + x_off) + (size_t)t * n4;
     gout s = sb + s_off;
-    int nb = K / 32;
+    __local float red[STAGE_WG];
     float scale = 1.0f;
 #ifdef PROLOGUE_RMS
     gin nw = nwb + nw_off;
-    __local float red[STAGE_WG];
     float ss = 0.0f;
-    for (int b = lid; b < nb; b += STAGE_WG)
-        for (int i = 0; i < 8; i++) {
-            float4 v = x[b * 8 + i];
-            ss += dot(v, v);
-        }
+    for (int f = lid; f < n4; f += STAGE_WG) {
+        float4 v = x[f];
+        ss += dot(v, v);
+    }
     ss = group_sum(ss, red);
     scale = 1.0f / sqrt(ss / (float)K + eps);
 #endif
-    for (int b = lid; b < nb; b += STAGE_WG) {
-        float4 v[8];
-#ifdef X_STAGED_H
-        for (int i = 0; i < 8; i++) {
-            v[i] = x[b * 8 + i];
+    for (int f0 = 0; f0 < n4; f0 += STAGE_WG) {   // uniform trip count: barriers inside
+        int f = f0 + lid;
+        bool live = f < n4;
+        float4 v = live ? x[f] : (float4)0.0f;
 #ifdef PROLOGUE_RMS
-            v[i] = v[i] * scale * LD4_NORM(nw, b * 8 + i);
+        if (live) v = v * scale * LD4_NORM(nw, f);
 #endif
-            vstore_half4_rte(v[i], 0, (__global half*)(s + 2 * ((size_t)t * K + b * 32 + 4 * i)));
+#ifdef X_STAGED_H
+        if (live) {
+            ushort4 h;
+            vstore_half4_rte(v, 0, (__private half*)&h);
+            ((__global uint2*)s)[(size_t)t * n4 + f] = as_uint2(h);   // one 8-byte store
         }
 #else
-        float amax = 0.0f;
-        for (int i = 0; i < 8; i++) {
-            v[i] = x[b * 8 + i];
-#ifdef PROLOGUE_RMS
-            v[i] = v[i] * scale * LD4_NORM(nw, b * 8 + i);
-#endif
-            float4 a = fabs(v[i]);
-            amax = fmax(amax, fmax(fmax(a.x, a.y), fmax(a.z, a.w)));
-        }
+        float4 a = fabs(v);
+        barrier(CLK_LOCAL_MEM_FENCE);
+        red[lid] = fmax(fmax(a.x, a.y), fmax(a.z, a.w));
+        barrier(CLK_LOCAL_MEM_FENCE);
+        int o = lid & ~7;
+        float amax = fmax(fmax(fmax(red[o], red[o + 1]), fmax(red[o + 2], red[o + 3])),
+                          fmax(fmax(red[o + 4], red[o + 5]), fmax(red[o + 6], red[o + 7])));
         float d = amax / 127.0f;                 // as quantize_q8_block
         float id = d != 0.0f ? 1.0f / d : 0.0f;
-        float sum = 0.0f;
-        __global uint* codes = (__global uint*)(s + (size_t)t * K) + b * 8;
-        for (int i = 0; i < 8; i++) {
-            float4 q = round(v[i] * id);
-            sum += (q.x + q.y) + (q.z + q.w);   // integers: exact in any order
-            codes[i] = as_uint(convert_char4(q));
-        }
-        ((__global float*)STAGED_D(s, M, K))[(size_t)t * nb + b] = round_to_half(d);
+        float4 q = round(v * id);
+        if (live) ((__global uint*)s)[(size_t)t * n4 + f] = as_uint(convert_char4(q));
 #ifdef W_Q4_1
-        ((__global float*)STAGED_S(s, M, K))[(size_t)t * nb + b] = round_to_half(d * sum);
+        barrier(CLK_LOCAL_MEM_FENCE);
+        red[lid] = (q.x + q.y) + (q.z + q.w);    // integers: exact in any order
+        barrier(CLK_LOCAL_MEM_FENCE);
+        float sum = ((red[o] + red[o + 1]) + (red[o + 2] + red[o + 3])) +
+                    ((red[o + 4] + red[o + 5]) + (red[o + 6] + red[o + 7]));
 #endif
+        if (live && (lid & 7) == 0) {
+            size_t blk = (size_t)t * (K / 32) + f / 8;
+            ((__global float*)STAGED_D(s, M, K))[blk] = round_to_half(d);
+#ifdef W_Q4_1
+            ((__global float*)STAGED_S(s, M, K))[blk] = round_to_half(d * sum);
+#endif
+        }
 #endif  // X_STAGED_H
     }
 #endif  // X_STAGED_Q || X_STAGED_H

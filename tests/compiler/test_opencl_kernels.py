@@ -218,8 +218,8 @@ def test_prefill_matmul_with_activations_staged_once_or_per_tile_matches_interpr
                                                                                      monkeypatch):
     # stage_x quantizes x once per matmul (RMS prologue included) and the tiled kernel reads its
     # codes; K = 352 (11 blocks: a partial last tensor-core stage), 130 of 131 rows (3 token
-    # tiles, rows past 130 of the staging buffer never read), K / 32 > stage_x's 64 threads
-    # with k = 2560 (80 blocks: threads own 1 or 2). f16 weights: only the tensor-core body reads
+    # tiles, rows past 130 of the staging buffer never read); stage_x's 256 threads take 88
+    # float4 of a row with K = 352, 2.5 passes of them with K = 2560. f16 weights: only the tensor-core body reads
     # the staged f16 x; the fp32 body's stage_x does nothing
     from llmrs.compiler.codegen import opencl as codegen
     monkeypatch.setattr(codegen, "X_STAGED", staged)
