@@ -8,7 +8,8 @@
 //   -DUSE_NV_PTX   NVIDIA: warp shuffles and dp4a through inline PTX (the driver reports no
 //                  cl_khr_subgroups); without it the same arithmetic runs in portable C.
 //   -DUSE_NV_MMA   NVIDIA sm_80+ (with USE_NV_PTX): the prefill matmul's tensor-core body
-//                  (matmul.cl) for q4_0 / q4_1 / q8_0 / f16 weights.
+//                  (matmul.cl) for q4_0 / q4_1 / q8_0 / f16 weights, and prefill attention's
+//                  (attention.cl) for f16 KV caches.
 //
 // Quantized WEIGHTS (not KV caches) sit on the device in a split layout the back end makes
 // at upload, same bytes in total: for a tensor of nblk blocks, the blocks' quants first
