@@ -99,6 +99,10 @@ MMA_PREFETCH_F16 = "xw"       # by weights (H200, prefill 512: q4_0 17.6 ms with
                               # 21.6 xw; f16 15.8 ms with xw, 16.4 none, 17.5 w)
 ATT_WG, ATT_BQ = 128, 128     # attention_split threads; attention_tiled query rows per group
                               # (H200 q4_0 prefill 512: attention 4.0 ms with 32, 3.5 with 128)
+ATT_PREFILL_MMA = True        # attention_tiled: the tensor-core body where the device has one
+                              # (NVIDIA sm_80+, f16 KV cache, head_dim % 16 == 0 and <= 128,
+                              # ATT_BQ 128); False passes -DATT_NO_MMA: the fp32 body everywhere
+                              # (A/B in one run: bench_opencl.py --variants default,ATT_PREFILL_MMA=0)
 ATT_TILE_BYTES = 32 << 10     # attention_tiled: local memory for a tile of K and V rows (f32);
                               # 32 keys of head_dim 128, fewer keys for wider heads
 ATT_KEYS_PER_SPLIT, ATT_MAX_SPLITS = 64, 32   # decode attention: splits = S / 64
@@ -346,6 +350,7 @@ def _attention(ctx: _Ctx, op: Op) -> None:
     if m > 1:
         keys = min(32, _pow2_at_most(ATT_TILE_BYTES // (2 * 4 * hd)))
         tile = [f"-DATT_BQ={ATT_BQ}"] + ([f"-DATT_BK={keys}"] if keys != 32 else [])
+        tile += [] if ATT_PREFILL_MMA else ["-DATT_NO_MMA"]
         ctx.launches.append(Launch(op.name, "attention", "attention_tiled", options + tile,
                                    args + scalars,
                                    local=ATT_BQ, groups=h, rows=m, row_tile=ATT_BQ))

@@ -207,7 +207,7 @@ def cache_dir() -> Path:
 def device_options(dev: Any) -> list[str]:
     """Build options chosen for the device at bind time. NVIDIA's driver reports no subgroup
     extension but compiles inline PTX: warp shuffles and dp4a come from there, and on compute
-    capability 8.0+ the prefill matmul's tensor-core body (-DUSE_NV_MMA)
+    capability 8.0+ the tensor-core bodies of the prefill matmul and attention (-DUSE_NV_MMA)
     (LLMRS_OPENCL_PORTABLE=1 keeps the portable C path, LLMRS_OPENCL_NO_MMA=1 only drops the
     tensor cores, for comparisons; LLMRS_OPENCL_EMULATE_MMA=1 runs the tensor-core bodies on any
     device, their mma.sync emulated in C, for tests)."""

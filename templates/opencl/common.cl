@@ -8,7 +8,8 @@
 //   -DUSE_NV_PTX   NVIDIA: warp shuffles and dp4a through inline PTX (the driver reports no
 //                  cl_khr_subgroups); without it the same arithmetic runs in portable C.
 //   -DUSE_NV_MMA   NVIDIA sm_80+ (with USE_NV_PTX): the prefill matmul's tensor-core body
-//                  (matmul.cl) for q4_0 / q4_1 / q8_0 / f16 weights.
+//                  (matmul.cl) for q4_0 / q4_1 / q8_0 / f16 weights, and prefill attention's
+//                  (attention.cl) for f16 KV caches.
 //   -DEMU_MMA      (tests, with USE_NV_MMA) the tensor-core bodies on any device: see below.
 //
 // Quantized WEIGHTS (not KV caches) sit on the device in a split layout the back end makes
@@ -234,6 +235,14 @@ inline void emu_mma_f16(float* c, const uint* a, uint b0, uint b1, __local uint*
         c[i] = s;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
+}
+// v of lane (lane ^ o) of the warp, o < 32 (shfl.sync.bfly)
+inline float emu_shfl_xor(float v, int o, __local uint* sc) {
+    int lid = get_local_id(0);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    sc[lid] = as_uint(v);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    return as_float(sc[lid ^ o]);
 }
 #endif
 

@@ -132,6 +132,22 @@ def _tol(dtype: str) -> float:
     return 2e-3 if dtype in QUANT_DTYPES else 1e-4
 
 
+# attention_tiled's tensor-core body rounds Q (times the scale) and P to f16
+ATT_MMA_TOL = 2e-3
+
+
+def _attention_mma(kv_dtype: str, hd: int, graph_rows: int) -> bool:
+    """Whether the test device runs this attention's prefill on tensor cores (attention.cl's
+    ATT_MMA_BODY: NVIDIA sm_80+, f16 caches, head_dim % 16 == 0 and <= 128, 128-row groups)."""
+    from llmrs.compiler.codegen import opencl as codegen
+    return (graph_rows > 1 and kv_dtype == "f16" and hd % 16 == 0 and hd <= 128 and codegen.ATT_BQ == 128
+            and codegen.ATT_PREFILL_MMA and _tensor_core_prefill())
+
+
+def _att_tol(kv_dtype: str, hd: int, graph_rows: int) -> float:
+    return ATT_MMA_TOL if _attention_mma(kv_dtype, hd, graph_rows) else 1e-4
+
+
 @pytest.mark.parametrize("wdt", WEIGHT_DTYPES)
 @pytest.mark.parametrize("rows,n_tokens,n", [(1, 1, 136), (70, 67, 136), (1, 1, 8200)])
 def test_matmul_matches_interpreter(wdt, rows, n_tokens, n):
@@ -247,7 +263,7 @@ def test_tensor_core_prefill_body_emulated_matches_interpreter(wdt, epilogue, va
     # stage (f16: 5.5 stages of 64); 130 of 131 rows: three token tiles, the last of 2.
     # Variants: the unpaired local layout; both operands fetched a stage ahead
     from llmrs.compiler.codegen import opencl as codegen
-    monkeypatch.setenv("LLMRS_OPENCL_EMULATE_MMA", "1")
+    _emulate_mma(monkeypatch)
     if variant == "unpaired":
         monkeypatch.setattr(codegen, "MMA_PAIRED", False)
     if variant == "prefetch":
@@ -510,7 +526,7 @@ def test_attention_matches_interpreter(kv_dtype, rows, n_tokens, n_past):
     o = b.out("o", (rows, h * hd))
     got, want = b.run("attention", [q, kc, vc], [o], n_tokens, n_past, n_heads=h, n_kv_heads=kvh,
                       head_dim=hd, scale=1.0 / math.sqrt(hd))
-    _close(got[0], want[0], 1e-4)
+    _close(got[0], want[0], _att_tol(kv_dtype, hd, rows))
 
 
 # head_dim / 4 not dividing the split kernel's 128 threads (48, 80, 100), past the key-per-lane
@@ -532,7 +548,7 @@ def test_attention_for_any_head_dim_and_group_matches_interpreter(h, kvh, hd, kv
     o = b.out("o", (rows, h * hd))
     got, want = b.run("attention", [q, kc, vc], [o], n_tokens, n_past, n_heads=h, n_kv_heads=kvh,
                       head_dim=hd, scale=1.0 / math.sqrt(hd))
-    _close(got[0], want[0], 1e-4)
+    _close(got[0], want[0], _att_tol(kv_dtype, hd, rows))
 
 
 @pytest.mark.parametrize("h,kvh,share", [(4, 4, True), (8, 1, True), (8, 2, False)])
@@ -564,7 +580,89 @@ def test_prefill_attention_with_more_query_rows_per_group_matches_interpreter(bq
     o = b.out("o", (rows, h * hd))
     got, want = b.run("attention", [q, kc, vc], [o], 141, 30, n_heads=h, n_kv_heads=kvh,
                       head_dim=hd, scale=1.0 / math.sqrt(hd))
-    _close(got[0], want[0], 1e-4)
+    _close(got[0], want[0], _att_tol("f16", hd, rows))
+
+
+# f16 caches through attention_tiled: the tensor-core body's shapes (head_dim 64: two 16-row
+# tiles a warp; 128 and 48: one, in two passes over the keys; 100: the fp32 body on any device),
+# GQA groups 4, 2 and 3, one 128-row group or two (the second partial), n_tokens under the
+# graph's rows, n_past 0 or not, key tiles cut by the causal edge (49 and 33: a warp's last row
+# sees just the first key of a 64-key tile, the edge of the body's tile skip); the cache ends at the step's
+# last slot, so a read past it would fault (or read garbage) where buffers are checked
+PREFILL_F16 = [(4, 1, 64, 141, 141, 0), (4, 1, 64, 141, 137, 70), (8, 2, 128, 141, 141, 49),
+               (2, 1, 64, 100, 97, 33), (3, 1, 48, 40, 37, 5), (4, 1, 100, 141, 141, 30)]
+
+
+def _prefill_f16(h, kvh, hd, rows, n_tokens, n_past, seed=23):
+    rng = np.random.default_rng(seed)
+    b = OneOp(rows, name="prefill")
+    q = b.act("q", _rand(rng, rows, h * hd))
+    kc = b.state("kc", _rand(rng, n_past + n_tokens, kvh, hd), "f16")
+    vc = b.state("vc", _rand(rng, n_past + n_tokens, kvh, hd), "f16")
+    o = b.out("o", (rows, h * hd))
+    got, want = b.run("attention", [q, kc, vc], [o], n_tokens, n_past, n_heads=h, n_kv_heads=kvh,
+                      head_dim=hd, scale=1.0 / math.sqrt(hd))
+    assert b.kernels == ["attention_tiled"]
+    return got[0], want[0]
+
+
+def _emulate_mma(monkeypatch) -> None:
+    """The tensor-core bodies on any device, mma.sync and shuffles emulated through local memory
+    (-DUSE_NV_MMA -DEMU_MMA; a device with tensor cores keeps its real ones)."""
+    monkeypatch.setenv("LLMRS_OPENCL_EMULATE_MMA", "1")
+
+
+def _err(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.max(np.abs(got.astype(np.float64) - want)) / np.max(np.abs(want)))
+
+
+# each case on the device's own body, and (where head_dim allows it) on the emulated tensor-core body
+PREFILL_F16_RUNS = [(c, e) for c in PREFILL_F16 for e in (False, True) if not e or (c[2] % 16 == 0 and c[2] <= 128)]
+
+
+@pytest.mark.parametrize("case,emulate", PREFILL_F16_RUNS,
+                         ids=[f"{h}.{k}x{d}-{r}.{n}+{p}-{'emulated' if e else 'device'}"
+                              for (h, k, d, r, n, p), e in PREFILL_F16_RUNS])
+def test_prefill_attention_f16_cache_matches_interpreter(case, emulate, monkeypatch):
+    h, kvh, hd, rows, n_tokens, n_past = case
+    if emulate:
+        _emulate_mma(monkeypatch)
+    got, want = _prefill_f16(h, kvh, hd, rows, n_tokens, n_past)
+    _close(got, want, ATT_MMA_TOL if emulate else _att_tol("f16", hd, rows))
+    if emulate or _attention_mma("f16", hd, rows):
+        assert _err(got, want) > 1e-6, "Q and P rounded to f16 leave no trace: the fp32 body ran"
+
+
+def test_prefill_attention_without_mma_takes_the_fp32_body(monkeypatch):
+    from llmrs.compiler.codegen import opencl as codegen
+    plain, want = _prefill_f16(4, 1, 64, 141, 137, 70)
+    _emulate_mma(monkeypatch)
+    monkeypatch.setattr(codegen, "ATT_PREFILL_MMA", False)   # -DATT_NO_MMA beats the emulation too
+    got, _ = _prefill_f16(4, 1, 64, 141, 137, 70)
+    if _tensor_core_prefill():
+        _close(got, want, 1e-4)
+    else:
+        np.testing.assert_array_equal(got, plain)
+
+
+def test_att_prefill_mma_switch_adds_att_no_mma_to_prefill_attention_only(monkeypatch):
+    from llmrs.compiler.codegen import opencl as codegen
+
+    def options(rows: int) -> dict[str, list[str]]:
+        rng = np.random.default_rng(0)
+        b = OneOp(rows, name="prefill" if rows > 1 else "decode")
+        q = b.act("q", _rand(rng, rows, 4 * 64))
+        kc = b.state("kc", _rand(rng, 256, 1, 64), "f16")
+        vc = b.state("vc", _rand(rng, 256, 1, 64), "f16")
+        o = b.out("o", (rows, 4 * 64))
+        b.g.add_op("attention", [q, kc, vc], [o], n_heads=4, n_kv_heads=1, head_dim=64, scale=0.125)
+        return {launch.kernel: launch.options for launch in codegen.lower_graph(b.g)}
+
+    assert codegen.ATT_PREFILL_MMA is True
+    assert "-DATT_NO_MMA" not in options(141)["attention_tiled"]
+    monkeypatch.setattr(codegen, "ATT_PREFILL_MMA", False)
+    assert "-DATT_NO_MMA" in options(141)["attention_tiled"]
+    assert all("-DATT_NO_MMA" not in opts for opts in options(1).values())   # decode: other kernels
 
 
 @pytest.mark.parametrize("kv_dtype,hd", [("f16", 64), ("f32", 32), ("q8_0", 64), ("f16", 128)])

@@ -49,6 +49,10 @@ def _rel(got: np.ndarray, want: np.ndarray) -> float:
     ("golden-b", "q4_1", "f16", 1e-4),
 ])
 def test_golden_model_matches_interpreter_with_same_greedy_tokens(tmp_path, model, weights, kv, tol):
+    if kv == "f16" and "-DUSE_NV_MMA" in device_options(pick_device()):
+        # NVIDIA's tensor-core prefill attention rounds Q and P to f16: on these random models
+        # that alone (each rounding, applied to the interpreter) moves the logits by 1.5-2.5e-2
+        tol = 5e-2
     plan = _plan(tmp_path, model, weights, kv)
     be = OpenCLBackend(plan)
     graphs = plan.graphs()
