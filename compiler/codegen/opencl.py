@@ -83,6 +83,9 @@ MV_RMS_LATE = 1               # float weights: the RMS prologue's 1 / rms scales
                               # (H200 f16 qkv 242 -> 231 us per step) or the norm weight is
                               # folded (nothing left to load per unit); 2: always (gate_up,
                               # unsplit, with its norm weight, went 363 -> 397 us)
+MV_TRIM_ARGS = True           # matvec launches bind only the arguments their variant reads:
+                              # a launch's host time on NVIDIA's driver grows ~0.08 us per
+                              # argument (H200), and decode is ~80 launches a step
 MV_MAX_K = 32768              # quantized x's Q8_0 copy (1.25 B per value) fits in local memory
 TILE_M = 64                   # matmul_tiled: tokens per group (fixed in matmul.cl)
 TILE_N_WIDE = 128             # and weight rows per group: 128 where N gives enough groups
@@ -310,9 +313,15 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
                     f"-DMV_SPLIT={mv_split}"]
         if MV_RMS_LATE == 2 or (MV_RMS_LATE == 1 and (mv_split > 1 or a.get("norm_folded"))):
             options.append("-DMV_RMS_LATE")   # matvec.cl applies it to float weights' RMS prologue
-    args = [_v(x), _v(w), nw, *e, _v(op.outputs[0]),
-            {"int": m}, {"int": k}, {"int": n}, {"float": float(a.get("eps", 0.0))},
-            {"int": heads[0]}, {"int": heads[1]}, {"int": heads[2]}]
+    eps, ints = {"float": float(a.get("eps", 0.0))}, [{"int": h} for h in heads]
+    args = [_v(x), _v(w), nw, *e, _v(op.outputs[0]), {"int": m}, {"int": k}, {"int": n}, eps, *ints]
+    if not tiled and MV_TRIM_ARGS:   # matvec.cl's MV_HAS_*: only what the variant reads
+        rms, kv = a.get("prologue") == "rms_norm", epi == "rope_kv_store"
+        args = [_v(x), _v(w), *([nw] if rms else []), *([e[0]] if epi in ("add", "rope_kv_store") else []),
+                *(e[1:] if kv else []), _v(op.outputs[0]), {"int": m}, {"int": k}, {"int": n},
+                *([eps] if rms else []), *(ints if kv else [])]
+    elif not tiled:
+        options.append("-DMV_FULL_ARGS")
     if tiled:
         staged = _NONE
         if X_STAGED and (quantized or wt == "f16") and k % 32 == 0:

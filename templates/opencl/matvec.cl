@@ -94,11 +94,51 @@ inline void quantize_x(__global const float4* x4, int b, __local int4* xq, __loc
 }
 #endif
 
+// Only the arguments the variant reads (codegen binds the same list): on NVIDIA's driver a
+// launch's host time grows with its argument count, and a decode step is launch-bound there.
+// -DMV_FULL_ARGS keeps the whole list (codegen's MV_TRIM_ARGS = False, for comparisons).
+#if defined(MV_FULL_ARGS) || defined(PROLOGUE_RMS)
+#define MV_HAS_NW 1                          // nw, eps
+#endif
+#if defined(MV_FULL_ARGS) || defined(EPI_ADD) || defined(EPI_ROPE_KV)
+#define MV_HAS_E0 1                          // e0
+#endif
+#if defined(MV_FULL_ARGS) || defined(EPI_ROPE_KV)
+#define MV_HAS_KV 1                          // e1, e2, n_heads, n_kv_heads, hd
+#endif
 __kernel __attribute__((reqd_work_group_size(MV_WG, 1, 1)))
 void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
-            gin nwb, ulong nw_off, gout e0b, ulong e0_off, gout e1b, ulong e1_off,
-            gout e2b, ulong e2_off, gout yb, ulong y_off,
-            int M, int K, int N, float eps, int n_heads, int n_kv_heads, int hd) {
+#ifdef MV_HAS_NW
+            gin nwb, ulong nw_off,
+#endif
+#ifdef MV_HAS_E0
+            gout e0b, ulong e0_off,
+#endif
+#ifdef MV_HAS_KV
+            gout e1b, ulong e1_off, gout e2b, ulong e2_off,
+#endif
+            gout yb, ulong y_off, int M, int K, int N
+#ifdef MV_HAS_NW
+            , float eps
+#endif
+#ifdef MV_HAS_KV
+            , int n_heads, int n_kv_heads, int hd
+#endif
+            ) {
+#ifndef MV_HAS_NW
+    gin nwb = 0;
+    ulong nw_off = 0;
+    float eps = 0.0f;
+#endif
+#ifndef MV_HAS_E0
+    gout e0b = 0;
+    ulong e0_off = 0;
+#endif
+#ifndef MV_HAS_KV
+    gout e1b = 0, e2b = 0;
+    ulong e1_off = 0, e2_off = 0;
+    int n_heads = 0, n_kv_heads = 0, hd = 0;
+#endif
     int lid = get_local_id(0), g = get_group_id(0), t = get_group_id(1);
     int lane = lid & 31, warp = lid >> 5;
     int rset = warp / MV_SPLIT, split = warp % MV_SPLIT;   // row set, K slice

@@ -288,6 +288,28 @@ def test_tensor_core_prefill_body_emulated_matches_interpreter(wdt, epilogue, va
     _close(got[0], want[0], 1e-3 if wdt == "f16" else _tol(wdt))   # f16: x rounded to f16
 
 
+@pytest.mark.parametrize("trim", [True, False])
+def test_decode_matvec_binds_only_the_arguments_its_variant_reads(trim, monkeypatch):
+    # MV_TRIM_ARGS: a plain matvec binds x, w, y and 3 ints; the RMS prologue adds nw and eps,
+    # the residual add e0; -DMV_FULL_ARGS (False) keeps all 14. Same outputs either way.
+    from llmrs.compiler.codegen import opencl as codegen
+    monkeypatch.setattr(codegen, "MV_TRIM_ARGS", trim)
+    rng = np.random.default_rng(28)
+    k, n = 128, 96
+    for prologue, epilogue, want_args in [(None, None, 6), ("rms_norm", None, 8), (None, "add", 7),
+                                          ("rms_norm", "silu_mul", 8)]:
+        b = OneOp(1)
+        x = b.act("x", _rand(rng, 1, k))
+        w = b.param("w", _rand(rng, n, k), "q4_0")
+        ins = [x, w] + ([b.param("nw", _rand(rng, k), "f32")] if prologue else [])
+        ins += [b.act("res", _rand(rng, 1, n))] if epilogue == "add" else []
+        y = b.out("y", (1, n // 2 if epilogue == "silu_mul" else n))
+        got, want = b.run("fused_matmul", ins, [y], 1, prologue=prologue, epilogue=epilogue, eps=1e-5)
+        launch, = codegen.lower_graph(b.g)
+        assert len(launch.args) == (want_args if trim else 14)
+        _close(got[0], want[0], _tol("q4_0"))
+
+
 @pytest.mark.parametrize("wdt", EPILOGUE_DTYPES)
 @pytest.mark.parametrize("rows,n_tokens", [(1, 1), (66, 65)])
 def test_fused_add_epilogue_matches_interpreter(wdt, rows, n_tokens):
