@@ -26,8 +26,10 @@ PREFETCH_BYTES = 1024  # weight rows stream from DRAM: ask for them this far ahe
 DECODE_ROWS = 8         # weight rows per tile in decode on the grouped q4_0 path
 # (measured on Llama-3.2-1B, 1 thread, same run: 4 rows with the prefetch one tile ahead (4.6 KB)
 # 34 tok/s, two tiles ahead 37, 8 rows one tile ahead (9.2 KB) 39, two tiles ahead 36)
-AVX2_DECODE_ROWS = 4    # the same on AVX2: 8 rows' <16 x f32> accumulators are all 16 ymm
-# registers (SmolLM2-135M Q4_1, 2 threads, one run, medians of 5: 4 rows 40.6 tok/s, 8 rows 37.8)
+AVX2_DECODE_ROWS = 1    # the same on AVX2: one row a tile, so a thread's rows are one sequential
+# stream, as llama.cpp's gemv reads them (AMD EPYC Zen 3, Llama-3.2-1B all-Q4_0, interleaved in one
+# process, 2 threads: 4 rows 32.4 tok/s, 2 rows 33.0, 1 row 39.3 (38.5 without the prefetch);
+# 1 thread: 17.6 -> 20.7. SmolLM2 Q4_1: 2 threads 216 -> 208 (noise), 1 thread 114 -> 123)
 GRAB_BYTES = 64 << 10  # weight bytes a thread takes from the shared work counter at a time
 FLOAT_WEIGHTS = ("f32", "f16", "bf16")
 
