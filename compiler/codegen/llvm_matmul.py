@@ -366,6 +366,36 @@ def dot_i8x32(kb: KernelBuilder, w: ir.Value, x: ir.Value, unsigned_w: bool = Fa
     return prod
 
 
+def smmla_pairs(kb: KernelBuilder, ws: list[tuple[ir.Value, ir.Value]], xs: list[tuple[ir.Value, ir.Value]],
+                accs: list[list[ir.Value]]) -> None:
+    """accs[rp][tp] (<4 x f32>: (row 2rp, token 2tp), (2rp, 2tp+1), (2rp+1, 2tp), (2rp+1, 2tp+1))
+    += d_w * d_x * the exact int8 dot of one 32-value block, for weight blocks ws = [(d, <32 x
+    i8>)] of the rows and activation blocks xs of the tokens. smmla (i8mm) takes two rows' 8
+    values as one operand and two tokens' as the other and adds their 2 x 2 products to 4 i32
+    lanes, so 4 smmla cover a block of 4 (row, token) pairs."""
+    b = kb.b
+    v16, i32x4 = vec(I8, 16), vec(I32, 4)
+    fn = kb.intrinsic("llvm.aarch64.neon.smmla.v4i32.v16i8", i32x4, [i32x4, v16, v16])
+
+    def pairs(u: ir.Value, v: ir.Value) -> list[ir.Value]:   # 8 values of u, then of v, per 8 of K
+        return [kb.shuffle(u, v, list(range(8 * c, 8 * c + 8)) + list(range(32 + 8 * c, 40 + 8 * c)))
+                for c in range(4)]
+
+    for rp in range(len(ws) // 2):
+        (d0, w0), (d1, w1) = ws[2 * rp], ws[2 * rp + 1]
+        wa = pairs(w0, w1)
+        for tp in range(len(xs) // 2):
+            (e0, x0), (e1, x1) = xs[2 * tp], xs[2 * tp + 1]
+            s = ir.Constant(i32x4, None)
+            for a, c in zip(wa, pairs(x0, x1)):
+                s = b.call(fn, [s, a, c])
+            sc = ir.Constant(vec(F32, 4), None)
+            for j, (d, e) in enumerate(((d0, e0), (d0, e1), (d1, e0), (d1, e1))):
+                sc = b.insert_element(sc, b.fmul(e, d), ir.Constant(I32, j))
+            acc = accs[rp][tp]
+            b.store(kb.fma(b.sitofp(s, vec(F32, 4)), sc, b.load(acc)), acc)
+
+
 def load_weight_block(kb: KernelBuilder, dtype: str, w: ir.Value, row: ir.Value, blk: ir.Value,
                       row_bytes: int) -> tuple[ir.Value, ir.Value]:
     """(d as f32, <32 x i8> values) of block blk of weight row `row`: signed for q4_0 / q8_0,
@@ -578,6 +608,11 @@ class MatmulEmitter:
         q4_1 = s.wdtype == "q4_1"
         # q4_1: sum of m_w * s_x per (row, token), one scalar FMA a block beside the 32-value dot
         mins = [[kb.var(F32, kb.f32(0.0)) for _ in range(tt)] for _ in rows] if q4_1 else None
+        # i8mm: rows and tokens in pairs, one smmla per 8 values of a block gives all 4 (row,
+        # token) dot products of a pair of each; accumulators <4 x f32> per pair of pairs
+        mm = s.quantized and kb.target.int8_matmul and tt % 2 == 0 and len(rows) % 2 == 0
+        pair_accs = [[kb.var(vec(F32, 4), ir.Constant(vec(F32, 4), [0.0] * 4)) for _ in range(tt // 2)]
+                     for _ in range(len(rows) // 2)] if mm else None
         if s.quantized:
             with kb.loop(0, self.nb) as blk:
                 if not self.q8_stream:   # one row's stream: the hardware prefetcher follows it
@@ -585,17 +620,32 @@ class MatmulEmitter:
                         prefetch(kb, self.w, kb.idx((r, s.row_bytes), (blk, BLOCK_BYTES[s.wdtype]), (PREFETCH_BYTES, 1)))
                 ws = [load_weight_block(kb, s.wdtype, self.w, r, blk, s.row_bytes) for r in rows]
                 ms = [load_block_min(kb, self.w, r, blk, s.row_bytes) for r in rows] if q4_1 else None
+                xs_ = []
                 for t in range(tt):
                     i = kb.idx((t0, self.nb), (t, self.nb), (blk, 1))
                     xd = kb.load(F32, self.xd, b.mul(i, kb.i64(4)))
                     xq = kb.load(vec(I8, 32), self.xq, b.mul(i, kb.i64(QK)))
                     xs = kb.load(F32, self.xs, b.mul(i, kb.i64(4))) if q4_1 else None
+                    xs_.append((xd, xq))
                     for r, (wd, wq) in enumerate(ws):
-                        p = b.sitofp(dot_i8x32(kb, wq, xq, unsigned_w=q4_1), vec(F32, vw))
-                        sc = kb.splat(b.fmul(xd, wd), vw)
-                        b.store(kb.fma(p, sc, b.load(accs[r][t])), accs[r][t])
+                        if not mm:
+                            p = b.sitofp(dot_i8x32(kb, wq, xq, unsigned_w=q4_1), vec(F32, vw))
+                            sc = kb.splat(b.fmul(xd, wd), vw)
+                            b.store(kb.fma(p, sc, b.load(accs[r][t])), accs[r][t])
                         if q4_1:
                             b.store(kb.fma(ms[r], xs, b.load(mins[r][t])), mins[r][t])
+                if mm:
+                    smmla_pairs(kb, ws, xs_, pair_accs)
+            if mm:
+                ys = [[None] * tt for _ in rows]
+                for rp, row_accs in enumerate(pair_accs):
+                    for tp, acc in enumerate(row_accs):
+                        v = b.load(acc)
+                        for j, (r, t) in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
+                            ys[2 * rp + r][2 * tp + t] = b.extract_element(v, ir.Constant(I32, j))
+                if q4_1:
+                    ys = [[b.fadd(ys[r][t], b.load(mins[r][t])) for t in range(tt)] for r in range(len(rows))]
+                return ys
             if q4_1:
                 return [[b.fadd(kb.hsum(b.load(accs[r][t])), b.load(mins[r][t])) for t in range(tt)]
                         for r in range(len(rows))]

@@ -52,6 +52,12 @@ class Target:
         return "generic"
 
     @property
+    def int8_matmul(self) -> bool:
+        """aarch64 with i8mm: smmla multiplies 2 x 8 by 8 x 2 int8 tiles (prefill's row and token
+        pairs; llvm_matmul.tile)."""
+        return self.is_aarch64 and self.has("i8mm")
+
+    @property
     def float_lanes(self) -> int:
         """f32 lanes of the vectors kernels use (256-bit on AVX2+, 128-bit NEON/SSE otherwise)."""
         return 8 if self.is_x86 and self.has("avx2") else 4
@@ -81,9 +87,10 @@ def host_target() -> Target:
     return Target(llvm.get_process_triple(), llvm.get_host_cpu_name(), feats)
 
 
-def aarch64_target(dotprod: bool, triple: str = "aarch64-unknown-linux-gnu") -> Target:
-    """A generic ARMv8.2 core (Cortex-A55/A76 class) with or without the int8 dot product."""
-    return Target(triple, "generic", "+neon,+fp-armv8" + (",+dotprod" if dotprod else ""))
+def aarch64_target(dotprod: bool, triple: str = "aarch64-unknown-linux-gnu", i8mm: bool = False) -> Target:
+    """A generic ARMv8.2 core (Cortex-A55/A76 class) with or without the int8 dot product, and
+    with i8mm (ARMv8.6 smmla: Cortex-A510/A710/X2 and later) on top where asked."""
+    return Target(triple, "generic", "+neon,+fp-armv8" + (",+dotprod" if dotprod else "") + (",+i8mm" if i8mm else ""))
 
 
 def parse_target(spec: str) -> Target:

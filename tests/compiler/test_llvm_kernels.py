@@ -289,6 +289,24 @@ def test_grouped_q4_code_uses_each_isas_dot_product_instructions(wdtype, T):
     assert "zmm" not in asm["avx2"] and "vpdpbusd" not in asm["avx2"]
 
 
+@pytest.mark.parametrize("wdtype", ["q4_0", "q4_1", "q8_0"])
+def test_aarch64_prefill_uses_smmla_exactly_where_the_target_has_i8mm(wdtype):
+    """Compile-only (tests/qemu runs them): with +i8mm, prefill's row and token pairs go through
+    smmla, 4 per block of a 2 x 2 pair; without it, sdot; decode (one token) never smmla."""
+    from llmrs.compiler.codegen.llvm_target import aarch64_target
+    counts = {}
+    for i8mm in (False, True):
+        target = aarch64_target(True, i8mm=i8mm)
+        for T in (1, 8):
+            case = matmul_case(wdtype, T, T, True, None)
+            module = ir.Module("t")
+            module.triple = target.triple
+            emit_op(module, target, case.graph, case.op, "kernel")
+            counts[i8mm, T] = emit(str(module), target, "asm").decode().count("smmla")
+    assert counts[True, 8] > 0
+    assert counts[False, 8] == counts[False, 1] == counts[True, 1] == 0
+
+
 @pytest.mark.skipif(not GROUPED, reason=NO_GROUPED)
 @pytest.mark.parametrize("target", GROUPED)
 def test_grouped_q4_0_block_sums_are_ggml_integer_sums_exactly(target):

@@ -1,5 +1,6 @@
-"""LLVM kernels cross-compiled for aarch64 (NEON, with and without +dotprod), linked with a small C
-driver and run under qemu-aarch64, against the interpreter. Needs tests/qemu/setup.sh's packages."""
+"""LLVM kernels cross-compiled for aarch64 (NEON, with and without +dotprod, and with +i8mm's smmla),
+linked with a small C driver and run under qemu-aarch64 (its default cpu, max, has both), against the
+interpreter. Needs tests/qemu/setup.sh's packages."""
 from __future__ import annotations
 
 import subprocess
@@ -40,7 +41,10 @@ CASES = [matmul_case("q4_0", 6, 5, True, "rope_kv_store", cache_dtype="q8_0"),
          matmul_case("q8_0", 6, 5, True, "rope_kv_store", cache_dtype="f16", heads=(2, 2, 100)),
          matmul_case("f32", 1, 1, True, "rope_kv_store", heads=(3, 1, 34)),
          matmul_case("q4_0", 1, 1, True, "rope_kv_store", cache_dtype="q8_0", heads=(3, 1, 96)),
-         matmul_case("f16", 6, 6, True, "add", K=900, N=24)]
+         matmul_case("f16", 6, 6, True, "add", K=900, N=24),
+         # i8mm's row and token pairs: whole 4 x 4 tiles, a 2-token tail, an odd N's last row
+         matmul_case("q8_0", 8, 8, True, "silu_mul"),
+         matmul_case("q4_0", 10, 10, False, "add", K=160, N=45)]
 PROBE_K, PROBE_N = 128, 5
 PROBES = ("q4_0", "q8_0", "q4_1")
 
@@ -77,8 +81,8 @@ int main(int argc, char **argv) {
 """
 
 
-def _build(gcc: str, tmp: Path, dotprod: bool) -> Path:
-    target = aarch64_target(dotprod)
+def _build(gcc: str, tmp: Path, dotprod: bool, i8mm: bool = False) -> Path:
+    target = aarch64_target(dotprod, i8mm=i8mm)
     module = ir.Module("aarch64")
     module.triple = target.triple
     decls, cases = [], []
@@ -118,11 +122,13 @@ def qemu() -> str:
     return system_tool("qemu-aarch64", QEMU_SETUP)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["neon", "neon+dotprod"])
+@pytest.fixture(scope="module", params=[(False, False), (True, False), (True, True)],
+                ids=["neon", "neon+dotprod", "neon+dotprod+i8mm"])
 def driver(request, tmp_path_factory, qemu):
     gcc = system_tool("aarch64-linux-gnu-gcc", QEMU_SETUP)
-    tmp = tmp_path_factory.mktemp("dotprod" if request.param else "neon")
-    return _build(gcc, tmp, request.param), tmp
+    dotprod, i8mm = request.param
+    tmp = tmp_path_factory.mktemp("i8mm" if i8mm else "dotprod" if dotprod else "neon")
+    return _build(gcc, tmp, dotprod, i8mm), tmp
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c.name for c in CASES])
