@@ -22,7 +22,7 @@ from typing import Mapping, Sequence
 import llvmlite.ir as ir
 
 from ..ir import Graph, Op
-from .llvm_builder import I32, I64, PTR, VOID
+from .llvm_builder import I32, I64, PTR, SCRATCH_BASE_OFFSET, VOID, WORK_OFFSET
 from .llvm_kernels import CodegenError, emit_op, op_scratch_bytes
 from .llvm_target import Target, emit
 
@@ -63,7 +63,6 @@ def _kernel_key(g: Graph, op: Op) -> str:
 SPINS = 2000             # pause-spins before a waiting thread sleeps on the futex
 FUTEX_SYSCALL = {"x86_64": 202, "amd64": 202, "aarch64": 98, "arm64": 98}
 FUTEX_WAIT_PRIVATE, FUTEX_WAKE_PRIVATE = 128, 129
-WORK_OFFSET = 128        # byte offset of the shared work counter in the barrier block
 BARRIER_BYTES = 256
 
 
@@ -190,6 +189,8 @@ def build_module(graphs: Mapping[str, Graph] | Sequence[Graph], target: Target, 
         b = ir.IRBuilder(fn.append_basic_block("entry"))
         my_scratch = b.gep(scratch, [b.mul(tid, ir.Constant(I64, stride))], source_etype=ir.IntType(8))
         work = b.gep(bar, [ir.Constant(I64, WORK_OFFSET)], source_etype=ir.IntType(8))
+        # every thread stores the same pointer before its first kernel reads it
+        b.store(scratch, b.gep(bar, [ir.Constant(I64, SCRATCH_BASE_OFFSET)], source_etype=ir.IntType(8)))
 
         def stamp_at(slot: int) -> None:
             if stamp is not None:

@@ -42,6 +42,13 @@ def _type_name(t: ir.Type) -> str:
     return {id(F32): "f32", id(F16): "f16"}.get(id(t), str(t))
 
 
+# the thread team's barrier block (compiler/codegen/llvm.py, u32[64]): byte offsets of the shared
+# work counter, and of the team's scratch base (thread 0's scratch) for kernels whose threads
+# prepare one input together (llvm_matmul's prefill)
+WORK_OFFSET = 128
+SCRATCH_BASE_OFFSET = 192
+
+
 class KernelBuilder:
     """One kernel function under construction: its builder, arguments and target."""
 
@@ -187,6 +194,12 @@ class KernelBuilder:
         b.position_at_end(after)
 
     # -- memory --------------------------------------------------------------------------------
+    def team_barrier(self) -> None:
+        """Wait for the whole team inside a kernel (only with a shared work counter: in a step
+        function, where every thread runs every kernel); the barrier also zeroes the counter."""
+        bar = self.b.gep(self.work, [self.i64(-WORK_OFFSET)], source_etype=I8)
+        self.b.call(self.module.globals["llmrs_barrier"], [bar, self.nth])
+
     def at(self, ptr: ir.Value, byte_offset: ir.Value | int) -> ir.Value:
         off = self.i64(byte_offset) if isinstance(byte_offset, int) else byte_offset
         return self.b.gep(ptr, [off], inbounds=True, source_etype=I8)

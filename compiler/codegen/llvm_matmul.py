@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import llvmlite.ir as ir
 
 from ..ir import QK, Graph, Op
-from .llvm_builder import F16, F32, I1, I8, I16, I32, PTR, KernelBuilder, tail_widths, vec
+from .llvm_builder import (F16, F32, I1, I8, I16, I32, PTR, SCRATCH_BASE_OFFSET, WORK_OFFSET, KernelBuilder,
+                           tail_widths, vec)
 from .llvm_target import Target
 
 BLOCK_BYTES = {"q4_0": 18, "q8_0": 34, "q4_1": 20}
@@ -26,6 +27,7 @@ PREFETCH_BYTES = 1024  # weight rows stream from DRAM: ask for them this far ahe
 DECODE_ROWS = 8         # weight rows per tile in decode on the grouped q4_0 path
 # (measured on Llama-3.2-1B, 1 thread, same run: 4 rows with the prefetch one tile ahead (4.6 KB)
 # 34 tok/s, two tiles ahead 37, 8 rows one tile ahead (9.2 KB) 39, two tiles ahead 36)
+SHARED_PREPARE = True   # prefill in a step: the team quantizes / normalizes x together (MatmulEmitter)
 AVX2_DECODE_ROWS = 1    # the same on AVX2: one row a tile, so a thread's rows are one sequential
 # stream, as llama.cpp's gemv reads them (AMD EPYC Zen 3, Llama-3.2-1B all-Q4_0, interleaved in one
 # process, 2 threads: 4 rows 32.4 tok/s, 2 rows 33.0, 1 row 39.3 (38.5 without the prefetch);
@@ -487,16 +489,25 @@ class MatmulEmitter:
         extra = bufs[3 if spec.prologue else 2:]
         self.extra = extra
         self.nb = spec.K // QK
-        self.xf = kb.scratch                                           # f32[T, K] (float weights)
         self.grouped = q4_group_ok(kb.target, spec.wdtype)
         self.kg = padded_k(spec.K)
+        # prefill inside a step: the team prepares the rows together into thread 0's scratch
+        # (each thread a share of them, then a barrier) instead of every thread all of them
+        self.team_prepare = (SHARED_PREPARE and kb.work is not None and spec.T > 1
+                             and (spec.quantized or spec.prologue))
+        scratch = kb.scratch
+        if self.team_prepare:
+            # the barrier block sits WORK_OFFSET bytes before the work counter; the step function
+            # stored the scratch base at SCRATCH_BASE_OFFSET of it (compiler/codegen/llvm.py)
+            scratch = kb.b.load(kb.at(kb.work, SCRATCH_BASE_OFFSET - WORK_OFFSET), typ=ir.PointerType())
+        self.xf = scratch                                              # f32[T, K] (float weights)
         if spec.quantized:                                             # see scratch_layout
             at = scratch_layout(spec)
-            self.xq = kb.scratch                                       # at["xq"] == 0
-            self.xd = kb.at(kb.scratch, at["xd"])
-            self.xs = kb.at(kb.scratch, at["xs"]) if "xs" in at else None
+            self.xq = scratch                                          # at["xq"] == 0
+            self.xd = kb.at(scratch, at["xd"])
+            self.xs = kb.at(scratch, at["xs"]) if "xs" in at else None
             if "xg" in at:
-                self.xg, self.gaux, self.gdx = (kb.at(kb.scratch, at[n]) for n in ("xg", "gaux", "gdx"))
+                self.xg, self.gaux, self.gdx = (kb.at(scratch, at[n]) for n in ("xg", "gaux", "gdx"))
 
     @property
     def tile_rows(self) -> int:
@@ -517,6 +528,8 @@ class MatmulEmitter:
 
     def emit(self) -> None:
         self.prepare()
+        if self.team_prepare:
+            self.kb.team_barrier()   # every row prepared before any thread's tiles read them
         s = self.s
         if s.epilogue == "rope_kv_store":
             units, self.unit_rows = s.n_heads + 2 * s.n_kv_heads, s.head_dim
@@ -565,7 +578,8 @@ class MatmulEmitter:
         b = kb.b
         if not s.quantized and not s.prologue:
             return
-        with kb.loop(0, kb.n_tokens if s.T > 1 else kb.i64(1)) as t:
+        lo, hi = kb.split(kb.n_tokens) if self.team_prepare else (kb.i64(0), kb.n_tokens if s.T > 1 else kb.i64(1))
+        with kb.loop(lo, hi) as t:
             row_off = b.mul(t, kb.i64(s.K * 4))
             den = rms_scale_row(kb, self.x, row_off, s.K, s.eps) if s.prologue else None
             if not s.quantized:
