@@ -330,8 +330,7 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
                 options.append("-DMMA_UNPAIRED")
             staged = {"staging": staging_bytes(m, k, wt)}
             ctx.launches.append(Launch(op.name, "matmul", "stage_x", options,
-                                       [_v(x), nw, staged, {"int": m}, {"int": k},
-                                        {"float": float(a.get("eps", 0.0))}],
+                                       [_v(x), nw, staged, {"int": m}, {"int": k}, eps],
                                        local=STAGE_WG, groups=1, rows=m, row_tile=1))
         args.append(staged)
     ctx.launches.append(Launch(op.name, "matmul" if tiled else "matvec", "matmul_tiled" if tiled else "matvec",
