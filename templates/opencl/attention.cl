@@ -423,14 +423,19 @@ void attention_decode(__global const int* step, gin qb, ulong q_off, gin kb, ulo
 #define ATT_MMA_BODY 1
 #endif
 
-#ifndef ATT_MMA_BODY
-__kernel __attribute__((reqd_work_group_size(ATT_BQ, 1, 1)))
-void attention_tiled(__global const int* step, gin qb, ulong q_off, gin kb, ulong k_off,
-                     gin vb, ulong v_off, gout ob, ulong o_off,
-                     int n_heads, int n_kv_heads, float scale, int M) {
-    int lid = get_local_id(0), h = get_group_id(0), t0 = get_group_id(1) * ATT_BQ;
-    int rows = min(M, STEP_N_TOKENS(step));
+// Both bodies below (fp32 and tensor-core) take the arguments codegen binds by position: one
+// signature and prologue.
+#define ATT_TILED_BEGIN \
+__kernel __attribute__((reqd_work_group_size(ATT_BQ, 1, 1))) \
+void attention_tiled(__global const int* step, gin qb, ulong q_off, gin kb, ulong k_off, \
+                     gin vb, ulong v_off, gout ob, ulong o_off, \
+                     int n_heads, int n_kv_heads, float scale, int M) { \
+    int lid = get_local_id(0), h = get_group_id(0), t0 = get_group_id(1) * ATT_BQ; \
+    int rows = min(M, STEP_N_TOKENS(step)); \
     int n_past = STEP_N_PAST(step);
+
+#ifndef ATT_MMA_BODY
+ATT_TILED_BEGIN
     int t = t0 + lid;
     int kvh = h / (n_heads / n_kv_heads);
     size_t kv_stride = (size_t)n_kv_heads * HEAD_DIM;
@@ -550,13 +555,7 @@ inline uint att_pack(float lo, float hi) {
 #define ATT_UNROLL _Pragma("unroll")      // whole: fragments and accumulators stay in registers
 #endif
 
-__kernel __attribute__((reqd_work_group_size(ATT_BQ, 1, 1)))
-void attention_tiled(__global const int* step, gin qb, ulong q_off, gin kb, ulong k_off,
-                     gin vb, ulong v_off, gout ob, ulong o_off,
-                     int n_heads, int n_kv_heads, float scale, int M) {
-    int lid = get_local_id(0), h = get_group_id(0), t0 = get_group_id(1) * ATT_BQ;
-    int rows = min(M, STEP_N_TOKENS(step));
-    int n_past = STEP_N_PAST(step);
+ATT_TILED_BEGIN
     int lane = lid & 31, warp = lid >> 5, gq = lane >> 2, tq = lane & 3;
     int kvh = h / (n_heads / n_kv_heads);
     size_t kv_stride = (size_t)n_kv_heads * HEAD_DIM;
