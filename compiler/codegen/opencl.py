@@ -89,14 +89,17 @@ MV_TRIM_ARGS = True           # matvec launches bind only the arguments their va
 MV_MAX_K = 32768              # quantized x's Q8_0 copy (1.25 B per value) fits in local memory
 TILE_M = 64                   # matmul_tiled: tokens per group (fixed in matmul.cl)
 TILE_N_WIDE = 128             # and weight rows per group: 128 where N gives enough groups
-TILE_N_MIN_GROUPS = 128       # (about one per SM of an H200), else 64. H200 prefill 512 with
-                              # 128 here / 512: q4_0 17.1 / 17.6 ms, f16 14.7 / 15.8 ms
+TILE_N_MIN_GROUPS = 256       # (about two per SM of an H100 / H200), else 64. 1B prefill 512,
+                              # q4_0: 9.02 ms with 128 here, 8.48 with 256 (H100; H200 9.09 /
+                              # 8.72: o_proj and down_proj get 256 groups, not 128); f16 even
 X_STAGED = True               # tiled matmuls with quantized (or f16, tensor-core body) weights:
                               # stage_x prepares the activations once per matmul in the staging
                               # buffer (matmul.cl) instead of once per group of the N / TN that
                               # share a token tile
 MMA_PAIRED = True             # tensor-core body with staged x: the paired local layout
                               # (matmul.cl), 8-byte fragment and scale loads; False: -DMMA_UNPAIRED
+MMA_CONFLICT_FREE_STORES = True   # tensor-core body: stage stores without local-memory bank
+                              # conflicts (matmul.cl put_chunk / put_w); False: -DMMA_PLAIN_STORES
 MMA_PREFETCH_QUANT = ""       # tensor-core matmul: stages fetched a stage ahead, x and/or w,
 MMA_PREFETCH_F16 = "xw"       # by weights (H200, prefill 512: q4_0 17.6 ms with none, 18.3 w,
                               # 21.6 xw; f16 15.8 ms with xw, 16.4 none, 17.5 w)
@@ -328,6 +331,8 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
             options.append("-DX_STAGED")
             if not MMA_PAIRED:
                 options.append("-DMMA_UNPAIRED")
+            if not MMA_CONFLICT_FREE_STORES:
+                options.append("-DMMA_PLAIN_STORES")
             staged = {"staging": staging_bytes(m, k, wt)}
             ctx.launches.append(Launch(op.name, "matmul", "stage_x", options,
                                        [_v(x), nw, staged, {"int": m}, {"int": k}, eps],

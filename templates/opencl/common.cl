@@ -237,13 +237,14 @@ inline void emu_mma_f16(float* c, const uint* a, uint b0, uint b1, __local uint*
     barrier(CLK_LOCAL_MEM_FENCE);
 }
 // v of lane (lane ^ o) of the warp, o < 32 (shfl.sync.bfly)
-inline float emu_shfl_xor(float v, int o, __local uint* sc) {
+inline uint emu_shfl_xor_u(uint v, int o, __local uint* sc) {
     int lid = get_local_id(0);
     barrier(CLK_LOCAL_MEM_FENCE);
-    sc[lid] = as_uint(v);
+    sc[lid] = v;
     barrier(CLK_LOCAL_MEM_FENCE);
-    return as_float(sc[lid ^ o]);
+    return sc[lid ^ o];
 }
+inline float emu_shfl_xor(float v, int o, __local uint* sc) { return as_float(emu_shfl_xor_u(as_uint(v), o, sc)); }
 #endif
 
 // -- 4 consecutive float elements, index counted in 4s --------------------------------------

@@ -345,6 +345,11 @@ MATMUL_TILED_BEGIN
 #endif
 
 #ifdef EMU_MMA
+#define EMU_SC_ARG emu_sc
+#else
+#define EMU_SC_ARG 0
+#endif
+#ifdef EMU_MMA
 #define MMA_S8(d, a, b0, b1) emu_mma_s8(d, a, b0, b1, emu_sc)
 #define MMA_F16(c, a, b0, b1) emu_mma_f16(c, a, b0, b1, emu_sc)
 #else
@@ -362,16 +367,34 @@ MATMUL_TILED_BEGIN
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
 #endif
 
-// a chunk's 8 words (lo = words 0..3, hi = 4..7) into local memory, in the layout's order
-inline void put_chunk(__local uint* dst, uint4 lo, uint4 hi) {
+// a chunk's 8 words (lo = words 0..3, hi = 4..7) into local memory, in the layout's order.
+// A 16-byte store is served 8 lanes at a time; the callers' 8 lanes are 2 rows x 4 chunks, and
+// rows 40 words apart (paired layout) put both rows' first halves on the same 16 banks. Odd
+// rows (-DMMA_PLAIN_STORES aside) store their second half first (rot), so each store's 8 lanes
+// cover the 32 banks once: one wavefront, not two.
+inline void put_chunk(__local uint* dst, uint4 lo, uint4 hi, int rot) {
 #ifdef MMA_PAIRED
-    *(__local uint4*)dst = (uint4)(lo.x, hi.x, lo.y, hi.y);
-    *(__local uint4*)(dst + 4) = (uint4)(lo.z, hi.z, lo.w, hi.w);
+    uint4 a = (uint4)(lo.x, hi.x, lo.y, hi.y), b = (uint4)(lo.z, hi.z, lo.w, hi.w);
 #else
-    vstore4(lo, 0, dst);
-    vstore4(hi, 1, dst);
+    uint4 a = lo, b = hi;
 #endif
+#if !defined(MMA_PAIRED) || defined(MMA_PLAIN_STORES)
+    rot = 0;   // unpaired rows are 36 words apart: their halves already meet distinct banks
+#endif
+    *(__local uint4*)(dst + 4 * rot) = rot ? b : a;
+    *(__local uint4*)(dst + 4 - 4 * rot) = rot ? a : b;
 }
+
+#ifdef EMU_MMA
+#define SHFL_XOR_U(v, o) emu_shfl_xor_u(v, o, sc)
+#else
+inline uint shfl_xor_u(uint v, int o) {
+    uint t;
+    asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=r"(t) : "r"(v), "r"(o));
+    return t;
+}
+#define SHFL_XOR_U(v, o) shfl_xor_u(v, o)
+#endif
 
 // |s| < 2^22 (a block's sum is at most 32 * 127 * 128): the float through the mantissa, which
 // issues at full rate where int-to-float conversion runs at a quarter
@@ -424,7 +447,7 @@ inline void fetch_x(gin sb, int t0, int rows, int M, int K, int k0, int lid, gin
 
 inline void put_x(const x_stage* r, int lid, __local uint* xq, __local float* xd, __local const float* inv_rms) {
     int tt = lid >> 2, part = lid & 3;
-    put_chunk(xq + tt * MMA_ROW_W + part * 8, r->q[0], r->q[1]);
+    put_chunk(xq + tt * MMA_ROW_W + part * 8, r->q[0], r->q[1], tt & 1);
 #ifdef X_STAGED_Q
     xd[SC_X(tt, part)] = r->d;
 #ifdef W_Q4_1
@@ -517,7 +540,7 @@ inline void fetch_w(gin w, int K, int k0, int lid, size_t nblk, __local const in
     }
 }
 
-inline void put_w(const w_stage* r, int lid, __local uint* wq, __local float* wd) {
+inline void put_w(const w_stage* r, int lid, __local uint* wq, __local float* wd, __local uint* sc) {
 #pragma unroll
     for (int i = 0; i < W_FETCH; i++) {
         int e = lid + 256 * i;
@@ -537,17 +560,27 @@ inline void put_w(const w_stage* r, int lid, __local uint* wq, __local float* wd
 #else
         uint8 q = as_uint8(r->q[i]);
 #endif
-        put_chunk(wq + n * MMA_ROW_W + part * 8, q.lo, q.hi);
+        put_chunk(wq + n * MMA_ROW_W + part * 8, q.lo, q.hi, n & 1);
 #ifdef W_Q4_1
         wd[SC_W(n, part)] = r->d[i].x;
         wd[TN * 4 + SC_W(n, part)] = r->d[i].y;
 #else
         wd[SC_W(n, part)] = r->d[i];
 #endif
-#elif defined(MMA_PAIRED)
+#elif defined(MMA_PAIRED) && defined(MMA_PLAIN_STORES)
         // unit e % 8 is words 0..3 (even units) or 4..7 (odd) of chunk (e % 8) / 2
         __local uint* dst = wq + (e >> 3) * MMA_ROW_W + ((e & 7) >> 1) * 8 + (e & 1);
         dst[0] = r->u[i].x; dst[2] = r->u[i].y; dst[4] = r->u[i].z; dst[6] = r->u[i].w;
+#elif defined(MMA_PAIRED)
+        // unit e % 8 is words 0..3 (even units: lo) or 4..7 (odd: hi) of chunk (e % 8) / 2; the
+        // lane pair swaps halves by shuffles so that the even lane stores paired words 0..3
+        // (lo.x hi.x lo.y hi.y) and the odd lane 4..7 (lo.z hi.z lo.w hi.w): one 16-byte store
+        // each, a row's 8 lanes on distinct banks (scalar stores 2 words apart: 4-way conflicts)
+        int odd = e & 1;
+        uint4 u = r->u[i];
+        uint g0 = SHFL_XOR_U(odd ? u.x : u.z, 1), g1 = SHFL_XOR_U(odd ? u.y : u.w, 1);
+        *(__local uint4*)(wq + (e >> 3) * MMA_ROW_W + ((e & 7) >> 1) * 8 + 4 * odd) =
+            odd ? (uint4)(g0, u.z, g1, u.w) : (uint4)(u.x, g0, u.y, g1);
 #else
         vstore4(r->u[i], 0, wq + (e >> 3) * MMA_ROW_W + (e & 7) * 4);
 #endif
@@ -613,7 +646,7 @@ MATMUL_TILED_BEGIN
         fetch_w(w, K, k0, lid, nblk, rowmap, &wr);
 #endif
         put_x(&xr, lid, xq, xd, rms);
-        put_w(&wr, lid, wq, wd);
+        put_w(&wr, lid, wq, wd, EMU_SC_ARG);
         barrier(CLK_LOCAL_MEM_FENCE);
         if (k0 + STAGE_K < K) {   // the next stage's loads fly during this stage's MMAs
 #ifdef MMA_PREFETCH_X
