@@ -62,6 +62,9 @@ inline void tile_epilogue(__local const float* out, int t0, int rows, int g, int
 #define X_STAGED_Q 1
 #elif defined(X_STAGED) && defined(W_F16) && defined(MMA_BODY)
 #define X_STAGED_H 1
+#if defined(MMA_ASYNC) && (defined(USE_NV_PTX) || defined(EMU_MMA))
+#define MMA_ASYNC_BODY 1                     // the cp.async / ldmatrix body (below)
+#endif
 #endif
 #define STAGED_D(sb, M, K) ((__global const float*)((sb) + (size_t)(M) * (K)))
 #define STAGED_S(sb, M, K) (STAGED_D(sb, M, K) + (size_t)(M) * ((K) / 32))
@@ -587,6 +590,7 @@ inline void put_w(const w_stage* r, int lid, __local uint* wq, __local float* wd
     }
 }
 
+#ifndef MMA_ASYNC_BODY
 MATMUL_TILED_BEGIN
     gin nw = nwb + nw_off;
     size_t nblk = (size_t)N * (K / 32);
@@ -752,4 +756,138 @@ MATMUL_TILED_BEGIN
     tile_epilogue(out, t0, rows, g, lid, e0b + e0_off, e1b + e1_off, e2b + e2_off, yb + y_off, N,
                   n_heads, n_kv_heads, hd, step);
 }
+#else  // MMA_ASYNC_BODY
+// f16 weights, staged f16 x, -DMMA_ASYNC: the same tiles and warps, fed as sm_80 GEMMs are.
+// cp.async copies each stage's rows from global to local memory without passing through
+// registers (rows past the tokens or the weights zero-filled), ASYNC_STAGES stages of
+// ASYNC_K values in flight in a ring, one barrier per stage; ldmatrix.x4 loads the A and B
+// fragments (four 8x8 halves matrices per instruction). Local rows are ASYNC_K halves plus 16
+// bytes of pad (80 bytes: a ldmatrix phase's 8 rows of 16 bytes land on distinct banks).
+// -DEMU_MMA: both run as plain copies and a local-memory exchange of row addresses.
+#define ASYNC_K 32
+#define ASYNC_STAGES 3
+#define ASYNC_ROW_W (ASYNC_K / 2 + 4)                       // words per local row
+#define ASYNC_STAGE_W ((TM + TN) * ASYNC_ROW_W)
+#define ASYNC_LDS_W (ASYNC_STAGES * ASYNC_STAGE_W > TM * TN ? ASYNC_STAGES * ASYNC_STAGE_W : TM * TN)
+
+#ifdef EMU_MMA
+inline void cp_async16(__local uint* dst, __global const uint4* src, int live) {
+    *(__local uint4*)dst = live ? *src : (uint4)0;
+}
+#define CP_ASYNC_COMMIT()
+#define CP_ASYNC_WAIT_PENDING()
+#define CP_ASYNC_WAIT_ALL()
+// lane l of the warp gets, of matrix j, word l % 4 of row l / 4, whose address lane 8 j + l / 4 gave
+inline void ldmatrix_x4(uint* r, __local const uint* base, int off, __local uint* sc) {
+    int lid = get_local_id(0), lane = lid & 31;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    sc[lid] = (uint)off;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int j = 0; j < 4; j++) r[j] = base[sc[(lid & ~31) + 8 * j + (lane >> 2)] + (lane & 3)];
+}
+#define LDMATRIX_X4(r, base, off) ldmatrix_x4(r, base, off, emu_sc)
+#else
+#define SHARED_ADDR(p) ((uint)(size_t)(p))
+inline void cp_async16(__local uint* dst, __global const uint4* src, int live) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(SHARED_ADDR(dst)), "l"(src), "r"(live ? 16 : 0) : "memory");
+}
+#define CP_ASYNC_COMMIT() asm volatile("cp.async.commit_group;" ::: "memory")
+#define CP_ASYNC_WAIT_PENDING() asm volatile("cp.async.wait_group 1;" ::: "memory")  // ASYNC_STAGES - 2
+#define CP_ASYNC_WAIT_ALL() asm volatile("cp.async.wait_group 0;" ::: "memory")
+#define LDMATRIX_X4(r, base, off)                                                              \
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"               \
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(SHARED_ADDR((base) + (off))))
+#endif
+
+// stage kt's rows into ring slot kt % ASYNC_STAGES: x row t = 16-byte units 4 t .. 4 t + 3
+// (thread e: row e / 4, unit e % 4), then the TN weight rows the same way
+inline void async_stage(__local uint* lds, gin sb, gin w, int t0, int rows, int K, int kt, int lid,
+                        __local const int* rowmap) {
+    __local uint* st = lds + (kt % ASYNC_STAGES) * ASYNC_STAGE_W;
+    int k = kt * ASYNC_K;
+#pragma unroll
+    for (int e = lid; e < (TM + TN) * 4; e += 256) {
+        int r = e >> 2, u = e & 3;
+        __global const uint4* src;
+        int live;
+        if (r < TM) {
+            live = t0 + r < rows;
+            src = (__global const uint4*)(sb + 2 * ((size_t)(live ? t0 + r : 0) * K + k)) + u;
+        } else {
+            int row = rowmap[r - TM];
+            live = row >= 0;
+            src = (__global const uint4*)(w + 2 * ((size_t)max(row, 0) * K + k)) + u;
+        }
+        cp_async16(st + r * ASYNC_ROW_W + 4 * u, src, live);
+    }
+}
+
+MATMUL_TILED_BEGIN
+    __local uint lds[ASYNC_LDS_W] __attribute__((aligned(16)));   // the ring; at the end out [TM][TN]
+#ifdef EMU_MMA
+    __local uint emu_sc[EMU_SC_WORDS];
+#endif
+    __local int rowmap[TN];
+    for (int n = lid; n < TN; n += 256) rowmap[n] = slot_row(g, n, TN, N, n_heads, n_kv_heads, hd);
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+    int lane = lid & 31, warp = lid >> 5, gq = lane >> 2, tq = lane & 3;
+    int wm = (warp >> 2) * 32, wn = (warp & 3) * (TN / 4);
+    float acc[2][MMA_NT][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int ni = 0; ni < MMA_NT; ni++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[mi][ni][i] = 0.0f;
+    // ldmatrix row addresses (words, within a stage): A, matrices (rows 0-7 | 8-15) x (k 0-7 |
+    // 8-15) of 16 tokens; B, (k 0-7 | 8-15) x (slots 0-7 | 8-15) of 16 weight rows
+    int a_off = (wm + (lane & 15)) * ASYNC_ROW_W + 4 * (lane >> 4);
+    int b_off = (TM + wn + (lane & 7) + 8 * (lane >> 4)) * ASYNC_ROW_W + 4 * ((lane >> 3) & 1);
+
+    int nk = K / ASYNC_K;
+    for (int s = 0; s < ASYNC_STAGES - 1; s++) {
+        if (s < nk) async_stage(lds, sb, w, t0, rows, K, s, lid, rowmap);
+        CP_ASYNC_COMMIT();
+    }
+    for (int kt = 0; kt < nk; kt++) {
+        CP_ASYNC_WAIT_PENDING();             // this thread's copies of stage kt have landed
+        barrier(CLK_LOCAL_MEM_FENCE);        // everyone's; and stage kt - 1's slot is free
+        if (kt + ASYNC_STAGES - 1 < nk) async_stage(lds, sb, w, t0, rows, K, kt + ASYNC_STAGES - 1, lid, rowmap);
+        CP_ASYNC_COMMIT();                   // (empty groups keep the count of pending ones)
+        __local const uint* st = lds + (kt % ASYNC_STAGES) * ASYNC_STAGE_W;
+#pragma unroll
+        for (int c = 0; c < ASYNC_K / 16; c++) {
+            uint a[2][4];
+#pragma unroll
+            for (int mi = 0; mi < 2; mi++) LDMATRIX_X4(a[mi], st, a_off + 16 * mi * ASYNC_ROW_W + 8 * c);
+#pragma unroll
+            for (int nj = 0; nj < MMA_NT; nj += 2) {
+                uint b[4];                   // b0, b1 of slots 8 nj .., then of 8 (nj + 1) ..
+                LDMATRIX_X4(b, st, b_off + 8 * nj * ASYNC_ROW_W + 8 * c);
+#pragma unroll
+                for (int mi = 0; mi < 2; mi++) {
+                    MMA_F16(acc[mi][nj], a[mi], b[0], b[1]);
+                    MMA_F16(acc[mi][nj + 1], a[mi], b[2], b[3]);
+                }
+            }
+        }
+    }
+    CP_ASYNC_WAIT_ALL();
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+    __local float* out = (__local float*)lds;   // [TM][TN]; C fragment: rows gq, gq + 8, cols 2 tq, 2 tq + 1
+#pragma unroll
+    for (int mi = 0; mi < 2; mi++)
+#pragma unroll
+        for (int ni = 0; ni < MMA_NT; ni++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                out[(wm + 16 * mi + gq + 8 * (i >> 1)) * TN + wn + 8 * ni + 2 * tq + (i & 1)] = acc[mi][ni][i];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    tile_epilogue(out, t0, rows, g, lid, e0b + e0_off, e1b + e1_off, e2b + e2_off, yb + y_off, N,
+                  n_heads, n_kv_heads, hd, step);
+}
+#endif  // MMA_ASYNC_BODY
 #endif  // MMA_BODY

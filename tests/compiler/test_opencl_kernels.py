@@ -256,17 +256,21 @@ def test_prefill_matmul_with_activations_staged_once_or_per_tile_matches_interpr
 
 @pytest.mark.parametrize("wdt", ["q4_0", "q4_1", "q8_0", "f16"])
 @pytest.mark.parametrize("epilogue,variant", [(None, "default"), ("silu_mul", "default"), ("add", "default"),
-                                              (None, "unpaired"), (None, "prefetch"), (None, "plain_stores")])
+                                              (None, "unpaired"), (None, "prefetch"), (None, "plain_stores"),
+                                              (None, "register_staged")])
 def test_tensor_core_prefill_body_emulated_matches_interpreter(wdt, epilogue, variant, monkeypatch):
     # The tensor-core body (USE_NV_MMA) with mma.sync emulated in C (common.cl EMU_MMA): its
     # fragment layouts, staging and epilogues checked on any device. K = 352: a partial last
     # stage (f16: 5.5 stages of 64); 130 of 131 rows: three token tiles, the last of 2.
     # Variants: the unpaired local layout; both operands fetched a stage ahead; stage stores in
-    # the plain order (bank conflicts; default: odd rows rotated, f16 weight halves swapped by shuffles)
+    # the plain order (bank conflicts; default: odd rows rotated, f16 weight halves swapped by
+    # shuffles); f16 weights through registers (default: cp.async and ldmatrix, emulated)
     from llmrs.compiler.codegen import opencl as codegen
     _emulate_mma(monkeypatch)
     if variant == "unpaired":
         monkeypatch.setattr(codegen, "MMA_PAIRED", False)
+    if variant == "register_staged":   # f16: the body before cp.async / ldmatrix
+        monkeypatch.setattr(codegen, "MMA_ASYNC_F16", False)
     if variant == "plain_stores":
         monkeypatch.setattr(codegen, "MMA_CONFLICT_FREE_STORES", False)
     if variant == "prefetch":
