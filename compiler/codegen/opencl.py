@@ -100,9 +100,12 @@ MMA_PAIRED = True             # tensor-core body with staged x: the paired local
                               # (matmul.cl), 8-byte fragment and scale loads; False: -DMMA_UNPAIRED
 MMA_CONFLICT_FREE_STORES = True   # tensor-core body: stage stores without local-memory bank
                               # conflicts (matmul.cl put_chunk / put_w); False: -DMMA_PLAIN_STORES
-MMA_ASYNC_F16 = True          # tensor-core body, f16 weights: stages copied by cp.async into a
-                              # 3-stage ring and fragments loaded by ldmatrix (matmul.cl
-                              # MMA_ASYNC_BODY); False: the register-staged body (-DMMA_ASYNC off)
+MMA_ASYNC_F16 = "wide"        # tensor-core body, f16 weights: stages copied by cp.async into a
+                              # ring in local memory, fragments loaded by ldmatrix (matmul.cl
+                              # MMA_ASYNC_BODY) for "wide" (TN = 128) tiles, "all" tiles, or
+                              # "off": the register-staged body everywhere. H200 1B f16 prefill:
+                              # gate_up 3.38 -> 3.14 ms async, o_proj + down_proj (64-row
+                              # tiles, K up to 8192) 3.00 -> 3.23 ms
 MMA_PREFETCH_QUANT = ""       # tensor-core matmul: stages fetched a stage ahead, x and/or w,
 MMA_PREFETCH_F16 = "xw"       # by weights (H200, prefill 512: q4_0 17.6 ms with none, 18.3 w,
                               # 21.6 xw; f16 15.8 ms with xw, 16.4 none, 17.5 w)
@@ -336,7 +339,7 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
                 options.append("-DMMA_UNPAIRED")
             if not MMA_CONFLICT_FREE_STORES:
                 options.append("-DMMA_PLAIN_STORES")
-            if MMA_ASYNC_F16 and wt == "f16":
+            if wt == "f16" and (MMA_ASYNC_F16 == "all" or (MMA_ASYNC_F16 == "wide" and tile_n == TILE_N_WIDE)):
                 options.append("-DMMA_ASYNC")
             staged = {"staging": staging_bytes(m, k, wt)}
             ctx.launches.append(Launch(op.name, "matmul", "stage_x", options,

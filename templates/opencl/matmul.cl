@@ -765,7 +765,11 @@ MATMUL_TILED_BEGIN
 // bytes of pad (80 bytes: a ldmatrix phase's 8 rows of 16 bytes land on distinct banks).
 // -DEMU_MMA: both run as plain copies and a local-memory exchange of row addresses.
 #define ASYNC_K 32
-#define ASYNC_STAGES 3
+#if TN == 64
+#define ASYNC_STAGES 4                       // 41 KB: three stages in flight behind the MMAs
+#else
+#define ASYNC_STAGES 3                       // 46 KB of the 48 KB a group may hold
+#endif
 #define ASYNC_ROW_W (ASYNC_K / 2 + 4)                       // words per local row
 #define ASYNC_STAGE_W ((TM + TN) * ASYNC_ROW_W)
 #define ASYNC_LDS_W (ASYNC_STAGES * ASYNC_STAGE_W > TM * TN ? ASYNC_STAGES * ASYNC_STAGE_W : TM * TN)
@@ -793,7 +797,11 @@ inline void cp_async16(__local uint* dst, __global const uint4* src, int live) {
                  :: "r"(SHARED_ADDR(dst)), "l"(src), "r"(live ? 16 : 0) : "memory");
 }
 #define CP_ASYNC_COMMIT() asm volatile("cp.async.commit_group;" ::: "memory")
-#define CP_ASYNC_WAIT_PENDING() asm volatile("cp.async.wait_group 1;" ::: "memory")  // ASYNC_STAGES - 2
+#if ASYNC_STAGES == 4                       // wait_group's count must be a literal: ASYNC_STAGES - 2
+#define CP_ASYNC_WAIT_PENDING() asm volatile("cp.async.wait_group 2;" ::: "memory")
+#else
+#define CP_ASYNC_WAIT_PENDING() asm volatile("cp.async.wait_group 1;" ::: "memory")
+#endif
 #define CP_ASYNC_WAIT_ALL() asm volatile("cp.async.wait_group 0;" ::: "memory")
 #define LDMATRIX_X4(r, base, off)                                                              \
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"               \

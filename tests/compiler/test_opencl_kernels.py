@@ -257,22 +257,31 @@ def test_prefill_matmul_with_activations_staged_once_or_per_tile_matches_interpr
 @pytest.mark.parametrize("wdt", ["q4_0", "q4_1", "q8_0", "f16"])
 @pytest.mark.parametrize("epilogue,variant", [(None, "default"), ("silu_mul", "default"), ("add", "default"),
                                               (None, "unpaired"), (None, "prefetch"), (None, "plain_stores"),
-                                              (None, "register_staged")])
-def test_tensor_core_prefill_body_emulated_matches_interpreter(wdt, epilogue, variant, monkeypatch):
-    # The tensor-core body (USE_NV_MMA) with mma.sync emulated in C (common.cl EMU_MMA): its
-    # fragment layouts, staging and epilogues checked on any device. K = 352: a partial last
+                                              (None, "wide"), (None, "wide_register_staged"), (None, "async_all")])
+def test_tensor_core_prefill_body_matches_interpreter(wdt, epilogue, variant, monkeypatch):
+    # The tensor-core body (USE_NV_MMA) with mma.sync emulated in C (common.cl EMU_MMA) where the
+    # device has no tensor cores, on them where it has: its fragment layouts, staging and
+    # epilogues checked on any device. K = 352: a partial last
     # stage (f16: 5.5 stages of 64); 130 of 131 rows: three token tiles, the last of 2.
     # Variants: the unpaired local layout; both operands fetched a stage ahead; stage stores in
     # the plain order (bank conflicts; default: odd rows rotated, f16 weight halves swapped by
-    # shuffles); f16 weights through registers (default: cp.async and ldmatrix, emulated)
+    # shuffles); 128-row tiles, whose f16 stages come by cp.async and ldmatrix (emulated), or
+    # through registers; f16 64-row tiles by cp.async too (4 stages; default: registers)
     from llmrs.compiler.codegen import opencl as codegen
     _emulate_mma(monkeypatch)
     if variant == "unpaired":
         monkeypatch.setattr(codegen, "MMA_PAIRED", False)
-    if variant == "register_staged":   # f16: the body before cp.async / ldmatrix
-        monkeypatch.setattr(codegen, "MMA_ASYNC_F16", False)
+    if variant.startswith("wide"):   # 128-row tiles (f16: cp.async / ldmatrix, 3 stages)
+        monkeypatch.setattr(codegen, "TILE_N_MIN_GROUPS", 1)
+    if variant == "wide_register_staged":   # f16: the body before cp.async / ldmatrix
+        monkeypatch.setattr(codegen, "MMA_ASYNC_F16", "off")
+    if variant == "async_all":   # f16: cp.async / ldmatrix on 64-row tiles too (4 stages)
+        monkeypatch.setattr(codegen, "MMA_ASYNC_F16", "all")
     if variant == "plain_stores":
         monkeypatch.setattr(codegen, "MMA_CONFLICT_FREE_STORES", False)
+    launched = []   # (kernel, options) of each launch codegen makes
+    real_launch = codegen.Launch
+    monkeypatch.setattr(codegen, "Launch", lambda *a, **kw: launched.append(a[2:4]) or real_launch(*a, **kw))
     if variant == "prefetch":
         monkeypatch.setattr(codegen, "MMA_PREFETCH_QUANT", "xw")
         monkeypatch.setattr(codegen, "MMA_PREFETCH_F16", "xw")
@@ -289,9 +298,10 @@ def test_tensor_core_prefill_body_emulated_matches_interpreter(wdt, epilogue, va
     else:
         y = b.out("y", (131, n // 2 if epilogue else n))
         got, want = b.run("fused_matmul", [x, w, nw], [y], 130, prologue="rms_norm", epilogue=epilogue, eps=1e-5)
-    if "-DUSE_NV_MMA" in device_options(pick_device()) and "-DEMU_MMA" not in b.build_options:
-        pytest.skip("the device runs the real tensor-core body (the tests above check it)")
-    assert "-DEMU_MMA" in b.build_options and b.kernels == ["stage_x", "matmul_tiled"]
+    # a device with tensor cores runs these cases on them (its real mma.sync, cp.async, ldmatrix)
+    assert "-DUSE_NV_MMA" in b.build_options and b.kernels == ["stage_x", "matmul_tiled"]
+    assert any("-DMMA_ASYNC" in o for kern, o in launched if kern == "matmul_tiled") == \
+        (wdt == "f16" and variant in ("wide", "async_all"))
     _close(got[0], want[0], 1e-3 if wdt == "f16" else _tol(wdt))   # f16: x rounded to f16
 
 
