@@ -522,10 +522,9 @@ ATT_TILED_BEGIN
 #ifdef EMU_MMA
 // common.cl's emulation: every work-item of the group reaches every call (the body's control
 // flow is uniform when emulating)
+// (bit arithmetic: see emu_f32_to_f16)
 inline uint att_pack_emu(float lo, float hi) {
-    uint u;
-    vstore_half2_rte((float2)(lo, hi), 0, (__private half*)&u);
-    return u;
+    return emu_f32_to_f16(lo) | (emu_f32_to_f16(hi) << 16);
 }
 #define ATT_MMA(c, a, b0, b1) emu_mma_f16(c, a, b0, b1, emu)
 #define ATT_UNROLL _Pragma("unroll 1")    // rolled: unrolled, PoCL takes minutes to build it

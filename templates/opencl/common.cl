@@ -194,9 +194,35 @@ inline float2 half2_bits_to_float2(uint u) {
 //   C / D:        c0, c1 = row gq, columns 2 tq, 2 tq + 1; c2, c3 = row gq + 8
 #ifdef EMU_MMA
 #define EMU_SC_WORDS (((256 + 31) / 32) * 32 * 6)
+// f16 <-> f32 by bit arithmetic, not vload_half / vstore_half through a cast pointer to a
+// private scalar: these run in loops that hold barriers, and pip's generic PoCL 3.0 build
+// (LLVM 14) gives such an address-taken private (its address passed to the vstore_half
+// builtin) one slot for the whole work-group, so every work-item read the last one's packed
+// value (the attention body's P fragments: wrong or NaN outputs). No pointer type-punning
+// either, so no aliasing question.
+// the f32 value of f16 bits h (low 16 bits)
+inline float emu_f16_to_f32(uint h) {
+    uint s = (h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    if (e == 0x1Fu) return as_float(s | 0x7F800000u | (m << 13));             // inf, NaN
+    if (e) return as_float(s | ((e + 112u) << 23) | (m << 13));              // normal
+    return as_float(s | as_uint((float)m * 0x1p-24f));                       // subnormal, 0
+}
+// f32 -> f16 bits, nearest even (as vstore_half_rte)
+inline uint emu_f32_to_f16(float f) {
+    uint x = as_uint(f), s = (x >> 16) & 0x8000u, a = x & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return s | 0x7E00u;                                  // NaN
+    if (a >= 0x477FF000u) return s | 0x7C00u;                                 // inf, or past 65504
+    if (a < 0x38800000u) {                                                    // f16 subnormal, 0
+        if (a < 0x33000000u) return s;                                        // under 2^-25
+        uint e = a >> 23, m = (a & 0x7FFFFFu) | 0x800000u, sh = 126u - e;   // m 2^(e - 150) / 2^-24
+        uint r = m >> sh, rem = m & ((1u << sh) - 1u), half_ulp = 1u << (sh - 1u);
+        return s | (r + (rem > half_ulp || (rem == half_ulp && (r & 1u))));
+    }
+    uint r = (a - 0x38000000u) >> 13, rem = a & 0x1FFFu;                     // rebias 127 -> 15
+    return s | (r + (rem > 0x1000u || (rem == 0x1000u && (r & 1u))));        // a carry rounds up the exponent
+}
 inline float emu_half(uint w, int hi) {
-    ushort h = (ushort)(hi ? w >> 16 : w & 0xFFFFu);
-    return vload_half(0, (__private const half*)&h);
+    return emu_f16_to_f32(hi ? w >> 16 : w & 0xFFFFu);
 }
 inline void emu_mma_exchange(const uint* a, uint b0, uint b1, __local uint* sc) {
     int lid = get_local_id(0);

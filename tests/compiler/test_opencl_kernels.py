@@ -665,12 +665,6 @@ PREFILL_F16_RUNS = [(c, e) for c in PREFILL_F16 for e in (False, True) if not e 
 def test_prefill_attention_f16_cache_matches_interpreter(case, emulate, monkeypatch):
     h, kvh, hd, rows, n_tokens, n_past = case
     if emulate:
-        name = pick_device().name.strip()
-        if name.startswith("pthread-") and len(name.split("-")) == 2:
-            # open defect (stop 19 note): pip's generic PoCL build (no CPU-specific target in
-            # the device name) returns wrong outputs for this emulated body; Debian's PoCL and
-            # NVIDIA's real tensor cores pass these cases
-            pytest.skip(f"the emulated tensor-core attention is wrong under {name}'s generic PoCL build")
         _emulate_mma(monkeypatch)
     got, want = _prefill_f16(h, kvh, hd, rows, n_tokens, n_past)
     _close(got, want, ATT_MMA_TOL if emulate else _att_tol("f16", hd, rows))
