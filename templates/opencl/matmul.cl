@@ -348,14 +348,11 @@ MATMUL_TILED_BEGIN
 #endif
 
 #ifdef EMU_MMA
-#define EMU_SC_ARG emu_sc
-#else
-#define EMU_SC_ARG 0
-#endif
-#ifdef EMU_MMA
+#define EMU_SC_ARG emu_sc                    // the emulation's scratch, for put_w's shuffles
 #define MMA_S8(d, a, b0, b1) emu_mma_s8(d, a, b0, b1, emu_sc)
 #define MMA_F16(c, a, b0, b1) emu_mma_f16(c, a, b0, b1, emu_sc)
 #else
+#define EMU_SC_ARG 0
 // d[0..3] = A (16x32 s8, row) * B (32x8 s8, col), fragments as the PTX ISA lays them out
 #define MMA_S8(d, a, b0, b1)                                                                   \
     asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, " \
@@ -388,6 +385,7 @@ inline void put_chunk(__local uint* dst, uint4 lo, uint4 hi, int rot) {
     *(__local uint4*)(dst + 4 - 4 * rot) = rot ? a : b;
 }
 
+// v of lane (lane ^ o); emulated through put_w's scratch sc (every thread calls it)
 #ifdef EMU_MMA
 #define SHFL_XOR_U(v, o) emu_shfl_xor_u(v, o, sc)
 #else
