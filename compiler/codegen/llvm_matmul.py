@@ -32,6 +32,8 @@ AVX2_DECODE_ROWS = 1    # the same on AVX2: one row a tile, so a thread's rows a
 # stream, as llama.cpp's gemv reads them (AMD EPYC Zen 3, Llama-3.2-1B all-Q4_0, interleaved in one
 # process, 2 threads: 4 rows 32.4 tok/s, 2 rows 33.0, 1 row 39.3 (38.5 without the prefetch);
 # 1 thread: 17.6 -> 20.7. SmolLM2 Q4_1: 2 threads 216 -> 208 (noise), 1 thread 114 -> 123)
+AVX2_PREFILL_ACC8 = True  # AVX2 grouped prefill: a (row, token)'s <16 x f32> sums fold into one
+# <8 x f32> accumulator (8 ymm of 16 for the 4 x 4 tile, not 16 spilled around every FMA)
 GRAB_BYTES = 64 << 10  # weight bytes a thread takes from the shared work counter at a time
 FLOAT_WEIGHTS = ("f32", "f16", "bf16")
 
@@ -683,7 +685,11 @@ class MatmulEmitter:
         b = kb.b
         gb, q4_1 = group_bytes(s.wdtype), s.wdtype == "q4_1"
         zero = ir.Constant(vec(F32, 16), [0.0] * 16)
-        accs = [[kb.var(vec(F32, 16), zero) for _ in range(tt)] for _ in rows]
+        # the accumulator's lanes only meet in the final hsum, so on AVX2 (two ymm per <16 x f32>)
+        # a prefill tile folds the halves into one <8 x f32>: half the registers it holds
+        acc8 = AVX2_PREFILL_ACC8 and tt > 1 and group_isa(kb.target) == "avx2"
+        acc_zero = ir.Constant(vec(F32, 8), [0.0] * 8) if acc8 else zero
+        accs = [[kb.var(acc_zero.type, acc_zero) for _ in range(tt)] for _ in rows]
         quads = [list(range(i, min(i + 4, len(rows)))) for i in range(0, len(rows), 4)]
         # q4_1: m_w * s_x of the rows of quads[i], lane 4k+j for row 4i+j (pack_q4_1_mins)
         maccs = [[kb.var(vec(F32, 16), zero) for _ in range(tt)] for _ in quads] if q4_1 else []
@@ -718,7 +724,12 @@ class MatmulEmitter:
                 dx = kb.load(vec(F32, 16), self.gdx, lane)
                 for r, (lo, hi, d, _) in enumerate(ws):
                     isum = b.sitofp(q4_group_dot(kb, start, lo, hi, xlo, xhi), vec(F32, 16))
-                    b.store(kb.fma(isum, b.fmul(d, dx), b.load(accs[r][t])), accs[r][t])
+                    scale = b.fmul(d, dx)
+                    if acc8:
+                        (i0, i1), (s0, s1) = kb.halves(isum), kb.halves(scale)
+                        b.store(kb.fma(i1, s1, kb.fma(i0, s0, b.load(accs[r][t]))), accs[r][t])
+                    else:
+                        b.store(kb.fma(isum, scale, b.load(accs[r][t])), accs[r][t])
             if q4_1 and tt == 1:
                 add_mins([w[3] for w in ws], g)
 
