@@ -588,6 +588,18 @@ inline void put_w(const w_stage* r, int lid, __local uint* wq, __local float* wd
     }
 }
 
+// Both tensor-core bodies end alike: the warps' accumulators into out [TM][TN] over the stages'
+// local memory (C fragment: rows gq, gq + 8, columns 2 tq, 2 tq + 1), then the tile's epilogue
+#define MMA_TILE_END                                                                           \
+    __local float* out = (__local float*)lds;                                                  \
+    _Pragma("unroll") for (int mi = 0; mi < 2; mi++)                                           \
+    _Pragma("unroll") for (int ni = 0; ni < MMA_NT; ni++)                                      \
+    _Pragma("unroll") for (int i = 0; i < 4; i++)                                              \
+        out[(wm + 16 * mi + gq + 8 * (i >> 1)) * TN + wn + 8 * ni + 2 * tq + (i & 1)] = acc[mi][ni][i]; \
+    barrier(CLK_LOCAL_MEM_FENCE);                                                              \
+    tile_epilogue(out, t0, rows, g, lid, e0b + e0_off, e1b + e1_off, e2b + e2_off, yb + y_off, N, \
+                  n_heads, n_kv_heads, hd, step);
+
 #ifndef MMA_ASYNC_BODY
 MATMUL_TILED_BEGIN
     gin nw = nwb + nw_off;
@@ -624,13 +636,7 @@ MATMUL_TILED_BEGIN
 
     int lane = lid & 31, warp = lid >> 5, gq = lane >> 2, tq = lane & 3;
     int wm = (warp >> 2) * 32, wn = (warp & 3) * (TN / 4);
-    float acc[2][MMA_NT][4];
-#pragma unroll
-    for (int mi = 0; mi < 2; mi++)
-#pragma unroll
-        for (int ni = 0; ni < MMA_NT; ni++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) acc[mi][ni][i] = 0.0f;
+    float acc[2][MMA_NT][4] = {{{0.0f}}};   // warp tile: 2 x 16 tokens, MMA_NT x 8 slots
 
     x_stage xr;
     w_stage wr;
@@ -742,17 +748,7 @@ MATMUL_TILED_BEGIN
         barrier(CLK_LOCAL_MEM_FENCE);
     }
 
-    __local float* out = (__local float*)lds;   // [TM][TN]; C fragment: rows gq, gq + 8, cols 2 tq, 2 tq + 1
-#pragma unroll
-    for (int mi = 0; mi < 2; mi++)
-#pragma unroll
-        for (int ni = 0; ni < MMA_NT; ni++)
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-                out[(wm + 16 * mi + gq + 8 * (i >> 1)) * TN + wn + 8 * ni + 2 * tq + (i & 1)] = acc[mi][ni][i];
-    barrier(CLK_LOCAL_MEM_FENCE);
-    tile_epilogue(out, t0, rows, g, lid, e0b + e0_off, e1b + e1_off, e2b + e2_off, yb + y_off, N,
-                  n_heads, n_kv_heads, hd, step);
+    MMA_TILE_END
 }
 #else  // MMA_ASYNC_BODY
 // f16 weights, staged f16 x, -DMMA_ASYNC: the same tiles and warps, fed as sm_80 GEMMs are.
@@ -840,13 +836,7 @@ MATMUL_TILED_BEGIN
 
     int lane = lid & 31, warp = lid >> 5, gq = lane >> 2, tq = lane & 3;
     int wm = (warp >> 2) * 32, wn = (warp & 3) * (TN / 4);
-    float acc[2][MMA_NT][4];
-#pragma unroll
-    for (int mi = 0; mi < 2; mi++)
-#pragma unroll
-        for (int ni = 0; ni < MMA_NT; ni++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) acc[mi][ni][i] = 0.0f;
+    float acc[2][MMA_NT][4] = {{{0.0f}}};   // warp tile: 2 x 16 tokens, MMA_NT x 8 slots
     // ldmatrix row addresses (words, within a stage): A, matrices (rows 0-7 | 8-15) x (k 0-7 |
     // 8-15) of 16 tokens; B, (k 0-7 | 8-15) x (slots 0-7 | 8-15) of 16 weight rows
     int a_off = (wm + (lane & 15)) * ASYNC_ROW_W + 4 * (lane >> 4);
@@ -883,17 +873,7 @@ MATMUL_TILED_BEGIN
     CP_ASYNC_WAIT_ALL();
     barrier(CLK_LOCAL_MEM_FENCE);
 
-    __local float* out = (__local float*)lds;   // [TM][TN]; C fragment: rows gq, gq + 8, cols 2 tq, 2 tq + 1
-#pragma unroll
-    for (int mi = 0; mi < 2; mi++)
-#pragma unroll
-        for (int ni = 0; ni < MMA_NT; ni++)
-#pragma unroll
-            for (int i = 0; i < 4; i++)
-                out[(wm + 16 * mi + gq + 8 * (i >> 1)) * TN + wn + 8 * ni + 2 * tq + (i & 1)] = acc[mi][ni][i];
-    barrier(CLK_LOCAL_MEM_FENCE);
-    tile_epilogue(out, t0, rows, g, lid, e0b + e0_off, e1b + e1_off, e2b + e2_off, yb + y_off, N,
-                  n_heads, n_kv_heads, hd, step);
+    MMA_TILE_END
 }
 #endif  // MMA_ASYNC_BODY
 #endif  // MMA_BODY
