@@ -92,6 +92,9 @@ TILE_N_WIDE = 128             # and weight rows per group: 128 where N gives eno
 TILE_N_MIN_GROUPS = 256       # (about two per SM of an H100 / H200), else 64. 1B prefill 512,
                               # q4_0: 9.02 ms with 128 here, 8.48 with 256 (H100; H200 9.09 /
                               # 8.72: o_proj and down_proj get 256 groups, not 128); f16 even
+TILE_SPLIT_K_F16 = 2           # a staged matmul with fewer 128-row tiles than TILE_N_MIN_GROUPS
+TILE_SPLIT_K_QUANT = 1         # splits K over up to this many groups per tile (matmul.cl MM_SPLIT),
+                              # 128-row tiles kept, instead of halving the tiles to 64 rows; 1: off
 X_STAGED = True               # tiled matmuls with quantized (or f16, tensor-core body) weights:
                               # stage_x prepares the activations once per matmul in the staging
                               # buffer (matmul.cl) instead of once per group of the N / TN that
@@ -248,6 +251,27 @@ def staging_bytes(m: int, k: int, wt: str) -> int:
     return m * k + 4 * m * (k // 32) * (2 if wt == "q4_1" else 1)
 
 
+def split_parts_at(m: int, k: int, wt: str) -> int:
+    """Offset in the staging buffer of split-K partials (matmul.cl MM_PARTS_AT): after stage_x's
+    output, 256-byte aligned."""
+    return -(-staging_bytes(m, k, wt) // 256) * 256
+
+
+def tile_shape(m: int, k: int, n: int, wt: str, epilogue: str | None, a: dict[str, Any]) -> tuple[int, int]:
+    """(weight rows per group, groups per tile along K) of a prefill matmul_tiled. 128-row tiles
+    while they give TILE_N_MIN_GROUPS groups; below that a matmul whose x is staged splits K over
+    S groups per tile (the smallest power of 2 up to TILE_SPLIT_K_* that reaches the count, K / S
+    a multiple of 128, every body's stage), else its tiles halve to 64 rows."""
+    groups = _row_groups(epilogue, TILE_N_WIDE, n, a) * math.ceil(m / TILE_M)
+    if groups >= TILE_N_MIN_GROUPS:
+        return TILE_N_WIDE, 1
+    most = TILE_SPLIT_K_F16 if wt == "f16" else TILE_SPLIT_K_QUANT if wt in QUANT_TYPES else 1
+    split = 1
+    while X_STAGED and groups * split < TILE_N_MIN_GROUPS and 2 * split <= most and k % (2 * split * 128) == 0:
+        split *= 2
+    return (TILE_N_WIDE, split) if split > 1 else (64, 1)
+
+
 def _row_groups(epilogue: str | None, rw: int, n: int, a: dict[str, Any], rope_heads: bool = False) -> int:
     """Groups along dim 0 of a matmul launch, by the slot rule of matmul.cl's slot_row()."""
     if epilogue == "silu_mul":
@@ -309,12 +333,16 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     else:
         mv_wg, mv_rows, mv_split = matvec_shape(k, n, quantized, epi, "-DKV_Q8_0" in options,
                                                 a.get("prologue") == "rms_norm")
-    tile_n = TILE_N_WIDE if math.ceil(n / TILE_N_WIDE) * math.ceil(m / TILE_M) >= TILE_N_MIN_GROUPS else 64
+    tile_n, split = tile_shape(m, k, n, wt, epi, a) if not rope_heads else (TILE_N_WIDE, 1)
     if tiled:
         options.append(f"-DTN={tile_n}")
+        if split > 1:
+            options.append(f"-DMM_SPLIT={split}")
         prefetch = MMA_PREFETCH_QUANT if wt in QUANT_TYPES else MMA_PREFETCH_F16
         options += [f"-DMMA_PREFETCH_{part.upper()}" for part in prefetch]
     rw = tile_n if tiled else mv_rows
+    split = split if tiled else 1
+    tiles = _row_groups(epi, rw, n, a, rope_heads) * math.ceil(m / TILE_M)
     if not tiled:
         _need(wt not in QUANT_TYPES or k <= MV_MAX_K, op, f"K = {k} is over {MV_MAX_K}, the "
               "longest row the decode matvec keeps in local memory; use --weights f16")
@@ -341,14 +369,17 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
                 options.append("-DMMA_PLAIN_STORES")
             if wt == "f16" and (MMA_ASYNC_F16 == "all" or (MMA_ASYNC_F16 == "wide" and tile_n == TILE_N_WIDE)):
                 options.append("-DMMA_ASYNC")
-            staged = {"staging": staging_bytes(m, k, wt)}
+            parts = split_parts_at(m, k, wt) + 4 * split * TILE_M * tile_n * tiles if split > 1 else 0
+            staged = {"staging": max(staging_bytes(m, k, wt), parts)}
             ctx.launches.append(Launch(op.name, "matmul", "stage_x", options,
                                        [_v(x), nw, staged, {"int": m}, {"int": k}, eps],
                                        local=STAGE_WG, groups=1, rows=m, row_tile=1))
         args.append(staged)
+        if split > 1:   # partials (in the staging buffer, after x) and the tiles' ticket counters
+            args += [staged, {"scratch": 4 * tiles}]
     ctx.launches.append(Launch(op.name, "matmul" if tiled else "matvec", "matmul_tiled" if tiled else "matvec",
                                options, args,
-                               local=256 if tiled else mv_wg, groups=_row_groups(epi, rw, n, a, rope_heads),
+                               local=256 if tiled else mv_wg, groups=_row_groups(epi, rw, n, a, rope_heads) * split,
                                rows=m, row_tile=TILE_M if tiled else 1))
 
 

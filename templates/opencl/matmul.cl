@@ -148,6 +148,72 @@ void stage_x(__global const int* step, gin xb, ulong x_off, gin nwb, ulong nw_of
 #define W_ELEM(w, row, b, k) welem(w, (size_t)(row) * nb + (b), k, nblk)
 #endif
 
+// Split-K (-DMM_SPLIT=S, codegen's tile_shape: where a matmul has too few tiles to fill the
+// GPU): the S groups of a tile (adjacent group ids) each sum K / S of its dot products. Each
+// writes its [TM][TN] partial to the staging buffer, after stage_x's output (its own slot, so
+// no group waits for another), and takes a ticket from the tile's counter (a scratch slice that
+// the last group puts back to 0); the last to arrive adds the S partials in split order, the
+// same bits whichever group is last, and runs the epilogue. K / S is a multiple of every body's
+// stage (codegen), so no stage straddles two splits.
+#ifndef MM_SPLIT
+#define MM_SPLIT 1
+#endif
+#if MM_SPLIT > 1
+#define MM_SPLIT_ARGS , gout pbb, ulong pb_off, gout cbb, ulong cb_off
+#define MM_SPLIT_LOCALS __local int mm_last;
+#ifdef W_F16
+#define MM_STAGED_BYTES(M, K) (2 * (size_t)(M) * (K))
+#elif defined(W_Q4_1)
+#define MM_STAGED_BYTES(M, K) ((size_t)(M) * (K) + 8 * (size_t)(M) * ((K) / 32))
+#else
+#define MM_STAGED_BYTES(M, K) ((size_t)(M) * (K) + 4 * (size_t)(M) * ((K) / 32))
+#endif
+#define MM_PARTS_AT(M, K) ((MM_STAGED_BYTES(M, K) + 255) / 256 * 256)   // codegen's split_parts_at
+
+// 1 for the group that finishes the tile, out [TM][TN] then holding the whole sums; 0 for the
+// others, which return (uniformly: `last` is the group's)
+inline int split_merge(__local float* out, gout parts_b, __global volatile int* count, int split,
+                       int lid, __local int* last) {
+    __global float4* mine = (__global float4*)parts_b + (size_t)split * (TM * TN / 4);
+    __local float4* o4 = (__local float4*)out;
+    for (int e = lid; e < TM * TN / 4; e += 256) mine[e] = o4[e];
+    mem_fence(CLK_GLOBAL_MEM_FENCE);   // the partial reaches memory before the ticket
+    barrier(CLK_GLOBAL_MEM_FENCE | CLK_LOCAL_MEM_FENCE);
+    if (lid == 0) *last = atomic_inc(count) == MM_SPLIT - 1;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (!*last) return 0;
+    mem_fence(CLK_GLOBAL_MEM_FENCE);
+    __global volatile float* all = (__global volatile float*)parts_b;   // past L1: other SMs wrote it
+    for (int e = lid; e < TM * TN / 4; e += 256) {
+        float4 total = (float4)(0.0f);
+        for (int sp = 0; sp < MM_SPLIT; sp++) {
+            if (sp == split) {
+                total += o4[e];
+            } else {
+                __global volatile float* p = all + ((size_t)sp * (TM * TN / 4) + e) * 4;
+                total += (float4)(p[0], p[1], p[2], p[3]);
+            }
+        }
+        o4[e] = total;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (lid == 0) *count = 0;
+    return 1;
+}
+// the tile's partials and counter: tiles numbered token tile-major
+#define MM_SPLIT_MERGE(out)                                                                    \
+    {                                                                                          \
+        size_t tile = (size_t)get_group_id(1) * (get_num_groups(0) / MM_SPLIT) + g;            \
+        if (!split_merge(out, pbb + pb_off + MM_PARTS_AT(M, K) + tile * MM_SPLIT * (TM * TN * 4), \
+                         (__global volatile int*)(cbb + cb_off) + tile, split, lid, &mm_last)) \
+            return;                                                                            \
+    }
+#else
+#define MM_SPLIT_ARGS
+#define MM_SPLIT_LOCALS
+#define MM_SPLIT_MERGE(out)
+#endif
+
 // Both bodies below (portable fp32 and tensor-core MMA) take the arguments codegen binds by
 // position, so they share one signature and prologue.
 #define MATMUL_TILED_BEGIN \
@@ -156,8 +222,11 @@ void matmul_tiled(__global const int* step, gin xb, ulong x_off, gin wb, ulong w
                   gin nwb, ulong nw_off, gout e0b, ulong e0_off, gout e1b, ulong e1_off, \
                   gout e2b, ulong e2_off, gout yb, ulong y_off, \
                   int M, int K, int N, float eps, int n_heads, int n_kv_heads, int hd, \
-                  gin sbb, ulong sb_off) { \
-    int lid = get_local_id(0), g = get_group_id(0), t0 = get_group_id(1) * TM; \
+                  gin sbb, ulong sb_off MM_SPLIT_ARGS) { \
+    int lid = get_local_id(0), t0 = get_group_id(1) * TM; \
+    int g = get_group_id(0) / MM_SPLIT, split = get_group_id(0) % MM_SPLIT; \
+    int kb = split * (K / MM_SPLIT), ke = MM_SPLIT > 1 ? kb + K / MM_SPLIT : K;   /* this group's K */ \
+    MM_SPLIT_LOCALS \
     int rows = min(M, STEP_N_TOKENS(step)); \
     __global const float* x = (__global const float*)(xb + x_off); \
     gin sb = sbb + sb_off;   /* stage_x's output (X_STAGED) */ \
@@ -168,7 +237,7 @@ void matmul_tiled(__global const int* step, gin xb, ulong x_off, gin wb, ulong w
 
 MATMUL_TILED_BEGIN
     size_t nb = K / 32, nblk = (size_t)N * nb;
-    __local float lds[LDS_FLOATS];   // xr, xs, ws; at the end out [TM][TN]
+    __local float lds[LDS_FLOATS] __attribute__((aligned(16)));   // xr, xs, ws; at the end out [TM][TN] (float4: split_merge)
     __local float* xr = lds;                                   // [TM][XR_STRIDE]
     __local float* xs = lds + TM * XR_STRIDE;                  // [32][XS_STRIDE]
     __local float* ws = xs + 32 * XS_STRIDE;                   // [32][WS_STRIDE]
@@ -202,7 +271,7 @@ MATMUL_TILED_BEGIN
     for (int j = 0; j < 4; j++)
         for (int i = 0; i < 4 * TN_H; i++) acc[j][i] = 0.0f;
 
-    for (int b = 0; b < K_BLOCKS; b++) {
+    for (int b = kb / 32; b < (MM_SPLIT > 1 ? ke / 32 : K_BLOCKS); b++) {
 #ifdef X_STAGED_Q
         for (int e = lid; e < TM * 32; e += 256) {   // codes, k-major: thread e -> token e % TM
             int tt = e % TM, k = e / TM;
@@ -302,6 +371,7 @@ MATMUL_TILED_BEGIN
     for (int j = 0; j < 4; j++)
         for (int i = 0; i < 4 * TN_H; i++) out[(4 * ty + j) * TN + 64 * (i >> 2) + 4 * tx + (i & 3)] = acc[j][i];
     barrier(CLK_LOCAL_MEM_FENCE);
+    MM_SPLIT_MERGE(out)
     tile_epilogue(out, t0, rows, g, lid, e0b + e0_off, e1b + e1_off, e2b + e2_off, yb + y_off, N,
                   n_heads, n_kv_heads, hd, step);
 }
@@ -597,6 +667,7 @@ inline void put_w(const w_stage* r, int lid, __local uint* wq, __local float* wd
     _Pragma("unroll") for (int i = 0; i < 4; i++)                                              \
         out[(wm + 16 * mi + gq + 8 * (i >> 1)) * TN + wn + 8 * ni + 2 * tq + (i & 1)] = acc[mi][ni][i]; \
     barrier(CLK_LOCAL_MEM_FENCE);                                                              \
+    MM_SPLIT_MERGE(out)                                                                        \
     tile_epilogue(out, t0, rows, g, lid, e0b + e0_off, e1b + e1_off, e2b + e2_off, yb + y_off, N, \
                   n_heads, n_kv_heads, hd, step);
 
@@ -641,12 +712,12 @@ MATMUL_TILED_BEGIN
     x_stage xr;
     w_stage wr;
 #ifdef MMA_PREFETCH_X
-    fetch_x(X_SRC, t0, rows, M, K, 0, lid, nw, &xr);
+    fetch_x(X_SRC, t0, rows, M, K, kb, lid, nw, &xr);
 #endif
 #ifdef MMA_PREFETCH_W
-    fetch_w(w, K, 0, lid, nblk, rowmap, &wr);
+    fetch_w(w, K, kb, lid, nblk, rowmap, &wr);
 #endif
-    for (int k0 = 0; k0 < K; k0 += STAGE_K) {
+    for (int k0 = kb; k0 < ke; k0 += STAGE_K) {
 #ifndef MMA_PREFETCH_X
         fetch_x(X_SRC, t0, rows, M, K, k0, lid, nw, &xr);
 #endif
@@ -656,7 +727,7 @@ MATMUL_TILED_BEGIN
         put_x(&xr, lid, xq, xd, rms);
         put_w(&wr, lid, wq, wd, EMU_SC_ARG);
         barrier(CLK_LOCAL_MEM_FENCE);
-        if (k0 + STAGE_K < K) {   // the next stage's loads fly during this stage's MMAs
+        if (k0 + STAGE_K < ke) {   // the next stage's loads fly during this stage's MMAs
 #ifdef MMA_PREFETCH_X
             fetch_x(X_SRC, t0, rows, M, K, k0 + STAGE_K, lid, nw, &xr);
 #endif
@@ -802,12 +873,12 @@ inline void cp_async16(__local uint* dst, __global const uint4* src, int live) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(SHARED_ADDR((base) + (off))))
 #endif
 
-// stage kt's rows into ring slot kt % ASYNC_STAGES: x row t = 16-byte units 4 t .. 4 t + 3
+// stage kt (from K value kb) into ring slot kt % ASYNC_STAGES: x row t = 16-byte units 4 t .. 4 t + 3
 // (thread e: row e / 4, unit e % 4), then the TN weight rows the same way
-inline void async_stage(__local uint* lds, gin sb, gin w, int t0, int rows, int K, int kt, int lid,
+inline void async_stage(__local uint* lds, gin sb, gin w, int t0, int rows, int K, int kb, int kt, int lid,
                         __local const int* rowmap) {
     __local uint* st = lds + (kt % ASYNC_STAGES) * ASYNC_STAGE_W;
-    int k = kt * ASYNC_K;
+    int k = kb + kt * ASYNC_K;
 #pragma unroll
     for (int e = lid; e < (TM + TN) * 4; e += 256) {
         int r = e >> 2, u = e & 3;
@@ -842,15 +913,15 @@ MATMUL_TILED_BEGIN
     int a_off = (wm + (lane & 15)) * ASYNC_ROW_W + 4 * (lane >> 4);
     int b_off = (TM + wn + (lane & 7) + 8 * (lane >> 4)) * ASYNC_ROW_W + 4 * ((lane >> 3) & 1);
 
-    int nk = K / ASYNC_K;
+    int nk = (ke - kb) / ASYNC_K;
     for (int s = 0; s < ASYNC_STAGES - 1; s++) {
-        if (s < nk) async_stage(lds, sb, w, t0, rows, K, s, lid, rowmap);
+        if (s < nk) async_stage(lds, sb, w, t0, rows, K, kb, s, lid, rowmap);
         CP_ASYNC_COMMIT();
     }
     for (int kt = 0; kt < nk; kt++) {
         CP_ASYNC_WAIT_PENDING();             // this thread's copies of stage kt have landed
         barrier(CLK_LOCAL_MEM_FENCE);        // everyone's; and stage kt - 1's slot is free
-        if (kt + ASYNC_STAGES - 1 < nk) async_stage(lds, sb, w, t0, rows, K, kt + ASYNC_STAGES - 1, lid, rowmap);
+        if (kt + ASYNC_STAGES - 1 < nk) async_stage(lds, sb, w, t0, rows, K, kb, kt + ASYNC_STAGES - 1, lid, rowmap);
         CP_ASYNC_COMMIT();                   // (empty groups keep the count of pending ones)
         __local const uint* st = lds + (kt % ASYNC_STAGES) * ASYNC_STAGE_W;
 #pragma unroll

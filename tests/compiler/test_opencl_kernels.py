@@ -71,8 +71,10 @@ class OneOp:
         return self.g.add_value(name, shape, dtype, alias=alias)
 
     def run(self, kind: str, inputs: list[str], outputs: list[str], n_tokens: int, n_past: int = 0,
-            start_pos: int | None = None, **attrs) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """(opencl outputs, interpreter outputs), each trimmed to the step's rows."""
+            start_pos: int | None = None, again: bool = False, **attrs) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """(opencl outputs, interpreter outputs), each trimmed to the step's rows. again: the step
+        runs twice, and the second run's outputs must equal the first's bit for bit (state a
+        kernel leaves for the next launch, such as ticket counters, is put back)."""
         g = self.g
         op = g.add_op(kind, inputs, outputs, **attrs)
         g.inputs = []   # acts are written below; enqueue() then writes no tokens
@@ -96,11 +98,20 @@ class OneOp:
                 rows = n_tokens if v.kind == "input" and v.shape[0] == g.T else None
                 args.append(self.data[name][:rows].copy())
         want = OPS[kind](it, op, Step(n_tokens, n_past, start_pos), *args)
-        got = []
-        for name, w in zip(outputs, want):
-            v = g.values[name]
-            rows = None if v.alias or v.shape[0] == 1 else n_tokens
-            got.append(be.read_value(g.name, name, rows=rows))
+        def read() -> list[np.ndarray]:
+            got = []
+            for name in outputs:
+                v = g.values[name]
+                rows = None if v.alias or v.shape[0] == 1 else n_tokens
+                got.append(be.read_value(g.name, name, rows=rows))
+            return got
+
+        got = read()
+        if again:
+            be.enqueue(g.name, np.zeros(n_tokens, np.int32), n_past, start_pos)
+            be.queue.finish()
+            for first, second in zip(got, read()):
+                np.testing.assert_array_equal(first, second)
         return got, want
 
 
@@ -252,6 +263,52 @@ def test_prefill_matmul_with_activations_staged_once_or_per_tile_matches_interpr
             got, want = b.run("matmul", [x, w], [y], 130)
         assert b.kernels == (["stage_x", "matmul_tiled"] if staged else ["matmul_tiled"])
         _close(got[0], want[0], _tol(wdt))
+
+
+SPLIT_K_CASES = [(w, s, e, body) for w in ("q4_0", "q4_1", "q8_0", "f16") for s in (2, 4)
+                 for e in (None, "add", "silu_mul") for body in ("mma", "fp32")
+                 if (s == 2 or e is None) and (body == "mma" or e is None)]
+
+
+@pytest.mark.parametrize("wdt,split,epilogue,body", SPLIT_K_CASES,
+                         ids=[f"{w}-s{s}-{e}-{b}" for w, s, e, b in SPLIT_K_CASES])
+def test_prefill_matmul_split_over_k_matches_interpreter(wdt, split, epilogue, body, monkeypatch):
+    # Split-K (matmul.cl MM_SPLIT): a tile's `split` groups each sum K / split, the last to take a
+    # ticket adds the partials and runs the epilogue. K = 1024 (stages of 128 / 64 / 32 within each
+    # split), 130 of 131 rows: three token tiles x three 128-row tiles, each with its counter; the
+    # step runs twice, so counters left at anything but 0 would show. Both bodies: the tensor-core
+    # one (emulated off NVIDIA; f16: the cp.async one) and the portable fp32 one.
+    from llmrs.compiler.codegen import opencl as codegen
+    if body == "mma":
+        _emulate_mma(monkeypatch)
+    else:
+        monkeypatch.setenv("LLMRS_OPENCL_NO_MMA", "1")   # NVIDIA too: the fp32 body
+    monkeypatch.setattr(codegen, "TILE_SPLIT_K_F16", split)
+    monkeypatch.setattr(codegen, "TILE_SPLIT_K_QUANT", split)
+    monkeypatch.setattr(codegen, "TILE_N_MIN_GROUPS", 10 ** 6)   # always too few tiles: split
+    launched = []
+    real_launch = codegen.Launch
+    monkeypatch.setattr(codegen, "Launch", lambda *a, **kw: launched.append((a[2], a[3], kw)) or real_launch(*a, **kw))
+    rng = np.random.default_rng(29)
+    k, n = 1024, 272
+    b = OneOp(131)
+    x = b.act("x", _rand(rng, 131, k, scale=2.0))
+    w = b.param("w", _rand(rng, n, k), wdt)
+    nw = b.param("nw", _rand(rng, k), "f16")
+    if epilogue == "add":
+        res = b.act("res", _rand(rng, 131, n))
+        y = b.out("y", (131, n))
+        got, want = b.run("fused_matmul", [x, w, nw, res], [y], 130, again=True, prologue="rms_norm",
+                          epilogue="add", eps=1e-5)
+    else:
+        y = b.out("y", (131, n // 2 if epilogue else n))
+        got, want = b.run("fused_matmul", [x, w, nw], [y], 130, again=True, prologue="rms_norm",
+                          epilogue=epilogue, eps=1e-5)
+    (kern, options, kw), = [entry for entry in launched if entry[0] == "matmul_tiled"]
+    assert f"-DMM_SPLIT={split}" in options and "-DTN=128" in options
+    assert kw["groups"] == split * 3   # 272 rows (silu_mul: 136 pairs, 64 a group)
+    assert ("-DUSE_NV_MMA" in b.build_options) == (body == "mma")
+    _close(got[0], want[0], 1e-3 if wdt == "f16" else _tol(wdt))
 
 
 # the f16-only variants (the cp.async body's switches) run for f16 weights alone
