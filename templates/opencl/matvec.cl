@@ -166,15 +166,6 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #ifdef PROLOGUE_RMS
     gin nw = nwb + nw_off;
 #endif
-#if defined(PROLOGUE_RMS) && !MV_LATE
-    float ss = 0.0f;
-    for (int i = lid; i < MV_K / 4; i += MV_WG) {
-        float4 v = x4[i];
-        ss += dot(v, v);
-    }
-    float rms = sqrt(group_sum(ss, red) / (float)MV_K + eps);
-#endif
-
     // this warp's weight rows; a padding slot (-1) reads row 0 and is never written
     int rows[MV_RPW];
     float acc[MV_RPW];
@@ -184,8 +175,8 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
         acc[i] = 0.0f;
     }
 
-#ifdef W_QUANT
     // weight batch p0: MV_UNROLL passes of this warp's MV_RPW rows
+#ifdef W_QUANT
     WQ_T wq[MV_UNROLL][MV_RPW];
     WS_T wd[MV_UNROLL][MV_RPW];
     size_t nblk = (size_t)N * MV_UNITS;
@@ -198,7 +189,36 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
             wd[u][i] = wheader(w, blk, nblk);                                          \
         }                                                                              \
     }
+#else
+    WU_T wu[MV_UNROLL][MV_RPW];
+#define MV_LOAD_BATCH(p0)                                                              \
+    for (int u = 0; u < MV_UNROLL; u++) {                                              \
+        int un = min((((p0) + u) * MV_SPLIT + split) * 32 + lane, MV_UNITS - 1);        \
+        for (int i = 0; i < MV_RPW; i++) wu[u][i] = wunit_load(w, (size_t)rows[i] * MV_UNITS + un); \
+    }
+#endif
+#ifdef MV_NO_EARLY_BATCH
+#define MV_NEXT_BATCH(p0) MV_LOAD_BATCH(p0)
+#else
+#define MV_NEXT_BATCH(p0) if ((p0) > 0) { MV_LOAD_BATCH(p0) }
+#endif
+#ifndef MV_NO_EARLY_BATCH
+    // the first batch's DRAM reads fly while the group prepares x (the RMS sum, the Q8_0 copy):
+    // they need nothing from x, and that preparation would otherwise come before any weight
+    // byte is asked for (-DMV_NO_EARLY_BATCH: the old order, for comparisons)
+    MV_LOAD_BATCH(0)
+#endif
 
+#if defined(PROLOGUE_RMS) && !MV_LATE
+    float ss = 0.0f;
+    for (int i = lid; i < MV_K / 4; i += MV_WG) {
+        float4 v = x4[i];
+        ss += dot(v, v);
+    }
+    float rms = sqrt(group_sum(ss, red) / (float)MV_K + eps);
+#endif
+
+#ifdef W_QUANT
     __local int4 xq[MV_K / 16];      // x as Q8_0: int8 [K] packed 4 per int; int4-typed so a
                                      // block is two 16-byte local loads (vload4 from an int
                                      // array gave 8 narrow ones; H200 q4_0 down_proj 196 ->
@@ -214,7 +234,7 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
                    );
     barrier(CLK_LOCAL_MEM_FENCE);
     for (int p0 = 0; p0 < MV_PASSES; p0 += MV_UNROLL) {
-        MV_LOAD_BATCH(p0)
+        MV_NEXT_BATCH(p0)
 #pragma unroll
         for (int u = 0; u < MV_UNROLL; u++) {
             int b = ((p0 + u) * MV_SPLIT + split) * 32 + lane;
@@ -236,14 +256,8 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
         }
     }
 #else
-    WU_T wu[MV_UNROLL][MV_RPW];
-#define MV_LOAD_BATCH(p0)                                                              \
-    for (int u = 0; u < MV_UNROLL; u++) {                                              \
-        int un = min((((p0) + u) * MV_SPLIT + split) * 32 + lane, MV_UNITS - 1);        \
-        for (int i = 0; i < MV_RPW; i++) wu[u][i] = wunit_load(w, (size_t)rows[i] * MV_UNITS + un); \
-    }
     for (int p0 = 0; p0 < MV_PASSES; p0 += MV_UNROLL) {
-        MV_LOAD_BATCH(p0)
+        MV_NEXT_BATCH(p0)
 #pragma unroll
         for (int u = 0; u < MV_UNROLL; u++) {
             int un = ((p0 + u) * MV_SPLIT + split) * 32 + lane;
