@@ -265,12 +265,10 @@ def test_prefill_matmul_with_activations_staged_once_or_per_tile_matches_interpr
         _close(got[0], want[0], _tol(wdt))
 
 
-# every weight type on the tensor-core body with 2 splits and each epilogue kind; 4 splits and the
-# fp32 body for one quantized type and f16
-SPLIT_K_CASES = [(w, s, e, body) for w in ("q4_0", "q4_1", "q8_0", "f16") for s in (2, 4)
-                 for e in (None, "add", "silu_mul") for body in ("mma", "fp32")
-                 if (s == 2 or e is None) and (body == "mma" or e is None)
-                 and (w in ("q4_0", "f16") or (s == 2 and body == "mma"))]
+# each weight type, split count, epilogue kind and body at least once (the emulated tensor-core
+# body is slow on PoCL)
+SPLIT_K_CASES = [("q4_0", 2, "add", "mma"), ("f16", 2, "silu_mul", "mma"), ("q8_0", 4, None, "mma"),
+                 ("q4_1", 2, None, "fp32"), ("f16", 4, None, "fp32")]
 
 
 @pytest.mark.parametrize("wdt,split,epilogue,body", SPLIT_K_CASES,
@@ -278,7 +276,7 @@ SPLIT_K_CASES = [(w, s, e, body) for w in ("q4_0", "q4_1", "q8_0", "f16") for s 
 def test_prefill_matmul_split_over_k_matches_interpreter(wdt, split, epilogue, body, monkeypatch):
     # Split-K (matmul.cl MM_SPLIT): a tile's `split` groups each sum K / split, the last to take a
     # ticket adds the partials and runs the epilogue. K = 512 (stages of 128 / 64 / 32 within each
-    # split), 130 of 131 rows: three token tiles x three 128-row tiles, each with its counter; the
+    # split), 69 of 70 rows: two token tiles x three 128-row tiles, each with its counter; the
     # step runs twice, so counters left at anything but 0 would show. Both bodies: the tensor-core
     # one (emulated off NVIDIA; f16: the cp.async one) and the portable fp32 one.
     from llmrs.compiler.codegen import opencl as codegen
@@ -294,18 +292,18 @@ def test_prefill_matmul_split_over_k_matches_interpreter(wdt, split, epilogue, b
     monkeypatch.setattr(codegen, "Launch", lambda *a, **kw: launched.append((a[2], a[3], kw)) or real_launch(*a, **kw))
     rng = np.random.default_rng(29)
     k, n = 512, 272
-    b = OneOp(131)
-    x = b.act("x", _rand(rng, 131, k, scale=2.0))
+    b = OneOp(70)
+    x = b.act("x", _rand(rng, 70, k, scale=2.0))
     w = b.param("w", _rand(rng, n, k), wdt)
     nw = b.param("nw", _rand(rng, k), "f16")
     if epilogue == "add":
-        res = b.act("res", _rand(rng, 131, n))
-        y = b.out("y", (131, n))
-        got, want = b.run("fused_matmul", [x, w, nw, res], [y], 130, again=True, prologue="rms_norm",
+        res = b.act("res", _rand(rng, 70, n))
+        y = b.out("y", (70, n))
+        got, want = b.run("fused_matmul", [x, w, nw, res], [y], 69, again=True, prologue="rms_norm",
                           epilogue="add", eps=1e-5)
     else:
-        y = b.out("y", (131, n // 2 if epilogue else n))
-        got, want = b.run("fused_matmul", [x, w, nw], [y], 130, again=True, prologue="rms_norm",
+        y = b.out("y", (70, n // 2 if epilogue else n))
+        got, want = b.run("fused_matmul", [x, w, nw], [y], 69, again=True, prologue="rms_norm",
                           epilogue=epilogue, eps=1e-5)
     (kern, options, kw), = [entry for entry in launched if entry[0] == "matmul_tiled"]
     assert f"-DMM_SPLIT={split}" in options and "-DTN=128" in options
