@@ -29,6 +29,8 @@ generate(graphs) returns a JSON-able dict, stored as the plan's "opencl" section
                                          # leave their ticket counters at 0: buffer + offset
         | {"staging": nbytes}            # the back end's staging buffer (offset 0, shared by all
                                          # launches): a launch writes it for the next to read
+                                         # (stage_x, then its matmul; a split-K matmul also keeps
+                                         # its partials there, past stage_x's output)
         | {"result": nbytes}             # the back end's small result buffer (greedy tokens)
         | {"int": n} | {"float": x}
 
