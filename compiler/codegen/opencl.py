@@ -77,6 +77,8 @@ MV_EARLY_BATCH_QUANT = False  # prepares x (RMS sum, Q8_0 copy), so DRAM latency
                               # False: -DMV_NO_EARLY_BATCH. H200, same process: f16 decode 979 ->
                               # 998 tok/s (lm_head 137 -> 123 us); q4_0 1348 -> 1165 (the batch's
                               # registers held across quantize_x: gate_up 236 -> 308 us)
+MV_X_LANES = True             # quantized decode matvecs on NVIDIA quantize x 8 lanes to a Q8_0
+                              # block (shuffles), not one thread a block; False: -DMV_X_SERIAL
 MV_SPLIT_TARGET_WARPS = 8192  # narrow matrices (N under MV_TARGET_WARPS) split K over up to
 MV_MAX_SPLIT = 2              # this many warps per row until a launch has about this many warps
                               # (an H200 holds 132 x 64); a group keeps >= 2 rows (pair epilogues).
@@ -357,6 +359,8 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
                     f"-DMV_SPLIT={mv_split}"]
         if not (MV_EARLY_BATCH_QUANT if quantized else MV_EARLY_BATCH_FLOAT):
             options.append("-DMV_NO_EARLY_BATCH")
+        if not MV_X_LANES:
+            options.append("-DMV_X_SERIAL")
         if MV_RMS_LATE == 2 or (MV_RMS_LATE == 1 and (mv_split > 1 or a.get("norm_folded"))):
             options.append("-DMV_RMS_LATE")   # matvec.cl applies it to float weights' RMS prologue
     eps, ints = {"float": float(a.get("eps", 0.0))}, [{"int": h} for h in heads]

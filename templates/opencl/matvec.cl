@@ -92,6 +92,52 @@ inline void quantize_x(__global const float4* x4, int b, __local int4* xq, __loc
     xd[b] = round_to_half(d);
     xs[b] = X_SUM(d, sum);
 }
+
+#if defined(USE_NV_PTX) && !defined(MV_X_SERIAL)
+#define MV_X_LANES 1
+// The same Q8_0 blocks, 8 lanes to a block (a float4 each): the block's amax and code sum meet by
+// butterfly shuffles within the 8 lanes, so every thread of the group works on x, not one in 8
+// (-DMV_X_SERIAL: quantize_x, one thread a block). Integer code sums are exact in any order, so
+// the bytes equal quantize_x's. Whole warps loop (the shuffles need all 32 lanes); K / 4 is a
+// multiple of 8, so a block's 8 lanes are all in or all out.
+inline float oct_reduce(float v, int is_max) {
+    for (int o = 4; o > 0; o >>= 1) {
+        float t;
+        asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(t) : "f"(v), "r"(o));
+        v = is_max ? fmax(v, t) : v + t;
+    }
+    return v;
+}
+inline void quantize_x_lanes(__global const float4* x4, __local int* xq, __local float* xd,
+                             __local XS_T* xs
+#ifdef PROLOGUE_RMS
+                             , gin nw, float rms
+#endif
+                             ) {
+    int lid = get_local_id(0), lane = lid & 31;
+    for (int base = lid - lane; base < MV_K / 4; base += MV_WG) {
+        int i = base + lane;             // this lane's float4 of x: block i / 8
+        int live = i < MV_K / 4;
+        float4 v = live ? x4[i] : (float4)(0.0f);
+#ifdef PROLOGUE_RMS
+        if (live) v = v / rms * LD4_NORM(nw, i);
+#endif
+        float4 a = fabs(v);
+        float amax = oct_reduce(fmax(fmax(a.x, a.y), fmax(a.z, a.w)), 1);
+        float d = amax / 127.0f;
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        float4 q = round(v * id);
+        float sum = oct_reduce((q.x + q.y) + (q.z + q.w), 0);
+        if (live) {
+            xq[i] = as_int(convert_char4(q));
+            if ((i & 7) == 0) {
+                xd[i >> 3] = round_to_half(d);
+                xs[i >> 3] = X_SUM(d, sum);
+            }
+        }
+    }
+}
+#endif
 #endif
 
 // Only the arguments the variant reads (codegen binds the same list): on NVIDIA's driver a
@@ -226,12 +272,20 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
     __local float xd[MV_UNITS];      // block scales
     __local XS_T xs[MV_UNITS];       // block sums of the int8 values (q4_0's -8 offset;
                                      // q4_1: Q8_1's s)
+#ifdef MV_X_LANES
+    quantize_x_lanes(x4, (__local int*)xq, xd, xs
+#ifdef PROLOGUE_RMS
+                     , nw, rms
+#endif
+                     );
+#else
     for (int b = lid; b < MV_UNITS; b += MV_WG)
         quantize_x(x4, b, xq, xd, xs
 #ifdef PROLOGUE_RMS
                    , nw, rms
 #endif
                    );
+#endif
     barrier(CLK_LOCAL_MEM_FENCE);
     for (int p0 = 0; p0 < MV_PASSES; p0 += MV_UNROLL) {
         MV_NEXT_BATCH(p0)
