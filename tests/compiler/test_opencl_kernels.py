@@ -447,10 +447,12 @@ def test_float_matmul_with_k_not_a_multiple_of_32_matches_interpreter(wdt, k, ro
 @pytest.mark.parametrize("early", [True, False])
 def test_decode_matvec_with_k_longer_than_one_pass_of_its_threads_matches_interpreter(wdt, k, early, monkeypatch):
     # several batches of weight loads per warp; the first issued before x is prepared (the RMS
-    # prologue's sum, the Q8_0 copy) or, -DMV_NO_EARLY_BATCH, after
+    # prologue's sum, the Q8_0 copy) or, -DMV_NO_EARLY_BATCH, after. On NVIDIA the second case
+    # also quantizes x one thread a block (-DMV_X_SERIAL), the first 8 lanes a block (shuffles)
     from llmrs.compiler.codegen import opencl as codegen
     monkeypatch.setattr(codegen, "MV_EARLY_BATCH_FLOAT", early)
     monkeypatch.setattr(codegen, "MV_EARLY_BATCH_QUANT", early)
+    monkeypatch.setattr(codegen, "MV_X_LANES", early)
     rng = np.random.default_rng(11)
     b = OneOp(1)
     x = b.act("x", _rand(rng, 1, k))
