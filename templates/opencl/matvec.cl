@@ -10,7 +10,8 @@
 // sums meet in local memory inside the group, so the epilogues see whole dot products and no
 // extra launch or scratch is needed. Two phases:
 //   1. the group prepares x once: the RMS prologue's sum of squares, then (quantized weights)
-//      x's Q8_0 blocks (q4_1: Q8_1) into local memory, one block per thread;
+//      x's Q8_0 blocks (q4_1: Q8_1) into local memory, one block per thread (NVIDIA: 8 lanes
+//      a block, quantize_x_lanes); float weights may issue their first weight batch before it;
 //   2. each warp walks its rows along K: lane l reads blocks (units) l, l + 32, ... so a warp
 //      reads 512 consecutive bytes of one row per load; MV_UNROLL passes of all MV_RPW rows
 //      issue their loads before any is used, so DRAM latency is paid once per batch. Each
