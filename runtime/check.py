@@ -36,6 +36,8 @@ TOL_F16_OUT = 1e-3   # an f16 output (KV cache) may round one value to the neigh
 TOL_Q8_OUT = 2e-2    # a q8_0 cache may put one value one quantization step (1/127 of a block) off
 TOL_F16_ATT = 2e-3   # prefill attention over an f16 cache: NVIDIA's tensor cores take Q (times the
                      # scale) and the softmax weights P rounded to f16 (attention.cl's ATT_MMA_BODY)
+TOL_F16_MMA = 1e-3   # prefill matmuls with f16 weights: NVIDIA's tensor cores take x rounded to f16
+                     # (matmul.cl's stage_x for the MMA body)
 
 HELP_TOLERANCES = f"""\
 error: max |backend - interpreter| / max |interpreter| over a kernel's outputs (dimensionless).
@@ -43,6 +45,7 @@ tolerance per kernel, the largest that applies:
   {TOL_FLOAT:.0e}  every kernel (f32/f16/bf16 weights, attention, norms, elementwise)
   {TOL_QUANT:.0e}  matmuls with q4_0/q4_1/q8_0 weights (Q8 activations; a rounding tie may differ)
   {TOL_F16_ATT:.0e}  prefill attention over an f16 KV cache (NVIDIA tensor cores: Q and P in f16)
+  {TOL_F16_MMA:.0e}  prefill matmuls with f16 weights (NVIDIA tensor cores: x in f16)
   {TOL_F16_OUT:.0e}  kernels writing an f16 KV cache
   {TOL_Q8_OUT:.0e}  kernels writing a q8_0 KV cache
   exact  i32 outputs (argmax): error is the fraction of entries that differ
@@ -116,6 +119,8 @@ def _tolerance(g: Graph, op: Op) -> float:
         tol = max(tol, TOL_QUANT)
     if op.kind == "attention" and g.T > 1 and g.values[op.inputs[1]].dtype == "f16":
         tol = max(tol, TOL_F16_ATT)
+    if op.kind in ("matmul", "fused_matmul") and g.T > 1 and g.values[op.inputs[1]].dtype == "f16":
+        tol = max(tol, TOL_F16_MMA)
     for o in op.outputs:
         v = g.values[o]
         dtype = g.values[v.alias].dtype if v.alias else v.dtype
