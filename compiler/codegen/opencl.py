@@ -342,7 +342,7 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     else:
         mv_wg, mv_rows, mv_split = matvec_shape(k, n, quantized, epi, "-DKV_Q8_0" in options,
                                                 a.get("prologue") == "rms_norm")
-    tile_n, split = tile_shape(m, k, n, wt, epi, a) if not rope_heads else (TILE_N_WIDE, 1)
+    tile_n, split = tile_shape(m, k, n, wt, epi, a) if tiled else (0, 1)
     if tiled:
         options.append(f"-DTN={tile_n}")
         if split > 1:
@@ -350,7 +350,6 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
         prefetch = MMA_PREFETCH_QUANT if wt in QUANT_TYPES else MMA_PREFETCH_F16
         options += [f"-DMMA_PREFETCH_{part.upper()}" for part in prefetch]
     rw = tile_n if tiled else mv_rows
-    split = split if tiled else 1
     tiles = _row_groups(epi, rw, n, a, rope_heads) * math.ceil(m / TILE_M)
     if not tiled:
         _need(wt not in QUANT_TYPES or k <= MV_MAX_K, op, f"K = {k} is over {MV_MAX_K}, the "

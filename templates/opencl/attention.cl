@@ -537,11 +537,6 @@ inline uint att_pack_emu(float lo, float hi) {
         "{%8,%9}, {%0,%1,%2,%3};"                                                              \
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                       \
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
-inline float att_xor(float v, int o) {
-    float t;
-    asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(t) : "f"(v), "r"(o));
-    return t;
-}
 // two floats -> f16 (nearest even) in one word, lo in the lower half
 inline uint att_pack(float lo, float hi) {
     uint u;
@@ -549,7 +544,7 @@ inline uint att_pack(float lo, float hi) {
         : "=r"(u) : "f"(lo), "f"(hi));
     return u;
 }
-#define ATT_XOR(v, o) att_xor(v, o)
+#define ATT_XOR(v, o) shfl_xor_f(v, o)
 #define ATT_PACK(lo, hi) att_pack(lo, hi)
 #define ATT_UNROLL _Pragma("unroll")      // whole: fragments and accumulators stay in registers
 #endif

@@ -127,20 +127,19 @@ inline float wg_max(float v, __local float* red) {
 
 // -- device primitives ------------------------------------------------------------------------
 #ifdef USE_NV_PTX
+// v of lane (lane ^ o) of the warp, o < 32; floats go through as their bits
+inline uint shfl_xor_u(uint v, int o) {
+    uint t;
+    asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=r"(t) : "r"(v), "r"(o));
+    return t;
+}
+inline float shfl_xor_f(float v, int o) { return as_float(shfl_xor_u(as_uint(v), o)); }
 inline float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) {
-        float t;
-        asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(t) : "f"(v), "r"(o));
-        v += t;
-    }
+    for (int o = 16; o > 0; o >>= 1) v += shfl_xor_f(v, o);
     return v;
 }
 inline float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) {
-        float t;
-        asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(t) : "f"(v), "r"(o));
-        v = fmax(v, t);
-    }
+    for (int o = 16; o > 0; o >>= 1) v = fmax(v, shfl_xor_f(v, o));
     return v;
 }
 // lane src's v, to every lane of the warp

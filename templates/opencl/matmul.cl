@@ -459,11 +459,6 @@ inline void put_chunk(__local uint* dst, uint4 lo, uint4 hi, int rot) {
 #ifdef EMU_MMA
 #define SHFL_XOR_U(v, o) emu_shfl_xor_u(v, o, sc)
 #else
-inline uint shfl_xor_u(uint v, int o) {
-    uint t;
-    asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=r"(t) : "r"(v), "r"(o));
-    return t;
-}
 #define SHFL_XOR_U(v, o) shfl_xor_u(v, o)
 #endif
 

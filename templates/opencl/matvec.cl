@@ -101,12 +101,12 @@ inline void quantize_x(__global const float4* x4, int b, __local int4* xq, __loc
 // (-DMV_X_SERIAL: quantize_x, one thread a block). Integer code sums are exact in any order, so
 // the bytes equal quantize_x's. Whole warps loop (the shuffles need all 32 lanes); K / 4 is a
 // multiple of 8, so a block's 8 lanes are all in or all out.
-inline float oct_reduce(float v, int is_max) {
-    for (int o = 4; o > 0; o >>= 1) {
-        float t;
-        asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=f"(t) : "f"(v), "r"(o));
-        v = is_max ? fmax(v, t) : v + t;
-    }
+inline float oct_max(float v) {
+    for (int o = 4; o > 0; o >>= 1) v = fmax(v, shfl_xor_f(v, o));
+    return v;
+}
+inline float oct_sum(float v) {
+    for (int o = 4; o > 0; o >>= 1) v += shfl_xor_f(v, o);
     return v;
 }
 inline void quantize_x_lanes(__global const float4* x4, __local int* xq, __local float* xd,
@@ -124,11 +124,11 @@ inline void quantize_x_lanes(__global const float4* x4, __local int* xq, __local
         if (live) v = v / rms * LD4_NORM(nw, i);
 #endif
         float4 a = fabs(v);
-        float amax = oct_reduce(fmax(fmax(a.x, a.y), fmax(a.z, a.w)), 1);
+        float amax = oct_max(fmax(fmax(a.x, a.y), fmax(a.z, a.w)));
         float d = amax / 127.0f;
         float id = d != 0.0f ? 1.0f / d : 0.0f;
         float4 q = round(v * id);
-        float sum = oct_reduce((q.x + q.y) + (q.z + q.w), 0);
+        float sum = oct_sum((q.x + q.y) + (q.z + q.w));
         if (live) {
             xq[i] = as_int(convert_char4(q));
             if ((i & 7) == 0) {
@@ -247,13 +247,11 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #ifdef MV_NO_EARLY_BATCH
 #define MV_NEXT_BATCH(p0) MV_LOAD_BATCH(p0)
 #else
-#define MV_NEXT_BATCH(p0) if ((p0) > 0) { MV_LOAD_BATCH(p0) }
-#endif
-#ifndef MV_NO_EARLY_BATCH
     // the first batch's DRAM reads fly while the group prepares x (the RMS sum, the Q8_0 copy):
     // they need nothing from x, and that preparation would otherwise come before any weight
     // byte is asked for (-DMV_NO_EARLY_BATCH: the old order, for comparisons)
     MV_LOAD_BATCH(0)
+#define MV_NEXT_BATCH(p0) if ((p0) > 0) { MV_LOAD_BATCH(p0) }
 #endif
 
 #if defined(PROLOGUE_RMS) && !MV_LATE
