@@ -265,6 +265,31 @@ def test_prefill_matmul_with_activations_staged_once_or_per_tile_matches_interpr
         _close(got[0], want[0], _tol(wdt))
 
 
+def _record_launches(monkeypatch) -> list[tuple[str, list[str], dict]]:
+    """(kernel, options, keyword arguments) of every launch codegen makes from here on."""
+    from llmrs.compiler.codegen import opencl as codegen
+    launched = []
+    real_launch = codegen.Launch
+    monkeypatch.setattr(codegen, "Launch", lambda *a, **kw: launched.append((a[2], a[3], kw)) or real_launch(*a, **kw))
+    return launched
+
+
+def _prefill_rms_matmul(wdt: str, epilogue: str | None, rows: int, k: int, n: int, seed: int,
+                        again: bool = False) -> tuple[OneOp, list[np.ndarray], list[np.ndarray]]:
+    """A prefill fused_matmul with the RMS prologue and `epilogue` over rows - 1 of `rows` tokens
+    (the last token tile partial), on random data: the op, its opencl and interpreter outputs."""
+    rng = np.random.default_rng(seed)
+    b = OneOp(rows)
+    x = b.act("x", _rand(rng, rows, k, scale=2.0))
+    w = b.param("w", _rand(rng, n, k), wdt)
+    nw = b.param("nw", _rand(rng, k), "f16")
+    ins = [x, w, nw] + ([b.act("res", _rand(rng, rows, n))] if epilogue == "add" else [])
+    y = b.out("y", (rows, n // 2 if epilogue == "silu_mul" else n))
+    got, want = b.run("fused_matmul", ins, [y], rows - 1, again=again, prologue="rms_norm", epilogue=epilogue,
+                      eps=1e-5)
+    return b, got, want
+
+
 # each weight type, split count, epilogue kind and body at least once (the emulated tensor-core
 # body is slow on PoCL)
 SPLIT_K_CASES = [("q4_0", 2, "add", "mma"), ("f16", 2, "silu_mul", "mma"), ("q8_0", 4, None, "mma"),
@@ -287,24 +312,8 @@ def test_prefill_matmul_split_over_k_matches_interpreter(wdt, split, epilogue, b
     monkeypatch.setattr(codegen, "TILE_SPLIT_K_F16", split)
     monkeypatch.setattr(codegen, "TILE_SPLIT_K_QUANT", split)
     monkeypatch.setattr(codegen, "TILE_N_MIN_GROUPS", 10 ** 6)   # always too few tiles: split
-    launched = []
-    real_launch = codegen.Launch
-    monkeypatch.setattr(codegen, "Launch", lambda *a, **kw: launched.append((a[2], a[3], kw)) or real_launch(*a, **kw))
-    rng = np.random.default_rng(29)
-    k, n = 512, 272
-    b = OneOp(70)
-    x = b.act("x", _rand(rng, 70, k, scale=2.0))
-    w = b.param("w", _rand(rng, n, k), wdt)
-    nw = b.param("nw", _rand(rng, k), "f16")
-    if epilogue == "add":
-        res = b.act("res", _rand(rng, 70, n))
-        y = b.out("y", (70, n))
-        got, want = b.run("fused_matmul", [x, w, nw, res], [y], 69, again=True, prologue="rms_norm",
-                          epilogue="add", eps=1e-5)
-    else:
-        y = b.out("y", (70, n // 2 if epilogue else n))
-        got, want = b.run("fused_matmul", [x, w, nw], [y], 69, again=True, prologue="rms_norm",
-                          epilogue=epilogue, eps=1e-5)
+    launched = _record_launches(monkeypatch)
+    b, got, want = _prefill_rms_matmul(wdt, epilogue, 70, 512, 272, seed=29, again=True)
     (kern, options, kw), = [entry for entry in launched if entry[0] == "matmul_tiled"]
     assert f"-DMM_SPLIT={split}" in options and "-DTN=128" in options
     assert kw["groups"] == split * 3   # 272 rows (silu_mul: 136 pairs, 64 a group)
@@ -343,28 +352,14 @@ def test_tensor_core_prefill_body_matches_interpreter(wdt, epilogue, variant, mo
         monkeypatch.setattr(codegen, "MMA_ASYNC_F16", "all")
     if variant == "plain_stores":
         monkeypatch.setattr(codegen, "MMA_CONFLICT_FREE_STORES", False)
-    launched = []   # (kernel, options) of each launch codegen makes
-    real_launch = codegen.Launch
-    monkeypatch.setattr(codegen, "Launch", lambda *a, **kw: launched.append(a[2:4]) or real_launch(*a, **kw))
+    launched = _record_launches(monkeypatch)
     if variant == "prefetch":
         monkeypatch.setattr(codegen, "MMA_PREFETCH_QUANT", "xw")
         monkeypatch.setattr(codegen, "MMA_PREFETCH_F16", "xw")
-    rng = np.random.default_rng(27)
-    k, n = 352, 272
-    b = OneOp(131)
-    x = b.act("x", _rand(rng, 131, k, scale=2.0))
-    w = b.param("w", _rand(rng, n, k), wdt)
-    nw = b.param("nw", _rand(rng, k), "f16")
-    if epilogue == "add":
-        res = b.act("res", _rand(rng, 131, n))
-        y = b.out("y", (131, n))
-        got, want = b.run("fused_matmul", [x, w, nw, res], [y], 130, prologue="rms_norm", epilogue="add", eps=1e-5)
-    else:
-        y = b.out("y", (131, n // 2 if epilogue else n))
-        got, want = b.run("fused_matmul", [x, w, nw], [y], 130, prologue="rms_norm", epilogue=epilogue, eps=1e-5)
+    b, got, want = _prefill_rms_matmul(wdt, epilogue, 131, 352, 272, seed=27)
     # a device with tensor cores runs these cases on them (its real mma.sync, cp.async, ldmatrix)
     assert "-DUSE_NV_MMA" in b.build_options and b.kernels == ["stage_x", "matmul_tiled"]
-    assert any("-DMMA_ASYNC" in o for kern, o in launched if kern == "matmul_tiled") == \
+    assert any("-DMMA_ASYNC" in o for kern, o, _ in launched if kern == "matmul_tiled") == \
         (wdt == "f16" and variant in ("wide", "async_all"))
     _close(got[0], want[0], 1e-3 if wdt == "f16" else _tol(wdt))   # f16: x rounded to f16
 
