@@ -13,7 +13,8 @@ cl = pytest.importorskip("pyopencl")
 from llmrs.runtime.backends.opencl import OpenCLBackend  # noqa: E402
 
 
-def _run(case, scoring: bool) -> dict[str, np.ndarray]:
+def _run(case, scoring: bool) -> tuple[dict[str, np.ndarray], list[str]]:
+    """The op's outputs after one step, and the device's build options."""
     g = case.graph
     g.outputs = list(case.op.outputs)
     be = OpenCLBackend.from_graphs({g.name: g})
@@ -23,7 +24,7 @@ def _run(case, scoring: bool) -> dict[str, np.ndarray]:
     st = case.step
     be.enqueue(g.name, np.zeros(st.n_tokens, np.int32), st.n_past, st.start_pos)
     be.queue.finish()
-    return {n: be.read_value(g.name, n) for n in case.op.outputs}
+    return {n: be.read_value(g.name, n) for n in case.op.outputs}, be.build_options
 
 
 @pytest.mark.parametrize("kv_dtype,hd", [("f32", 32), ("f16", 32), ("q8_0", 64), ("f16", 16)])
@@ -31,11 +32,14 @@ def _run(case, scoring: bool) -> dict[str, np.ndarray]:
 def test_attention_scores_kernel_matches_interpreter(kv_dtype, hd, T, n_tokens, first):
     case = scored_attention_case(T, n_tokens, kv_dtype, first, hd=hd)
     want = case.expected()
-    got = _run(case, scoring=True)
+    got, build_options = _run(case, scoring=True)
     scale = np.abs(want["sc_out"]).max()
     assert np.max(np.abs(got["sc_out"] - want["sc_out"])) / scale <= 1e-5
     o = want["o"]
-    assert np.max(np.abs(got["o"][:n_tokens] - o)) / np.abs(o).max() <= 1e-4
+    # prefill over an f16 cache on NVIDIA's tensor cores takes Q and P rounded to f16 (attention.cl
+    # ATT_MMA_BODY; llmrs-check's TOL_F16_ATT): ~4e-4 on the H200; every other body holds 1e-4
+    mma = "-DUSE_NV_MMA" in build_options and kv_dtype == "f16" and T > 1
+    assert np.max(np.abs(got["o"][:n_tokens] - o)) / np.abs(o).max() <= (2e-3 if mma else 1e-4)
     if first is None:
         np.testing.assert_array_equal(got["sc_out"], case.arrays["sc"])
 
@@ -44,7 +48,7 @@ def test_without_scoring_the_step_leaves_the_scores_alone():
     """The back end drops the scoring launch from a step unless scoring is on: scores stay
     as they were even with the control saying on."""
     case = scored_attention_case(7, 7, "f16", 0)
-    got = _run(case, scoring=False)
+    got, _ = _run(case, scoring=False)
     np.testing.assert_array_equal(got["sc_out"], case.arrays["sc"])
 
 
