@@ -118,6 +118,13 @@ MMA_ASYNC_F16 = "wide"        # tensor-core body, f16 weights: stages copied by 
                               # "off": the register-staged body everywhere. H200 1B f16 prefill:
                               # gate_up 3.38 -> 3.14 ms async, o_proj + down_proj (64-row
                               # tiles, K up to 8192) 3.00 -> 3.23 ms
+TILE_PAIR_F16 = True          # f16 weights, cp.async body, more than one token tile: a group
+                              # takes two token tiles (matmul.cl MM_TPAIR; row_tile 128), the
+                              # cp.async body as one 128-token tile of 32 x 64 warp tiles
+TILE_PAIR_SPLIT = False       # paired tiles may split K (up to TILE_SPLIT_K_PAIR groups a tile);
+TILE_SPLIT_K_PAIR = 4         # False: a matmul that must split keeps unpaired tiles
+MMA_ASYNC_PAIR_K = 32         # that body's stage (K values) and ring depth: 256 local rows of
+MMA_ASYNC_PAIR_STAGES = 2     # 80 bytes a stage (K 32: 2 stages, 40 KB; K 16: 48 bytes, 3, 36 KB)
 MMA_PREFETCH_QUANT = ""       # tensor-core matmul: stages fetched a stage ahead, x and/or w,
 MMA_PREFETCH_F16 = "xw"       # by weights (H200, prefill 512: q4_0 17.6 ms with none, 18.3 w,
                               # 21.6 xw; f16 15.8 ms with xw, 16.4 none, 17.5 w)
@@ -266,19 +273,30 @@ def split_parts_at(m: int, k: int, wt: str) -> int:
     return -(-staging_bytes(m, k, wt) // 256) * 256
 
 
-def tile_shape(m: int, k: int, n: int, wt: str, epilogue: str | None, a: dict[str, Any]) -> tuple[int, int]:
-    """(weight rows per group, groups per tile along K) of a prefill matmul_tiled. 128-row tiles
-    while they give TILE_N_MIN_GROUPS groups; below that a matmul whose x is staged splits K over
-    S groups per tile (the smallest power of 2 up to TILE_SPLIT_K_* that reaches the count, K / S
-    a multiple of 128, every body's stage), else its tiles halve to 64 rows."""
-    groups = _row_groups(epilogue, TILE_N_WIDE, n, a) * math.ceil(m / TILE_M)
-    if groups >= TILE_N_MIN_GROUPS:
-        return TILE_N_WIDE, 1
-    most = TILE_SPLIT_K_F16 if wt == "f16" else TILE_SPLIT_K_QUANT if wt in QUANT_TYPES else 1
-    split = 1
-    while X_STAGED and groups * split < TILE_N_MIN_GROUPS and 2 * split <= most and k % (2 * split * 128) == 0:
-        split *= 2
-    return (TILE_N_WIDE, split) if split > 1 else (64, 1)
+def tile_shape(m: int, k: int, n: int, wt: str, epilogue: str | None, a: dict[str, Any]) -> tuple[int, int, bool]:
+    """(weight rows per group, groups per tile along K, token tiles paired) of a prefill
+    matmul_tiled. 128-row tiles while they give TILE_N_MIN_GROUPS groups; below that a matmul
+    whose x is staged splits K over S groups per tile (the smallest power of 2 up to
+    TILE_SPLIT_K_* that reaches the count, K / S a multiple of 128, every body's stage), else its
+    tiles halve to 64 rows. f16 weights on the cp.async body pair their token tiles
+    (TILE_PAIR_F16: matmul.cl MM_TPAIR), a pair counted as one tile here."""
+    row_groups = _row_groups(epilogue, TILE_N_WIDE, n, a)
+    pairable = (TILE_PAIR_F16 and wt == "f16" and X_STAGED and k % 32 == 0 and m > TILE_M
+                and MMA_ASYNC_F16 in ("wide", "all"))
+    for pair in (True, False) if pairable else (False,):
+        groups = row_groups * math.ceil(m / (2 * TILE_M if pair else TILE_M))
+        if groups >= TILE_N_MIN_GROUPS:
+            return TILE_N_WIDE, 1, pair
+        if pair and not TILE_PAIR_SPLIT:   # a matmul that must split keeps unpaired tiles
+            continue
+        most = (TILE_SPLIT_K_PAIR if pair else TILE_SPLIT_K_F16) if wt == "f16" \
+            else TILE_SPLIT_K_QUANT if wt in QUANT_TYPES else 1
+        split = 1
+        while X_STAGED and groups * split < TILE_N_MIN_GROUPS and 2 * split <= most and k % (2 * split * 128) == 0:
+            split *= 2
+        if split > 1:
+            return TILE_N_WIDE, split, pair
+    return 64, 1, False
 
 
 def _row_groups(epilogue: str | None, rw: int, n: int, a: dict[str, Any], rope_heads: bool = False) -> int:
@@ -342,7 +360,7 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     else:
         mv_wg, mv_rows, mv_split = matvec_shape(k, n, quantized, epi, "-DKV_Q8_0" in options,
                                                 a.get("prologue") == "rms_norm")
-    tile_n, split = tile_shape(m, k, n, wt, epi, a) if tiled else (0, 1)
+    tile_n, split, pair = tile_shape(m, k, n, wt, epi, a) if tiled else (0, 1, False)
     if tiled:
         options.append(f"-DTN={tile_n}")
         if split > 1:
@@ -350,7 +368,10 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
         prefetch = MMA_PREFETCH_QUANT if wt in QUANT_TYPES else MMA_PREFETCH_F16
         options += [f"-DMMA_PREFETCH_{part.upper()}" for part in prefetch]
     rw = tile_n if tiled else mv_rows
-    tiles = _row_groups(epi, rw, n, a, rope_heads) * math.ceil(m / TILE_M)
+    # 64-token tiles (split-K's counters and partials), paired ones two by two
+    tiles = _row_groups(epi, rw, n, a, rope_heads) * (2 * math.ceil(m / (2 * TILE_M)) if pair else math.ceil(m / TILE_M))
+    if pair:
+        options += ["-DMM_TPAIR", f"-DASYNC_K={MMA_ASYNC_PAIR_K}", f"-DASYNC_STAGES={MMA_ASYNC_PAIR_STAGES}"]
     if not tiled:
         _need(wt not in QUANT_TYPES or k <= MV_MAX_K, op, f"K = {k} is over {MV_MAX_K}, the "
               "longest row the decode matvec keeps in local memory; use --weights f16")
@@ -392,7 +413,7 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     ctx.launches.append(Launch(op.name, "matmul" if tiled else "matvec", "matmul_tiled" if tiled else "matvec",
                                options, args,
                                local=256 if tiled else mv_wg, groups=_row_groups(epi, rw, n, a, rope_heads) * split,
-                               rows=m, row_tile=TILE_M if tiled else 1))
+                               rows=m, row_tile=(2 * TILE_M if pair else TILE_M) if tiled else 1))
 
 
 def _attention(ctx: _Ctx, op: Op) -> None:

@@ -15,6 +15,15 @@
 #ifndef TN
 #define TN 128
 #endif
+// -DMM_TPAIR: a group takes two token tiles (TM_G = 128 tokens; codegen's row_tile). The
+// cp.async body computes both at once (warp tiles of 32 tokens x 64 rows: each weight stage
+// feeds twice the MMAs, and the weights are read half as often); the other bodies take the two
+// tiles one after the other, so a plan runs on any device.
+#ifdef MM_TPAIR
+#define TM_G (2 * TM)
+#else
+#define TM_G TM
+#endif
 #define TN_H (TN / 64)        // 64-row halves of the tile
 #define XR_STRIDE 33          // raw x rows [TM][33]: pad so a token's 32 values hit distinct banks
 #define XS_STRIDE (TM + 4)    // k-major x [32][TM + 4]
@@ -171,7 +180,7 @@ void stage_x(__global const int* step, gin xb, ulong x_off, gin nwb, ulong nw_of
 #define MM_PARTS_AT(M, K) ((MM_STAGED_BYTES(M, K) + 255) / 256 * 256)   // codegen's split_parts_at
 
 // 1 for the group that finishes the tile, out [TM][TN] then holding the whole sums; 0 for the
-// others, which return (uniformly: `last` is the group's)
+// others, which go on to their next token tile (uniformly: `last` is the group's)
 inline int split_merge(__local float* out, gout parts_b, __global volatile int* count, int split,
                        int lid, __local int* last) {
     __global float4* mine = (__global float4*)parts_b + (size_t)split * (TM * TN / 4);
@@ -200,18 +209,20 @@ inline int split_merge(__local float* out, gout parts_b, __global volatile int* 
     if (lid == 0) *count = 0;
     return 1;
 }
-// the tile's partials and counter: tiles numbered token tile-major
-#define MM_SPLIT_MERGE(out)                                                                    \
+// the partials and counter of token tile tile_t's tile: tiles numbered token tile-major (64-token
+// tiles, paired or not). Every caller sits in a loop over its token tiles: a group that does not
+// finish this tile continues with the next
+#define MM_SPLIT_MERGE(out, tile_t)                                                            \
     {                                                                                          \
-        size_t tile = (size_t)get_group_id(1) * (get_num_groups(0) / MM_SPLIT) + g;            \
+        size_t tile = (size_t)(tile_t) * (get_num_groups(0) / MM_SPLIT) + g;                   \
         if (!split_merge(out, pbb + pb_off + MM_PARTS_AT(M, K) + tile * MM_SPLIT * (TM * TN * 4), \
                          (__global volatile int*)(cbb + cb_off) + tile, split, lid, &mm_last)) \
-            return;                                                                            \
+            continue;                                                                          \
     }
 #else
 #define MM_SPLIT_ARGS
 #define MM_SPLIT_LOCALS
-#define MM_SPLIT_MERGE(out)
+#define MM_SPLIT_MERGE(out, tile_t)
 #endif
 
 // Both bodies below (portable fp32 and tensor-core MMA) take the arguments codegen binds by
@@ -223,7 +234,7 @@ void matmul_tiled(__global const int* step, gin xb, ulong x_off, gin wb, ulong w
                   gout e2b, ulong e2_off, gout yb, ulong y_off, \
                   int M, int K, int N, float eps, int n_heads, int n_kv_heads, int hd, \
                   gin sbb, ulong sb_off MM_SPLIT_ARGS) { \
-    int lid = get_local_id(0), t0 = get_group_id(1) * TM; \
+    int lid = get_local_id(0), t0g = get_group_id(1) * TM_G;   /* the group's first token */ \
     int g = get_group_id(0) / MM_SPLIT, split = get_group_id(0) % MM_SPLIT; \
     int kb = split * (K / MM_SPLIT), ke = MM_SPLIT > 1 ? kb + K / MM_SPLIT : K;   /* this group's K */ \
     MM_SPLIT_LOCALS \
@@ -231,6 +242,11 @@ void matmul_tiled(__global const int* step, gin xb, ulong x_off, gin wb, ulong w
     __global const float* x = (__global const float*)(xb + x_off); \
     gin sb = sbb + sb_off;   /* stage_x's output (X_STAGED) */ \
     gin w = wb + w_off;
+
+// bodies that compute one token tile at a time: each of the group's TM_G / TM tiles, t0 its
+// first token (out, the epilogue's tile, lies over the local memory the next tile reuses)
+#define TILE_LOOP_BEGIN for (int tile_i = 0; tile_i < TM_G / TM; tile_i++) { int t0 = t0g + TM * tile_i;
+#define TILE_LOOP_END barrier(CLK_LOCAL_MEM_FENCE); }
 
 
 #ifndef MMA_BODY
@@ -247,9 +263,12 @@ MATMUL_TILED_BEGIN
 #endif
     __local int rowmap[TN];
     for (int n = lid; n < TN; n += 256) rowmap[n] = slot_row(g, n, TN, N, n_heads, n_kv_heads, hd);
-
-#if defined(PROLOGUE_RMS) && !defined(X_STAGED_Q)   // staged codes carry it
+#if defined(PROLOGUE_RMS) && !defined(X_STAGED_Q)
     gin nw = nwb + nw_off;
+#endif
+
+    TILE_LOOP_BEGIN
+#if defined(PROLOGUE_RMS) && !defined(X_STAGED_Q)   // staged codes carry it
     {   // 4 threads per token sum squares over strided k
         int tl = lid % TM, part = lid / TM;
         float ss = 0.0f;
@@ -371,9 +390,10 @@ MATMUL_TILED_BEGIN
     for (int j = 0; j < 4; j++)
         for (int i = 0; i < 4 * TN_H; i++) out[(4 * ty + j) * TN + 64 * (i >> 2) + 4 * tx + (i & 3)] = acc[j][i];
     barrier(CLK_LOCAL_MEM_FENCE);
-    MM_SPLIT_MERGE(out)
+    MM_SPLIT_MERGE(out, t0 / TM)
     tile_epilogue(out, t0, rows, g, lid, e0b + e0_off, e1b + e1_off, e2b + e2_off, yb + y_off, N,
                   n_heads, n_kv_heads, hd, step);
+    TILE_LOOP_END
 }
 #endif  // !MMA_BODY
 
@@ -387,7 +407,6 @@ MATMUL_TILED_BEGIN
 // m16n8k32 s8 MMA per 16x8 sub-tile, whose exact int32 sum is scaled by d_x * d_w, as GGML;
 // q4_1 (codes 0..15, Q8_1 activations) adds m_w * s_x per block.
 // f16: a chunk is 16 values, one m16n8k16 MMA with f32 accumulation (x rounded to f16).
-// Warp w computes tokens 32 (w / 4) .. + 31 and slots (TN / 4)(w % 4) .. + TN / 4 - 1.
 // Paired layout (staged x, unless -DMMA_UNPAIRED): each chunk's 8 words are stored in the
 // order 0 4 1 5 2 6 3 7, so the two registers a lane takes from a row (words tq and tq + 4) are
 // one 8-byte local load, and the row stride is 40 words (a half-warp's 8-byte loads of rows
@@ -404,7 +423,16 @@ MATMUL_TILED_BEGIN
 #define SC_W(n, c) ((n) * 4 + (c))
 #define SC_X(t, c) ((t) * 4 + (c))
 #endif
-#define MMA_NT (TN / 32)                     // 8-slot MMA columns per warp
+// Warp w computes tokens 32 (w / MMA_WARPS_N) .. + 31 of the body's tokens (TM; the cp.async
+// body's MM_TPAIR: TM_G) and MMA_WN slots from MMA_WN (w % MMA_WARPS_N)
+#ifdef MMA_ASYNC_BODY
+#define MMA_TOKENS TM_G
+#else
+#define MMA_TOKENS TM
+#endif
+#define MMA_WARPS_N (8 / (MMA_TOKENS / 32))
+#define MMA_WN (TN / MMA_WARPS_N)
+#define MMA_NT (MMA_WN / 8)                  // 8-slot MMA columns per warp
 #ifdef W_QUANT
 #define STAGE_K 128
 #else
@@ -654,17 +682,23 @@ inline void put_w(const w_stage* r, int lid, __local uint* wq, __local float* wd
 }
 
 // Both tensor-core bodies end alike: the warps' accumulators into out [TM][TN] over the stages'
-// local memory (C fragment: rows gq, gq + 8, columns 2 tq, 2 tq + 1), then the tile's epilogue
+// local memory (C fragment: rows gq, gq + 8, columns 2 tq, 2 tq + 1), then the tile's epilogue;
+// a token tile at a time where the body's tokens are two tiles (MM_TPAIR, cp.async body)
 #define MMA_TILE_END                                                                           \
     __local float* out = (__local float*)lds;                                                  \
-    _Pragma("unroll") for (int mi = 0; mi < 2; mi++)                                           \
-    _Pragma("unroll") for (int ni = 0; ni < MMA_NT; ni++)                                      \
-    _Pragma("unroll") for (int i = 0; i < 4; i++)                                              \
-        out[(wm + 16 * mi + gq + 8 * (i >> 1)) * TN + wn + 8 * ni + 2 * tq + (i & 1)] = acc[mi][ni][i]; \
-    barrier(CLK_LOCAL_MEM_FENCE);                                                              \
-    MM_SPLIT_MERGE(out)                                                                        \
-    tile_epilogue(out, t0, rows, g, lid, e0b + e0_off, e1b + e1_off, e2b + e2_off, yb + y_off, N, \
-                  n_heads, n_kv_heads, hd, step);
+    for (int mt = 0; mt < MMA_TOKENS / TM; mt++) {                                             \
+        if (wm / TM == mt) {                                                                   \
+            _Pragma("unroll") for (int mi = 0; mi < 2; mi++)                                   \
+            _Pragma("unroll") for (int ni = 0; ni < MMA_NT; ni++)                              \
+            _Pragma("unroll") for (int i = 0; i < 4; i++)                                      \
+                out[(wm % TM + 16 * mi + gq + 8 * (i >> 1)) * TN + wn + 8 * ni + 2 * tq + (i & 1)] = acc[mi][ni][i]; \
+        }                                                                                      \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                          \
+        MM_SPLIT_MERGE(out, t0 / TM + mt)                                                      \
+        tile_epilogue(out, t0 + TM * mt, rows, g, lid, e0b + e0_off, e1b + e1_off, e2b + e2_off, \
+                      yb + y_off, N, n_heads, n_kv_heads, hd, step);                           \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                          \
+    }
 
 #ifndef MMA_ASYNC_BODY
 MATMUL_TILED_BEGIN
@@ -685,6 +719,7 @@ MATMUL_TILED_BEGIN
     __local int rowmap[TN];
     for (int n = lid; n < TN; n += 256) rowmap[n] = slot_row(g, n, TN, N, n_heads, n_kv_heads, hd);
 
+    TILE_LOOP_BEGIN
 #if defined(PROLOGUE_RMS) && !defined(X_STAGED_Q) && !defined(X_STAGED_H)   // staged x carries it
     for (int i = 0; i < TM / 8; i++) {   // warp w: tokens 8w.., each read along k, whole lines
         int tt = 8 * (lid >> 5) + i;
@@ -701,7 +736,7 @@ MATMUL_TILED_BEGIN
     barrier(CLK_LOCAL_MEM_FENCE);
 
     int lane = lid & 31, warp = lid >> 5, gq = lane >> 2, tq = lane & 3;
-    int wm = (warp >> 2) * 32, wn = (warp & 3) * (TN / 4);
+    int wm = (warp / MMA_WARPS_N) * 32, wn = (warp % MMA_WARPS_N) * MMA_WN;
     float acc[2][MMA_NT][4] = {{{0.0f}}};   // warp tile: 2 x 16 tokens, MMA_NT x 8 slots
 
     x_stage xr;
@@ -815,6 +850,7 @@ MATMUL_TILED_BEGIN
     }
 
     MMA_TILE_END
+    TILE_LOOP_END
 }
 #else  // MMA_ASYNC_BODY
 // f16 weights, staged f16 x, -DMMA_ASYNC: the same tiles and warps, fed as sm_80 GEMMs are.
@@ -824,14 +860,21 @@ MATMUL_TILED_BEGIN
 // fragments (four 8x8 halves matrices per instruction). Local rows are ASYNC_K halves plus 16
 // bytes of pad (80 bytes: a ldmatrix phase's 8 rows of 16 bytes land on distinct banks).
 // -DEMU_MMA: both run as plain copies and a local-memory exchange of row addresses.
+// -DASYNC_K=<16|32> -DASYNC_STAGES=<2..5> override the defaults below (codegen, MM_TPAIR).
+#ifndef ASYNC_K
 #define ASYNC_K 32
+#endif
+#ifndef ASYNC_STAGES
 #if TN == 64
 #define ASYNC_STAGES 4                       // 41 KB: three stages in flight behind the MMAs
 #else
 #define ASYNC_STAGES 3                       // 46 KB of the 48 KB a group may hold
 #endif
-#define ASYNC_ROW_W (ASYNC_K / 2 + 4)                       // words per local row
-#define ASYNC_STAGE_W ((TM + TN) * ASYNC_ROW_W)
+#endif
+#define ASYNC_ROW_W (ASYNC_K / 2 + 4)        // words per local row: 48 or 80 bytes, both
+                                             // put a ldmatrix phase's 8 rows on distinct banks
+#define ASYNC_UNITS (ASYNC_K / 8)            // 16-byte units per row
+#define ASYNC_STAGE_W ((TM_G + TN) * ASYNC_ROW_W)
 #define ASYNC_LDS_W (ASYNC_STAGES * ASYNC_STAGE_W > TM * TN ? ASYNC_STAGES * ASYNC_STAGE_W : TM * TN)
 
 #ifdef EMU_MMA
@@ -857,10 +900,16 @@ inline void cp_async16(__local uint* dst, __global const uint4* src, int live) {
                  :: "r"(SHARED_ADDR(dst)), "l"(src), "r"(live ? 16 : 0) : "memory");
 }
 #define CP_ASYNC_COMMIT() asm volatile("cp.async.commit_group;" ::: "memory")
-#if ASYNC_STAGES == 4                       // wait_group's count must be a literal: ASYNC_STAGES - 2
-#define CP_ASYNC_WAIT_PENDING() asm volatile("cp.async.wait_group 2;" ::: "memory")
-#else
+#if ASYNC_STAGES == 2                       // wait_group's count must be a literal: ASYNC_STAGES - 2
+#define CP_ASYNC_WAIT_PENDING() asm volatile("cp.async.wait_group 0;" ::: "memory")
+#elif ASYNC_STAGES == 3
 #define CP_ASYNC_WAIT_PENDING() asm volatile("cp.async.wait_group 1;" ::: "memory")
+#elif ASYNC_STAGES == 4
+#define CP_ASYNC_WAIT_PENDING() asm volatile("cp.async.wait_group 2;" ::: "memory")
+#elif ASYNC_STAGES == 5
+#define CP_ASYNC_WAIT_PENDING() asm volatile("cp.async.wait_group 3;" ::: "memory")
+#else
+#error "ASYNC_STAGES: 2 to 5"
 #endif
 #define CP_ASYNC_WAIT_ALL() asm volatile("cp.async.wait_group 0;" ::: "memory")
 #define LDMATRIX_X4(r, base, off)                                                              \
@@ -868,22 +917,22 @@ inline void cp_async16(__local uint* dst, __global const uint4* src, int live) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(SHARED_ADDR((base) + (off))))
 #endif
 
-// stage kt (from K value kb) into ring slot kt % ASYNC_STAGES: x row t = 16-byte units 4 t .. 4 t + 3
-// (thread e: row e / 4, unit e % 4), then the TN weight rows the same way
+// stage kt (from K value kb) into ring slot kt % ASYNC_STAGES: the TM_G x rows (thread e: row
+// e / ASYNC_UNITS, 16-byte unit e % ASYNC_UNITS), then the TN weight rows the same way
 inline void async_stage(__local uint* lds, gin sb, gin w, int t0, int rows, int K, int kb, int kt, int lid,
                         __local const int* rowmap) {
     __local uint* st = lds + (kt % ASYNC_STAGES) * ASYNC_STAGE_W;
     int k = kb + kt * ASYNC_K;
 #pragma unroll
-    for (int e = lid; e < (TM + TN) * 4; e += 256) {
-        int r = e >> 2, u = e & 3;
+    for (int e = lid; e < (TM_G + TN) * ASYNC_UNITS; e += 256) {
+        int r = e / ASYNC_UNITS, u = e % ASYNC_UNITS;
         __global const uint4* src;
         int live;
-        if (r < TM) {
+        if (r < TM_G) {
             live = t0 + r < rows;
             src = (__global const uint4*)(sb + 2 * ((size_t)(live ? t0 + r : 0) * K + k)) + u;
         } else {
-            int row = rowmap[r - TM];
+            int row = rowmap[r - TM_G];
             live = row >= 0;
             src = (__global const uint4*)(w + 2 * ((size_t)max(row, 0) * K + k)) + u;
         }
@@ -899,14 +948,15 @@ MATMUL_TILED_BEGIN
     __local int rowmap[TN];
     for (int n = lid; n < TN; n += 256) rowmap[n] = slot_row(g, n, TN, N, n_heads, n_kv_heads, hd);
     barrier(CLK_LOCAL_MEM_FENCE);
+    int t0 = t0g;                            // both token tiles at once (MM_TPAIR)
 
     int lane = lid & 31, warp = lid >> 5, gq = lane >> 2, tq = lane & 3;
-    int wm = (warp >> 2) * 32, wn = (warp & 3) * (TN / 4);
+    int wm = (warp / MMA_WARPS_N) * 32, wn = (warp % MMA_WARPS_N) * MMA_WN;
     float acc[2][MMA_NT][4] = {{{0.0f}}};   // warp tile: 2 x 16 tokens, MMA_NT x 8 slots
     // ldmatrix row addresses (words, within a stage): A, matrices (rows 0-7 | 8-15) x (k 0-7 |
     // 8-15) of 16 tokens; B, (k 0-7 | 8-15) x (slots 0-7 | 8-15) of 16 weight rows
     int a_off = (wm + (lane & 15)) * ASYNC_ROW_W + 4 * (lane >> 4);
-    int b_off = (TM + wn + (lane & 7) + 8 * (lane >> 4)) * ASYNC_ROW_W + 4 * ((lane >> 3) & 1);
+    int b_off = (TM_G + wn + (lane & 7) + 8 * (lane >> 4)) * ASYNC_ROW_W + 4 * ((lane >> 3) & 1);
 
     int nk = (ke - kb) / ASYNC_K;
     for (int s = 0; s < ASYNC_STAGES - 1; s++) {

@@ -311,6 +311,7 @@ def test_prefill_matmul_split_over_k_matches_interpreter(wdt, split, epilogue, b
         monkeypatch.setenv("LLMRS_OPENCL_NO_MMA", "1")   # NVIDIA too: the fp32 body
     monkeypatch.setattr(codegen, "TILE_SPLIT_K_F16", split)
     monkeypatch.setattr(codegen, "TILE_SPLIT_K_QUANT", split)
+    monkeypatch.setattr(codegen, "TILE_PAIR_F16", False)   # paired tiles: test_prefill_matmul_token_pairs_*
     monkeypatch.setattr(codegen, "TILE_N_MIN_GROUPS", 10 ** 6)   # always too few tiles: split
     launched = _record_launches(monkeypatch)
     b, got, want = _prefill_rms_matmul(wdt, epilogue, 70, 512, 272, seed=29, again=True)
@@ -342,6 +343,7 @@ def test_tensor_core_prefill_body_matches_interpreter(wdt, epilogue, variant, mo
     # through registers; f16 64-row tiles by cp.async too (4 stages; default: registers)
     from llmrs.compiler.codegen import opencl as codegen
     _emulate_mma(monkeypatch)
+    monkeypatch.setattr(codegen, "TILE_PAIR_F16", False)   # paired tiles: test_prefill_matmul_token_pairs_*
     if variant == "unpaired":
         monkeypatch.setattr(codegen, "MMA_PAIRED", False)
     if variant.startswith("wide"):   # 128-row tiles (f16: cp.async / ldmatrix, 3 stages)
@@ -362,6 +364,41 @@ def test_tensor_core_prefill_body_matches_interpreter(wdt, epilogue, variant, mo
     assert any("-DMMA_ASYNC" in o for kern, o, _ in launched if kern == "matmul_tiled") == \
         (wdt == "f16" and variant in ("wide", "async_all"))
     _close(got[0], want[0], 1e-3 if wdt == "f16" else _tol(wdt))   # f16: x rounded to f16
+
+
+# (body, epilogue, cp.async stage K, ring depth, split-K groups): the cp.async body (emulated off
+# NVIDIA) at both stage shapes, and the portable fp32 body, which takes the two tiles one after
+# the other; unsplit and split over K
+TOKEN_PAIR_CASES = [("mma", None, 32, 2, 1), ("mma", "silu_mul", 16, 3, 1), ("mma", "add", 32, 3, 1),
+                    ("fp32", "silu_mul", 32, 2, 1), ("mma", "add", 32, 2, 4), ("mma", "silu_mul", 16, 3, 2),
+                    ("fp32", None, 32, 2, 2)]
+
+
+@pytest.mark.parametrize("body,epilogue,stage_k,stages,split", TOKEN_PAIR_CASES,
+                         ids=[f"{b}-{e}-k{k}x{s}-s{sp}" for b, e, k, s, sp in TOKEN_PAIR_CASES])
+def test_prefill_matmul_token_pairs_match_interpreter(body, epilogue, stage_k, stages, split, monkeypatch):
+    # MM_TPAIR: a group takes two 64-token tiles. 130 of 131 rows: two pairs, the second holding
+    # a partial tile and an empty one; f16 weights, 128-row tiles, the RMS prologue through
+    # stage_x. Unsplit: K = 352 (11 stages of 32, 22 of 16). Split: K = 512 over `split` groups,
+    # each token tile of a pair merged on its own counter; the step runs twice, so a counter left
+    # at anything but 0 would show.
+    from llmrs.compiler.codegen import opencl as codegen
+    if body == "mma":
+        _emulate_mma(monkeypatch)
+    else:
+        monkeypatch.setenv("LLMRS_OPENCL_NO_MMA", "1")
+    monkeypatch.setattr(codegen, "TILE_N_MIN_GROUPS", 1 if split == 1 else 10 ** 6)
+    monkeypatch.setattr(codegen, "TILE_SPLIT_K_PAIR", split)
+    monkeypatch.setattr(codegen, "MMA_ASYNC_PAIR_K", stage_k)
+    monkeypatch.setattr(codegen, "MMA_ASYNC_PAIR_STAGES", stages)
+    launched = _record_launches(monkeypatch)
+    b, got, want = _prefill_rms_matmul("f16", epilogue, 131, 352 if split == 1 else 512, 272, seed=31,
+                                       again=split > 1)
+    (kern, options, kw), = [entry for entry in launched if entry[0] == "matmul_tiled"]
+    assert "-DMM_TPAIR" in options and "-DTN=128" in options and kw["row_tile"] == 128
+    assert (f"-DMM_SPLIT={split}" in options) == (split > 1) and kw["groups"] == 3 * split
+    assert ("-DUSE_NV_MMA" in b.build_options) == (body == "mma")
+    _close(got[0], want[0], 1e-3)
 
 
 @pytest.mark.parametrize("trim", [True, False])
