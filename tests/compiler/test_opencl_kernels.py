@@ -366,6 +366,23 @@ def test_tensor_core_prefill_body_matches_interpreter(wdt, epilogue, variant, mo
     _close(got[0], want[0], 1e-3 if wdt == "f16" else _tol(wdt))   # f16: x rounded to f16
 
 
+def test_prefill_tile_shapes_of_a_1b_layer():
+    # codegen's tile policy on Llama-3.2-1B's matmuls at prefill 512 (H200 round 13): f16 gate_up
+    # has groups to spare and pairs its token tiles; qkv / o / down must split K and keep
+    # unpaired tiles (pairs that split were slower); q4_0 never pairs, and halves narrow tiles
+    from llmrs.compiler.codegen import opencl as codegen
+    a = {"n_heads": 32, "n_kv_heads": 8, "head_dim": 64}
+    shapes = {"qkv": (2048, 3072, "rope_kv_store"), "o": (2048, 2048, "add"),
+              "gate_up": (2048, 16384, "silu_mul"), "down": (8192, 2048, "add")}
+    got = {(name, wt): codegen.tile_shape(512, k, n, wt, epi, a) for name, (k, n, epi) in shapes.items()
+           for wt in ("f16", "q4_0")}
+    assert got == {("qkv", "f16"): (128, 2, False), ("o", "f16"): (128, 2, False),
+                   ("gate_up", "f16"): (128, 1, True), ("down", "f16"): (128, 2, False),
+                   ("qkv", "q4_0"): (64, 1, False), ("o", "q4_0"): (64, 1, False),
+                   ("gate_up", "q4_0"): (128, 1, False), ("down", "q4_0"): (64, 1, False)}
+    assert codegen.tile_shape(64, 2048, 16384, "f16", "silu_mul", a)[2] is False   # one token tile: no pair
+
+
 # (body, epilogue, cp.async stage K, ring depth, split-K groups): the cp.async body (emulated off
 # NVIDIA) at both stage shapes, and the portable fp32 body, which takes the two tiles one after
 # the other; unsplit and split over K
@@ -388,6 +405,7 @@ def test_prefill_matmul_token_pairs_match_interpreter(body, epilogue, stage_k, s
     else:
         monkeypatch.setenv("LLMRS_OPENCL_NO_MMA", "1")
     monkeypatch.setattr(codegen, "TILE_N_MIN_GROUPS", 1 if split == 1 else 10 ** 6)
+    monkeypatch.setattr(codegen, "TILE_PAIR_SPLIT", split > 1)
     monkeypatch.setattr(codegen, "TILE_SPLIT_K_PAIR", split)
     monkeypatch.setattr(codegen, "MMA_ASYNC_PAIR_K", stage_k)
     monkeypatch.setattr(codegen, "MMA_ASYNC_PAIR_STAGES", stages)
