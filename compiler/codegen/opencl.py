@@ -125,6 +125,15 @@ TILE_PAIR_SPLIT = False       # paired tiles may split K (up to TILE_SPLIT_K_PAI
 TILE_SPLIT_K_PAIR = 4         # False: a matmul that must split keeps unpaired tiles
 MMA_ASYNC_PAIR_K = 32         # that body's stage (K values) and ring depth: 256 local rows of
 MMA_ASYNC_PAIR_STAGES = 2     # 80 bytes a stage (K 32: 2 stages, 40 KB; K 16: 48 bytes, 3, 36 KB)
+WGMMA_SWIZZLE = True          # that body under Hopper's wgmma (the runtime's -DUSE_NV_WGMMA): stages
+                              # in the 64 / 32-byte swizzled layouts; False: -DWG_NO_SWIZZLE, the
+                              # interleaved core matrices
+WGMMA_K = 32                  # its stage (K values; the ring holds as many as 40 KB allow) and the
+WGMMA_INFLIGHT = 0            # stages whose MMAs may still run while the next are issued (0 or 1).
+                              # H200 1B f16 prefill 512 (mma.sync: 7.90 ms): K 16, 1 in flight 7.94
+                              # ms; K 32, 0 in flight 7.39 (gate_up 2946, o + down 2580, qkv 924 us)
+WGMMA_COPY_BY_ROW = False     # its copies a row per lane (half sectors) instead of whole rows a warp
+                              # (K 16: 10.57 ms against 7.94)
 MMA_PREFETCH_QUANT = ""       # tensor-core matmul: stages fetched a stage ahead, x and/or w,
 MMA_PREFETCH_F16 = "xw"       # by weights (H200, prefill 512: q4_0 17.6 ms with none, 18.3 w,
                               # 21.6 xw; f16 15.8 ms with xw, 16.4 none, 17.5 w)
@@ -402,6 +411,11 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
                 options.append("-DMMA_PLAIN_STORES")
             if wt == "f16" and (MMA_ASYNC_F16 == "all" or (MMA_ASYNC_F16 == "wide" and tile_n == TILE_N_WIDE)):
                 options.append("-DMMA_ASYNC")
+                options += [f"-DWG_K={WGMMA_K}", f"-DWG_INFLIGHT={WGMMA_INFLIGHT}"]
+                if not WGMMA_SWIZZLE:
+                    options.append("-DWG_NO_SWIZZLE")
+                if WGMMA_COPY_BY_ROW:
+                    options.append("-DWG_COPY_BY_ROW")
             parts = split_parts_at(m, k, wt) + 4 * split * TILE_M * tile_n * tiles if split > 1 else 0
             staged = {"staging": max(staging_bytes(m, k, wt), parts)}
             ctx.launches.append(Launch(op.name, "matmul", "stage_x", options,

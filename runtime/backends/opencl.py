@@ -22,6 +22,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -210,7 +211,9 @@ def device_options(dev: Any) -> list[str]:
     capability 8.0+ the tensor-core bodies of the prefill matmul and attention (-DUSE_NV_MMA)
     (LLMRS_OPENCL_PORTABLE=1 keeps the portable C path, LLMRS_OPENCL_NO_MMA=1 only drops the
     tensor cores, for comparisons; LLMRS_OPENCL_EMULATE_MMA=1 runs the tensor-core bodies on any
-    device, their mma.sync emulated in C, for tests)."""
+    device, their mma.sync emulated in C, for tests). Compute capability 9.x adds Hopper's
+    warpgroup MMA to the f16 prefill matmul (-DUSE_NV_WGMMA; build_program assembles it for
+    sm_90a; LLMRS_OPENCL_NO_WGMMA=1 keeps mma.sync; LLMRS_OPENCL_EMULATE_WGMMA=1 emulates it)."""
     cl = _cl()
     opts = []
     if dev.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT:
@@ -219,8 +222,13 @@ def device_options(dev: Any) -> list[str]:
         opts.append("-DUSE_NV_PTX")
         if _nv_compute_capability(dev) >= (8, 0) and os.environ.get("LLMRS_OPENCL_NO_MMA", "") in ("", "0"):
             opts.append("-DUSE_NV_MMA")   # mma.sync m16n8k32 s8 / m16n8k16 f16 need sm_80
-    if os.environ.get("LLMRS_OPENCL_EMULATE_MMA", "") not in ("", "0") and "-DUSE_NV_MMA" not in opts:
+            if _nv_compute_capability(dev)[0] == 9 and os.environ.get("LLMRS_OPENCL_NO_WGMMA", "") in ("", "0"):
+                opts.append("-DUSE_NV_WGMMA")   # wgmma: sm_90a alone (not sm_100)
+    emulate = {name: os.environ.get(f"LLMRS_OPENCL_EMULATE_{name}", "") not in ("", "0") for name in ("MMA", "WGMMA")}
+    if (emulate["MMA"] or emulate["WGMMA"]) and "-DUSE_NV_MMA" not in opts:
         opts += ["-DUSE_NV_MMA", "-DEMU_MMA"]   # tests: the tensor-core bodies, emulated (common.cl)
+        if emulate["WGMMA"]:
+            opts.append("-DUSE_NV_WGMMA")
     return opts
 
 
@@ -248,6 +256,29 @@ def _build(prg: Any, **options: Any) -> Any:
         return prg.build(**options)
 
 
+_WGMMA_MARK = re.compile(r"// LLMRS_WGMMA_(FENCE|COMMIT|WAIT[01]|M64N(\d+)K16)([^\n]*)")
+
+
+def patch_wgmma_ptx(ptx: str) -> str:
+    """NVIDIA's OpenCL compiler emits PTX for sm_90, which has no wgmma; matmul.cl writes each
+    wgmma instruction as a comment of its inline asm (with the registers the compiler bound), and
+    this turns the comments into the instructions and the target into sm_90a."""
+    def one(m: re.Match) -> str:
+        what, n, ops = m.group(1), m.group(2), m.group(3)
+        if what == "FENCE":
+            return "wgmma.fence.sync.aligned;"
+        if what == "COMMIT":
+            return "wgmma.commit_group.sync.aligned;"
+        if what.startswith("WAIT"):
+            return f"wgmma.wait_group.sync.aligned {what[4]};"
+        regs = [o.strip() for o in ops.split(",")]
+        acc, (da, db, one_reg) = regs[:int(n) // 2], regs[int(n) // 2:]
+        return ("{ .reg .pred p; setp.ne.b32 p, %s, 0; wgmma.mma_async.sync.aligned.m64n%sk16.f32.f16.f16 "
+                "{%s}, %s, %s, p, 1, 1, 0, 0; }" % (one_reg, n, ", ".join(acc), da, db))
+    out = _WGMMA_MARK.sub(one, ptx)
+    return re.sub(r"^\.target sm_90\b(?!a)", ".target sm_90a", out, count=1, flags=re.M)
+
+
 def build_program(ctx: Any, dev: Any, source: str, options: list[str], label: str) -> Any:
     """A built program, from the on-disk cache (source hash + device) when it holds one."""
     cl = _cl()
@@ -261,6 +292,10 @@ def build_program(ctx: Any, dev: Any, source: str, options: list[str], label: st
             pass  # a stale or foreign binary: build from source below
     try:
         prg = _build(cl.Program(ctx, source), options=opts, devices=[dev])
+        if "-DUSE_NV_WGMMA" in options and "-DEMU_MMA" not in options:
+            ptx = prg.get_info(cl.program_info.BINARIES)[0].decode(errors="replace")
+            if "LLMRS_WGMMA_" in ptx:   # the PTX as a program binary: the driver assembles it
+                prg = _build(cl.Program(ctx, [dev], [patch_wgmma_ptx(ptx).encode()]), options=opts)
     except cl.Error as e:
         log = " ".join(str(e).split())
         raise OpenCLError(f"OpenCL build of {label} ({opts}) failed on {dev.name.strip()}: {log[:400]}") from None
@@ -470,17 +505,21 @@ class OpenCLBackend:
             key = (entry["family"], tuple(options))
             if key not in built:
                 src, opts = program["sources"][entry["family"]], options
-                try:
-                    built[key] = build_program(self.ctx, self.device, src, opts + extra, entry["family"])
-                except OpenCLError as err:
-                    if "-DUSE_NV_MMA" not in extra:
-                        raise
-                    # a driver whose PTX assembler rejects mma.sync still runs the fp32 body
-                    note = f"{err}; built without -DUSE_NV_MMA"
-                    warnings.warn(note)
-                    self.build_notes.append(note)
-                    built[key] = build_program(self.ctx, self.device, src,
-                                               opts + [o for o in extra if o != "-DUSE_NV_MMA"], entry["family"])
+                # a driver whose PTX assembler rejects wgmma still runs mma.sync, and one that
+                # rejects mma.sync the fp32 body
+                tries = [extra] + [[o for o in extra if o not in drop] for drop in
+                                   (("-DUSE_NV_WGMMA",), ("-DUSE_NV_WGMMA", "-DUSE_NV_MMA")) if drop[-1] in extra]
+                for i, opts_dev in enumerate(tries):
+                    try:
+                        built[key] = build_program(self.ctx, self.device, src, opts + opts_dev, entry["family"])
+                        break
+                    except OpenCLError as err:
+                        if i == len(tries) - 1:
+                            raise
+                        dropped = " ".join(o for o in tries[i] if o not in tries[i + 1])
+                        note = f"{err}; built without {dropped}"
+                        warnings.warn(note)
+                        self.build_notes.append(note)
             if entry["local"] > max_wg:
                 raise OpenCLError(f"kernel {entry['kernel']} of op {entry['op']} needs {entry['local']} "
                                   f"threads per group; {self.device_name} allows {max_wg}")

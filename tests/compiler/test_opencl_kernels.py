@@ -402,6 +402,7 @@ def test_prefill_matmul_token_pairs_match_interpreter(body, epilogue, stage_k, s
     from llmrs.compiler.codegen import opencl as codegen
     if body == "mma":
         _emulate_mma(monkeypatch)
+        monkeypatch.setenv("LLMRS_OPENCL_NO_WGMMA", "1")   # Hopper: mma.sync, not wgmma
     else:
         monkeypatch.setenv("LLMRS_OPENCL_NO_MMA", "1")
     monkeypatch.setattr(codegen, "TILE_N_MIN_GROUPS", 1 if split == 1 else 10 ** 6)
@@ -416,6 +417,46 @@ def test_prefill_matmul_token_pairs_match_interpreter(body, epilogue, stage_k, s
     assert "-DMM_TPAIR" in options and "-DTN=128" in options and kw["row_tile"] == 128
     assert (f"-DMM_SPLIT={split}" in options) == (split > 1) and kw["groups"] == 3 * split
     assert ("-DUSE_NV_MMA" in b.build_options) == (body == "mma")
+    _close(got[0], want[0], 1e-3)
+
+
+# (token tiles paired, split-K groups, weight rows per tile, epilogue, wgmma stage K, MMA stages
+# in flight, swizzled): each wgmma N (128 paired, 64 and 32 unpaired), merged splits, both stage
+# sizes and layouts, with and without a stage's MMAs running behind the next
+WGMMA_CASES = [(True, 1, 128, "silu_mul", 16, 1, True), (True, 2, 128, "add", 16, 1, True),
+               (False, 2, 128, None, 16, 1, True), (False, 1, 64, "add", 16, 1, True),
+               (True, 1, 128, None, 32, 0, True), (False, 2, 128, "add", 32, 1, False),
+               (True, 1, 128, "add", 16, 0, False)]
+
+
+@pytest.mark.parametrize("pair,split,tn,epilogue,wg_k,inflight,swizzle", WGMMA_CASES,
+                         ids=[f"{'pair' if p else 'single'}-s{s}-tn{t}-{e}-k{k}-i{i}-{'swz' if z else 'plain'}"
+                              for p, s, t, e, k, i, z in WGMMA_CASES])
+def test_prefill_matmul_wgmma_matches_interpreter(pair, split, tn, epilogue, wg_k, inflight, swizzle, monkeypatch):
+    # USE_NV_WGMMA: the f16 cp.async body multiplied by Hopper's warpgroup MMA from descriptors of
+    # its stage layouts; on the card its real wgmma (the PTX patched to sm_90a), elsewhere
+    # emulated in C from the same local memory. 130 of 131 rows, K = 512 (split: each group's
+    # share a whole number of stages); the step runs twice (split counters back at 0).
+    from llmrs.compiler.codegen import opencl as codegen
+    from llmrs.runtime.backends.opencl import device_options, pick_device
+    if "-DUSE_NV_MMA" in device_options(pick_device()) and "-DUSE_NV_WGMMA" not in device_options(pick_device()):
+        pytest.skip("tensor cores without wgmma (compute capability 8.x or 10+)")
+    monkeypatch.setenv("LLMRS_OPENCL_EMULATE_WGMMA", "1")
+    monkeypatch.setattr(codegen, "TILE_PAIR_F16", pair)
+    monkeypatch.setattr(codegen, "TILE_PAIR_SPLIT", pair and split > 1)
+    monkeypatch.setattr(codegen, "TILE_SPLIT_K_PAIR", split)
+    monkeypatch.setattr(codegen, "TILE_SPLIT_K_F16", split)
+    monkeypatch.setattr(codegen, "TILE_N_MIN_GROUPS", 1 if split == 1 and tn == 128 else 10 ** 6)
+    monkeypatch.setattr(codegen, "MMA_ASYNC_F16", "all" if tn == 64 else "wide")
+    monkeypatch.setattr(codegen, "WGMMA_K", wg_k)
+    monkeypatch.setattr(codegen, "WGMMA_INFLIGHT", inflight)
+    monkeypatch.setattr(codegen, "WGMMA_SWIZZLE", swizzle)
+    launched = _record_launches(monkeypatch)
+    b, got, want = _prefill_rms_matmul("f16", epilogue, 131, 512, 272, seed=37, again=True)
+    (kern, options, kw), = [entry for entry in launched if entry[0] == "matmul_tiled"]
+    assert f"-DTN={tn}" in options and "-DMMA_ASYNC" in options and ("-DMM_TPAIR" in options) == pair
+    assert (f"-DMM_SPLIT={split}" in options) == (split > 1)
+    assert "-DUSE_NV_WGMMA" in b.build_options
     _close(got[0], want[0], 1e-3)
 
 

@@ -296,3 +296,23 @@ def test_a_build_with_compiler_remarks_warns_nobody_unless_asked(opencl_device, 
     monkeypatch.setenv("PYOPENCL_COMPILER_OUTPUT", "1")
     with pytest.warns(cl.CompilerWarning, match="a remark"):
         build_program(ctx, opencl_device, source + "\n", [], "remark")
+
+
+def test_wgmma_comments_become_instructions_and_the_target_sm_90a():
+    # matmul.cl writes each wgmma as a comment of its inline asm (sm_90's assembler has none);
+    # patch_wgmma_ptx makes them the instructions, with the registers the compiler bound, in order
+    from llmrs.runtime.backends.opencl import patch_wgmma_ptx
+    acc = [f"%f{i}" for i in range(100, 116)]
+    ptx = "\n".join([".version 9.0", ".target sm_90, texmode_independent", ".address_size 64",
+                     "\t// LLMRS_WGMMA_FENCE " + ",".join(acc),
+                     "\t// LLMRS_WGMMA_M64N32K16 " + ",".join(acc) + ",%rd7,%rd8,%r3",
+                     "\t// LLMRS_WGMMA_COMMIT", "\t// LLMRS_WGMMA_WAIT1 " + ",".join(acc),
+                     "\t// LLMRS_WGMMA_WAIT0 " + ",".join(acc), "\tret;"])
+    out = patch_wgmma_ptx(ptx).splitlines()
+    assert out[1] == ".target sm_90a, texmode_independent" and "LLMRS" not in "\n".join(out)
+    assert out[3:5] == ["\twgmma.fence.sync.aligned;",
+                        "\t{ .reg .pred p; setp.ne.b32 p, %r3, 0; wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
+                        + ", ".join(acc) + "}, %rd7, %rd8, p, 1, 1, 0, 0; }"]
+    assert out[5:8] == ["\twgmma.commit_group.sync.aligned;", "\twgmma.wait_group.sync.aligned 1;",
+                        "\twgmma.wait_group.sync.aligned 0;"]
+    assert patch_wgmma_ptx(".target sm_90a\n") == ".target sm_90a\n"   # already retargeted: kept
