@@ -1,6 +1,8 @@
 // Prefill matmul; weight blocks, slot_row() and epilogue() come from matmul_common.cl.
-// Two bodies with one grid and one epilogue: the tensor-core body (USE_NV_MMA, below) for
-// q4_0 / q4_1 / q8_0 / f16 weights on NVIDIA, the portable fp32 body for everything else.
+// Bodies with one grid and one epilogue: the tensor-core bodies (USE_NV_MMA, below) for
+// q4_0 / q4_1 / q8_0 / f16 weights on NVIDIA (mma.sync with register-staged stages; f16 with
+// -DMMA_ASYNC: cp.async stages and ldmatrix, or on Hopper, -DUSE_NV_WGMMA, wgmma), the portable
+// fp32 body for everything else.
 
 // Prefill: a TM-token x TN-row tile per group, K walked one 32-value block at a time through
 // local memory (each block of a token is one Q8_0 block; Q8_1, with its s, for q4_1 weights; with
