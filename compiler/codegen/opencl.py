@@ -120,9 +120,11 @@ MMA_ASYNC_F16 = "wide"        # tensor-core body, f16 weights: stages copied by 
                               # tiles, K up to 8192) 3.00 -> 3.23 ms
 TILE_PAIR_F16 = True          # f16 weights, cp.async body, more than one token tile: a group
                               # takes two token tiles (matmul.cl MM_TPAIR; row_tile 128), the
-                              # cp.async body as one 128-token tile of 32 x 64 warp tiles
+                              # cp.async body as one 128-token tile of 32 x 64 warp tiles (H200 1B
+                              # f16 prefill 512, mma.sync: gate_up 3172 -> 2996 us, 8.03 -> 7.87 ms)
 TILE_PAIR_SPLIT = False       # paired tiles may split K (up to TILE_SPLIT_K_PAIR groups a tile);
-TILE_SPLIT_K_PAIR = 4         # False: a matmul that must split keeps unpaired tiles
+TILE_SPLIT_K_PAIR = 4         # False: a matmul that must split keeps unpaired tiles (True: o_proj +
+                              # down_proj 2689 -> 3034 us with mma.sync, 2580 -> 4918 with wgmma)
 MMA_ASYNC_PAIR_K = 32         # that body's stage (K values) and ring depth: 256 local rows of
 MMA_ASYNC_PAIR_STAGES = 2     # 80 bytes a stage (K 32: 2 stages, 40 KB; K 16: 48 bytes, 3, 36 KB)
 WGMMA_SWIZZLE = True          # that body under Hopper's wgmma (the runtime's -DUSE_NV_WGMMA): stages
