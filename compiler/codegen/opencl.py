@@ -134,8 +134,6 @@ WGMMA_K = 32                  # its stage (K values; the ring holds as many as 4
 WGMMA_INFLIGHT = 0            # stages whose MMAs may still run while the next are issued (0 or 1).
                               # H200 1B f16 prefill 512 (mma.sync: 7.90 ms): K 16, 1 in flight 7.94
                               # ms; K 32, 0 in flight 7.39 (gate_up 2946, o + down 2580, qkv 924 us)
-WGMMA_COPY_BY_ROW = False     # its copies a row per lane (half sectors) instead of whole rows a warp
-                              # (K 16: 10.57 ms against 7.94)
 MMA_PREFETCH_QUANT = ""       # tensor-core matmul: stages fetched a stage ahead, x and/or w,
 MMA_PREFETCH_F16 = "xw"       # by weights (H200, prefill 512: q4_0 17.6 ms with none, 18.3 w,
                               # 21.6 xw; f16 15.8 ms with xw, 16.4 none, 17.5 w)
@@ -379,8 +377,9 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
         prefetch = MMA_PREFETCH_QUANT if wt in QUANT_TYPES else MMA_PREFETCH_F16
         options += [f"-DMMA_PREFETCH_{part.upper()}" for part in prefetch]
     rw = tile_n if tiled else mv_rows
+    row_groups = _row_groups(epi, rw, n, a, rope_heads)
     # 64-token tiles (split-K's counters and partials), paired ones two by two
-    tiles = _row_groups(epi, rw, n, a, rope_heads) * (2 * math.ceil(m / (2 * TILE_M)) if pair else math.ceil(m / TILE_M))
+    tiles = row_groups * (2 * math.ceil(m / (2 * TILE_M)) if pair else math.ceil(m / TILE_M))
     if pair:
         options += ["-DMM_TPAIR", f"-DASYNC_K={MMA_ASYNC_PAIR_K}", f"-DASYNC_STAGES={MMA_ASYNC_PAIR_STAGES}"]
     if not tiled:
@@ -416,8 +415,6 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
                 options += [f"-DWG_K={WGMMA_K}", f"-DWG_INFLIGHT={WGMMA_INFLIGHT}"]
                 if not WGMMA_SWIZZLE:
                     options.append("-DWG_NO_SWIZZLE")
-                if WGMMA_COPY_BY_ROW:
-                    options.append("-DWG_COPY_BY_ROW")
             parts = split_parts_at(m, k, wt) + 4 * split * TILE_M * tile_n * tiles if split > 1 else 0
             staged = {"staging": max(staging_bytes(m, k, wt), parts)}
             ctx.launches.append(Launch(op.name, "matmul", "stage_x", options,
@@ -428,7 +425,7 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
             args += [staged, {"scratch": 4 * tiles}]
     ctx.launches.append(Launch(op.name, "matmul" if tiled else "matvec", "matmul_tiled" if tiled else "matvec",
                                options, args,
-                               local=256 if tiled else mv_wg, groups=_row_groups(epi, rw, n, a, rope_heads) * split,
+                               local=256 if tiled else mv_wg, groups=row_groups * split,
                                rows=m, row_tile=(2 * TILE_M if pair else TILE_M) if tiled else 1))
 
 

@@ -276,7 +276,7 @@ def patch_wgmma_ptx(ptx: str) -> str:
         return ("{ .reg .pred p; setp.ne.b32 p, %s, 0; wgmma.mma_async.sync.aligned.m64n%sk16.f32.f16.f16 "
                 "{%s}, %s, %s, p, 1, 1, 0, 0; }" % (one_reg, n, ", ".join(acc), da, db))
     out = _WGMMA_MARK.sub(one, ptx)
-    return re.sub(r"^\.target sm_90\b(?!a)", ".target sm_90a", out, count=1, flags=re.M)
+    return re.sub(r"^\.target sm_90\b", ".target sm_90a", out, count=1, flags=re.M)
 
 
 def build_program(ctx: Any, dev: Any, source: str, options: list[str], label: str) -> Any:

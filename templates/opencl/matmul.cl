@@ -919,6 +919,19 @@ inline void cp_async16(__local uint* dst, __global const uint4* src, int live) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(SHARED_ADDR((base) + (off))))
 #endif
 
+// 16-byte unit u of K values k.. of a stage's row r: x row t0 + r (r < TM_G), else the weight row
+// of slot r - TM_G; *live is 0 for tokens past the step and slots past N (copied as zeros)
+inline __global const uint4* stage_src(gin sb, gin w, int t0, int rows, int K, int k, int r, int u,
+                                       __local const int* rowmap, int* live) {
+    if (r < TM_G) {
+        *live = t0 + r < rows;
+        return (__global const uint4*)(sb + 2 * ((size_t)(*live ? t0 + r : 0) * K + k)) + u;
+    }
+    int row = rowmap[r - TM_G];
+    *live = row >= 0;
+    return (__global const uint4*)(w + 2 * ((size_t)max(row, 0) * K + k)) + u;
+}
+
 // stage kt (from K value kb) into ring slot kt % ASYNC_STAGES: the TM_G x rows (thread e: row
 // e / ASYNC_UNITS, 16-byte unit e % ASYNC_UNITS), then the TN weight rows the same way
 inline void async_stage(__local uint* lds, gin sb, gin w, int t0, int rows, int K, int kb, int kt, int lid,
@@ -928,16 +941,8 @@ inline void async_stage(__local uint* lds, gin sb, gin w, int t0, int rows, int 
 #pragma unroll
     for (int e = lid; e < (TM_G + TN) * ASYNC_UNITS; e += 256) {
         int r = e / ASYNC_UNITS, u = e % ASYNC_UNITS;
-        __global const uint4* src;
         int live;
-        if (r < TM_G) {
-            live = t0 + r < rows;
-            src = (__global const uint4*)(sb + 2 * ((size_t)(live ? t0 + r : 0) * K + k)) + u;
-        } else {
-            int row = rowmap[r - TM_G];
-            live = row >= 0;
-            src = (__global const uint4*)(w + 2 * ((size_t)max(row, 0) * K + k)) + u;
-        }
+        __global const uint4* src = stage_src(sb, w, t0, rows, K, k, r, u, rowmap, &live);
         cp_async16(st + r * ASYNC_ROW_W + 4 * u, src, live);
     }
 }
@@ -1087,31 +1092,18 @@ inline ulong wg_desc(__local const uchar* p) {
 #endif
 
 // stage kt into ring slot kt % WG_STAGES in wgmma's layout; thread e: row e / WG_UNITS, unit
-// e % WG_UNITS, so a warp reads whole rows (full 32-byte sectors) and, in the swizzled layouts,
-// a quarter-warp's 16-byte stores fill 128 contiguous bytes (-DWG_COPY_BY_ROW: lane e takes row
-// e % R, unit e / R: 8 consecutive rows a quarter-warp, conflict-free in both layouts, half
-// sectors from global memory)
+// e % WG_UNITS, so a warp reads whole rows (full 32-byte sectors; a lane a row, half sectors,
+// made the body 33% slower) and, in the swizzled layouts, a quarter-warp's 16-byte stores fill
+// 128 contiguous bytes
 inline void wg_stage(__local uchar* lds, gin sb, gin w, int t0, int rows, int K, int kb, int kt, int lid,
                      __local const int* rowmap) {
     __local uchar* st = lds + (kt % WG_STAGES) * WG_STAGE_BYTES;
     int k = kb + kt * WG_K;
 #pragma unroll
     for (int e = lid; e < (TM_G + TN) * WG_UNITS; e += 256) {
-#ifdef WG_COPY_BY_ROW
-        int r = e % (TM_G + TN), u = e / (TM_G + TN);
-#else
         int r = e / WG_UNITS, u = e % WG_UNITS;
-#endif
-        __global const uint4* src;
         int live;
-        if (r < TM_G) {
-            live = t0 + r < rows;
-            src = (__global const uint4*)(sb + 2 * ((size_t)(live ? t0 + r : 0) * K + k)) + u;
-        } else {
-            int row = rowmap[r - TM_G];
-            live = row >= 0;
-            src = (__global const uint4*)(w + 2 * ((size_t)max(row, 0) * K + k)) + u;
-        }
+        __global const uint4* src = stage_src(sb, w, t0, rows, K, k, r, u, rowmap, &live);
         cp_async16((__local uint*)(st + WG_OFF(r, u)), src, live);
     }
 }

@@ -439,7 +439,8 @@ def test_prefill_matmul_wgmma_matches_interpreter(pair, split, tn, epilogue, wg_
     # share a whole number of stages); the step runs twice (split counters back at 0).
     from llmrs.compiler.codegen import opencl as codegen
     from llmrs.runtime.backends.opencl import device_options, pick_device
-    if "-DUSE_NV_MMA" in device_options(pick_device()) and "-DUSE_NV_WGMMA" not in device_options(pick_device()):
+    device = device_options(pick_device())
+    if "-DUSE_NV_MMA" in device and "-DUSE_NV_WGMMA" not in device:
         pytest.skip("tensor cores without wgmma (compute capability 8.x or 10+)")
     monkeypatch.setenv("LLMRS_OPENCL_EMULATE_WGMMA", "1")
     monkeypatch.setattr(codegen, "TILE_PAIR_F16", pair)
