@@ -34,6 +34,7 @@ import numpy as np
 from ...compiler.ir import Graph, IRError, storage_shape
 from ..plan import Plan
 from .opencl_launch import CommandBuffer, DirectLaunches, OpenCLError
+from .opencl_probe import FIX as PROBE_FIX, is_pocl, why_unusable
 
 ALIGN = 64
 GREEDY_MAX_STEPS = 4096   # run_greedy_steps: tokens one batch may produce
@@ -96,24 +97,32 @@ def list_devices() -> list[tuple[str, Any]]:
     return found
 
 
-def _compiles(dev: Any) -> bool:
-    """Whether the device's compiler builds a trivial kernel: PoCL's LLVM cannot name CPUs newer
-    than itself (the PyPI PoCL on a Zen 5 asks clang for target CPU 'generic' and fails)."""
+def _why_unusable(dev: Any) -> str:
+    """"" where the device builds and runs kernels here, else why not. PoCL is asked in a child
+    process (opencl_probe.py: pip's PoCL can abort the whole process); others build a probe here."""
+    if is_pocl(dev):
+        return why_unusable(dev)
     cl = _cl()
     try:
         _build(cl.Program(cl.Context([dev]), "__kernel void probe(__global int *x) { x[0] = 1; }"))
-        return True
+        return ""
     except cl.Error:
-        return False
+        return "its compiler cannot build a probe kernel"
+
+
+def _unusable_error(found: list[tuple[str, str]]) -> OpenCLError:
+    return OpenCLError("no OpenCL device here can run kernels ("
+                       + "; ".join(f"{n}: {why}" for n, why in found) + f"): {PROBE_FIX}")
 
 
 def _first_working_cpu(found: list[tuple[str, Any]]) -> tuple[str, Any]:
+    refused = []
     for name, dev in found:
-        if _compiles(dev):
+        why = _why_unusable(dev)
+        if not why:
             return name, dev
-    raise OpenCLError("no OpenCL device here can build kernels (" + "; ".join(n for n, _ in found)
-                      + "): pip's PoCL has an LLVM older than this CPU; apt-get install pocl-opencl-icd "
-                      "(Debian's PoCL), or a GPU driver's OpenCL ICD")
+        refused.append((name, why))
+    raise _unusable_error(refused)
 
 
 def pick_device(device: int | str | None = None) -> Any:
@@ -135,12 +144,21 @@ def pick_device(device: int | str | None = None) -> Any:
         if not 0 <= i < len(found):
             raise OpenCLError(f"OpenCL device index {i} is out of range; devices: "
                               + "; ".join(f"{j}: {n}" for j, (n, _) in enumerate(found)))
-        return found[i][1]
-    hits = [d for n, d in found if str(want).lower() in n.lower()]
+        return _checked(*found[i])
+    hits = [(n, d) for n, d in found if str(want).lower() in n.lower()]
     if not hits:
         raise OpenCLError(f"no OpenCL device matches {want!r}; devices: "
                           + "; ".join(f"{j}: {n}" for j, (n, _) in enumerate(found)))
-    return hits[0]
+    return _checked(*hits[0])
+
+
+def _checked(name: str, dev: Any) -> Any:
+    """A device the user named, refused with the fix where it cannot run kernels here (PoCL only:
+    a GPU driver's compiler is left to report its own errors)."""
+    why = why_unusable(dev)
+    if why:
+        raise _unusable_error([(name, why)])
+    return dev
 
 
 # -- memory regions ---------------------------------------------------------------------------
@@ -215,7 +233,7 @@ def device_options(dev: Any) -> list[str]:
     warpgroup MMA to the f16 prefill matmul (-DUSE_NV_WGMMA; build_program assembles it for
     sm_90a; LLMRS_OPENCL_NO_WGMMA=1 keeps mma.sync; LLMRS_OPENCL_EMULATE_WGMMA=1 emulates it)."""
     cl = _cl()
-    opts = []
+    opts = ["-w"] if is_pocl(dev) else []   # pip's PoCL prints "N warnings generated." per kernel
     if dev.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT:
         opts.append("-cl-fp32-correctly-rounded-divide-sqrt")  # Q8_0 scales round as numpy's
     if "NVIDIA" in dev.platform.vendor.upper() and os.environ.get("LLMRS_OPENCL_PORTABLE", "") in ("", "0"):

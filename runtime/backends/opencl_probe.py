@@ -1,0 +1,146 @@
+"""Whether a PoCL device can build and run kernels in a process that also holds llvmlite's LLVM,
+asked of a child process once per machine and cached.
+
+Why a child: pip's PoCL carries its own LLVM 14. On a CPU newer than that LLVM (a Zen 5) every
+build fails, which an in-process build sees; but on others (a Zen 4 with AVX-512) kernels build
+and run, and the process then aborts when PoCL releases its last context ("still have references
+to IRs - can't release LLVM context !", SIGABRT), after the answer is printed. No in-process check
+survives that, so a child runs the whole life of an OpenCL user beside an llvmlite JIT (build,
+run, release, a second context, exit), and only a child that exits cleanly clears the device.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+PROBE_TIMEOUT_S = 120
+FIX = ("pip's PoCL has an LLVM older than this CPU; apt-get install pocl-opencl-icd (Debian's PoCL), "
+       "or a GPU driver's OpenCL ICD")
+
+_SOURCE = """
+__kernel void probe(__global float *x, __global const float4 *y) {
+    size_t i = get_global_id(0);
+    x[i] = dot(y[i], y[i]) + native_sqrt((float)i);
+}
+"""
+_verdicts: dict[str, str] = {}   # key -> "" (usable) or why not, for this process
+
+
+def is_pocl(dev: Any) -> bool:
+    return "portable computing language" in dev.platform.name.lower()
+
+
+def _key(dev: Any) -> str:
+    import llvmlite
+
+    return "|".join([dev.platform.name, dev.platform.version, dev.name, dev.driver_version,
+                     f"llvmlite {llvmlite.__version__}", sys.executable])
+
+
+def _cache_file() -> Path:
+    return Path(os.environ.get("LLMRS_CACHE_DIR") or Path.home() / ".cache" / "llmrs") / "opencl" / "probe.json"
+
+
+def _read_cache() -> dict[str, str]:
+    try:
+        data = json.loads(_cache_file().read_text())
+        return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(key: str, verdict: str) -> None:
+    path = _cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _read_cache()
+        data[key] = verdict
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass    # a read-only cache only costs a probe per process
+
+
+def _run_child(platform: str, device: str) -> subprocess.CompletedProcess:
+    code = ("import sys; from llmrs.runtime.backends.opencl_probe import child; "
+            "child(sys.argv[1], sys.argv[2])")
+    return subprocess.run([sys.executable, "-c", code, platform, device], capture_output=True,
+                          text=True, errors="replace", timeout=PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
+
+
+def why_unusable(dev: Any) -> str:
+    """"" where `dev` can run kernels in this process; else the reason, in a few words. Devices
+    other than PoCL's are not probed (their compilers share no LLVM with llvmlite)."""
+    if not is_pocl(dev):
+        return ""
+    key = _key(dev)
+    if key in _verdicts:
+        return _verdicts[key]
+    cached = _read_cache()
+    if key in cached:
+        _verdicts[key] = cached[key]
+        return cached[key]
+    try:
+        done = _run_child(dev.platform.name, dev.name)
+        lines = [ln.strip() for ln in (done.stderr or "").splitlines() if ln.strip()]
+        if done.returncode == 0 and "probe ok" in done.stdout:
+            verdict = ""
+        elif done.returncode < 0 or done.returncode >= 128:
+            sig = -done.returncode if done.returncode < 0 else done.returncode - 128
+            last = next((ln for ln in reversed(lines) if "IRs" in ln or "LLVM" in ln), "")
+            verdict = f"a process using it dies with signal {sig}" + (f" ({last})" if last else "")
+        else:
+            verdict = "its compiler cannot build kernels for this CPU" if any(
+                "build" in ln.lower() for ln in lines) else f"a probe exited with {done.returncode}"
+    except subprocess.TimeoutExpired:
+        verdict = f"a probe did not finish in {PROBE_TIMEOUT_S} s"
+    _verdicts[key] = verdict
+    _write_cache(key, verdict)
+    return verdict
+
+
+def child(platform: str, device: str) -> None:
+    """The probe itself (in the child): an llvmlite JIT, as the CPU back end makes, then OpenCL
+    on the named device twice over, each time built, run, checked and released."""
+    import numpy as np
+    import llvmlite.binding as llvm
+    import pyopencl as cl
+
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    module = llvm.parse_assembly("define i32 @inc(i32 %x) {\n %y = add i32 %x, 1\n ret i32 %y\n}")
+    machine = llvm.Target.from_default_triple().create_target_machine()
+    jit = llvm.create_mcjit_compiler(module, machine)
+    jit.finalize_object()
+    dev = next(d for p in cl.get_platforms() if p.name == platform for d in p.get_devices() if d.name == device)
+    y = (np.arange(64 * 4, dtype=np.float32) % 7 + 1).reshape(64, 4)
+    want = (y * y).sum(1) + np.sqrt(np.arange(64, dtype=np.float32))
+    for _ in range(2):
+        ctx = cl.Context([dev])
+        queue = cl.CommandQueue(ctx)
+        try:
+            prg = cl.Program(ctx, _SOURCE).build(options="-w")
+        except cl.Error as e:
+            print(f"build failed: {' '.join(str(e).split())[:200]}", file=sys.stderr)
+            sys.exit(3)
+        mf = cl.mem_flags
+        x = cl.Buffer(ctx, mf.WRITE_ONLY, 64 * 4)
+        yb = cl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=y)
+        prg.probe(queue, (64,), None, x, yb)
+        got = np.empty(64, np.float32)
+        cl.enqueue_copy(queue, got, x)
+        queue.finish()
+        if not np.allclose(got, want, rtol=1e-4):
+            print("wrong results from the probe kernel", file=sys.stderr)
+            sys.exit(4)
+        del prg, x, yb, queue, ctx
+    del jit
+    print("probe ok", flush=True)
+
+
+__all__ = ["FIX", "is_pocl", "why_unusable"]
