@@ -10,7 +10,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..models.rope import apply_rope, rope_angles, rope_inv_freq
+from .rope import apply_rope, rope_angles, rope_inv_freq
 from . import quant
 from .ir import Graph, IRError, Op, storage_shape
 

@@ -24,7 +24,7 @@ import gguf
 from gguf import GGMLQuantizationType as GT
 
 from .config import LlamaConfig, ModelError
-from .rope import rope_inv_freq
+from ..compiler.rope import rope_inv_freq
 
 NATIVE = {GT.F32: "f32", GT.F16: "f16", GT.BF16: "bf16", GT.Q4_0: "q4_0", GT.Q4_1: "q4_1", GT.Q8_0: "q8_0"}
 

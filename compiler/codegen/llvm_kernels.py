@@ -6,7 +6,7 @@ import math
 
 import llvmlite.ir as ir
 
-from ...models.rope import rope_inv_freq
+from ..rope import rope_inv_freq
 from ..ir import QK, Graph, Op
 from .llvm_builder import F32, I8, I32, KernelBuilder, tail_widths, vec
 from .llvm_matmul import (BLOCK_BYTES, MatmulSpec, cache_row_bytes, check_matmul, emit_matmul,

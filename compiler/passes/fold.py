@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...models.rope import rope_inv_freq
+from ..rope import rope_inv_freq
 from ..ir import Graph, LazyTensor
 
 INV_FREQ = "rope.inv_freq"

@@ -9,7 +9,7 @@ import numpy as np
 from llmrs.compiler import quant
 from llmrs.compiler.interpret import OPS, Interpreter, Step
 from llmrs.compiler.ir import Graph, LazyTensor, Op, storage_shape
-from llmrs.models.rope import rope_inv_freq
+from llmrs.compiler.rope import rope_inv_freq
 
 
 @dataclass

@@ -4,7 +4,7 @@ import numpy as np
 
 from llmrs.compiler.passes.fold import INV_FREQ, fold
 from llmrs.models.llama import build_graphs, load_model
-from llmrs.models.rope import rope_inv_freq
+from llmrs.compiler.rope import rope_inv_freq
 
 from ..conftest import rel_err, run_steps
 

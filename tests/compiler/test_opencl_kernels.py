@@ -19,7 +19,7 @@ import pytest
 from llmrs.compiler import quant
 from llmrs.compiler.interpret import OPS, Interpreter, Step
 from llmrs.compiler.ir import Graph, LazyTensor
-from llmrs.models.rope import rope_inv_freq
+from llmrs.compiler.rope import rope_inv_freq
 
 cl = pytest.importorskip("pyopencl")
 from llmrs.runtime.backends.opencl import OpenCLBackend, device_options, pick_device  # noqa: E402

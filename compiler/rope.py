@@ -1,4 +1,5 @@
-"""RoPE frequencies as Hugging Face computes them (default and `llama3` scaling), in float32."""
+"""The `rope` op's semantics (compiler/ir.py): frequencies as Hugging Face computes them (default and
+`llama3` scaling) in float32, the angles, and the rotation the interpreter, fold and codegen share."""
 from __future__ import annotations
 
 import math
