@@ -17,6 +17,7 @@ import numpy as np
 from ..compiler.cliutil import OneLineParser, check_output_file
 from ..compiler.summary import decode_weight_bytes
 from . import ceilings
+from .ceilings import sig
 from .backends.cpu import physical_cores
 from .engine import Engine, Stats
 from .plan import Plan, PlanError
@@ -85,11 +86,6 @@ def _sizes(text: str) -> list[int]:
     if not sizes or sizes[0] < 1:
         raise BenchError(f"--prefill {text!r}: token counts must be at least 1")
     return sizes
-
-
-def sig(x: float, digits: int = 4) -> float:
-    """x to `digits` significant digits: a ratio of a tiny model is as exact as a large one's."""
-    return float(f"{x:.{digits}g}")
 
 
 def say(msg: str) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 from ..compiler.interpret import Step
 from ..compiler.ir import Graph, Op, storage_shape
 from . import check
+from .ceilings import sig
 
 REPEATS_HI = 4   # kernel calls in the longer CPU step function (the shorter one makes 1)
 
@@ -191,8 +192,6 @@ def time_kernels(plan: Any, backend: str, ceilings: dict[str, float], context: i
     """Every distinct kernel of the plan on `backend`, with GB/s and GFLOP/s against `ceilings`
     (read_gbs or device_copy_gbps, gemm_gflops)."""
     import json
-
-    from .bench import sig
 
     kernels = check.plan_kernels(plan.graphs())
     program = json.loads(bytes(plan.section("opencl")).decode()) if backend == "opencl" else None

@@ -27,6 +27,11 @@ from ..compiler.cliutil import OneLineParser
 from .backends.cpu import physical_cores
 
 
+def sig(x: float, digits: int = 4) -> float:
+    """x to `digits` significant digits: a ratio of a tiny model is as exact as a large one's."""
+    return float(f"{x:.{digits}g}")
+
+
 def _read_kernel() -> tuple[Any, Callable[[int, int], int]]:
     """i64 read_sum(ptr p, i64 nbytes): sums nbytes (a multiple of 4 vectors) as wide vectors,
     4 independent accumulators so the loads are not serialised."""
