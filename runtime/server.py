@@ -5,13 +5,14 @@ It serves one plan, so a request's `model` may name anything: answers carry the 
 Built on starlette (routing, requests, responses) and uvicorn (the HTTP server): a small, widely used
 pair, and the one FastAPI itself stands on; both are the optional extra `llmrs[serve]`.
 
-One model, one KV cache, so one generation at a time: requests wait their turn in arrival order on an
+One model, one KV cache, so one generation at a time: requests, once read, wait their turn in order on an
 asyncio lock, and each generation runs one piece at a time on a worker thread while the event loop
 keeps reading sockets. Everything else that costs CPU (parsing a body, rendering a chat, tokenizing)
 runs on a worker thread too, so a big prompt never stalls the requests behind it; a body is read
 with a running count and refused (413) the moment it passes the limit, however it is sent. A client
 that goes away stops its generation after the current token. The cache is kept between requests, so
-a client that re-sends a growing conversation prefills only the new turn. Every error is OpenAI's JSON shape: {"error": {"message", "type", "param", "code"}}.
+a client that re-sends a growing conversation prefills only the new turn. Every error is OpenAI's
+JSON shape: {"error": {"message", "type", "param", "code"}}.
 
 Loopback keeps other machines out but not web pages: any page the user opens may POST to 127.0.0.1
 (a "simple" cross-origin request runs without asking) and, by rebinding its own name to 127.0.0.1,

@@ -350,7 +350,7 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(srv, chunked):
     srv.idle()
     read_before, offered = srv.read["bytes"], 3 * LIMIT
     framing = b"Transfer-Encoding: chunked" if chunked else b"Content-Length: %d" % offered
-    piece = b'{"prompt": "' + b"ab" * (1 << 19)     # 1 MiB
+    piece = (b'{"prompt": "' + b"ab" * (1 << 19))[:1 << 20]
     sent, end = 0, time.monotonic() + 30
     with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -363,7 +363,7 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(srv, chunked):
             except (BrokenPipeError, ConnectionResetError):     # it refused and hung up
                 break
             sent += len(piece)
-        if sent == offered and chunked:
+        if sent >= offered and chunked:
             sock.sendall(b"0\r\n\r\n")
         status, headers, content = _response(sock)
     read = srv.read["bytes"] - read_before
@@ -460,7 +460,8 @@ def test_a_page_from_another_origin_runs_nothing_and_this_machines_pages_get_cor
     # what any web page may send without asking: a "simple" text/plain POST
     text_plain = {"Host": f"127.0.0.1:{srv.port}", "Content-Type": "text/plain"}
     body = json.dumps({"prompt": "What is the value of self?", "max_tokens": 5}).encode()
-    status, headers, content = srv.http("POST", "/v1/completions", {**text_plain, "Origin": "http://evil.example"}, body)
+    evil = {**text_plain, "Origin": "http://evil.example"}
+    status, headers, content = srv.http("POST", "/v1/completions", evil, body)
     error = _error(status, content)
     assert (error["status"], error["code"]) == (403, "origin_not_allowed") and "http://evil.example" in error["message"]
     assert "access-control-allow-origin" not in headers and srv.model.engine.start_pos == fed
@@ -538,6 +539,7 @@ def test_serving_every_interface_takes_any_host_but_not_foreign_pages(plans):
 def test_the_api_key_comes_from_the_flag_or_the_environment():
     assert api_key_of(parser().parse_args(["--api-key", "flag-key"]), {"LLMRS_API_KEY": "env-key"}) == "flag-key"
     assert api_key_of(parser().parse_args([]), {"LLMRS_API_KEY": "env-key"}) == "env-key"
-    assert api_key_of(parser().parse_args([]), {}) is None and api_key_of(parser().parse_args([]), {"LLMRS_API_KEY": ""}) is None
+    assert api_key_of(parser().parse_args([]), {}) is None
+    assert api_key_of(parser().parse_args([]), {"LLMRS_API_KEY": ""}) is None
     with pytest.raises(ValueError, match="--api-key is empty"):
         api_key_of(parser().parse_args(["--api-key", " "]), {})
