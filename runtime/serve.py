@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import socket
 import sys
 from pathlib import Path
@@ -28,11 +29,14 @@ def parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
                "  llmrs-serve plan.bin                          http://127.0.0.1:8080/v1\n"
                "  llmrs-serve plan.bin --port 9000 --backend opencl\n"
+               "  LLMRS_API_KEY=secret llmrs-serve plan.bin --host 0.0.0.0     the LAN, with a key\n"
+               "  llmrs-serve plan.bin --allowed-origins http://localhost:5173,https://app.example\n"
                "  curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\\n"
                "       -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"stream\": true}'\n")
     ap.add_argument("plan", nargs="?", type=Path, help="plan file (default: llmrs-run's built-in model)")
     ap.add_argument("--host", default="127.0.0.1",
-                    help="address to listen on (default 127.0.0.1: this machine only; there is no authentication)")
+                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every interface, "
+                         "which takes requests under any host name)")
     ap.add_argument("--port", type=int, default=8080, help="TCP port (default 8080; 0 picks a free one)")
     ap.add_argument("--model-name", help="the model's id in the API (default: the plan's file name)")
     ap.add_argument("--backend", choices=BACKENDS, default="cpu",
@@ -40,7 +44,58 @@ def parser() -> argparse.ArgumentParser:
                          "(whichever measured faster per phase)")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     ap.add_argument("--device", default=None, help="OpenCL device index or name (or LLMRS_OPENCL_DEVICE)")
+    ap.add_argument("--api-key", metavar="KEY", default=None,
+                    help="require 'Authorization: Bearer KEY' on every request (default: the environment's "
+                         "LLMRS_API_KEY, which other users cannot read in the process list; none if unset)")
+    ap.add_argument("--allowed-hosts", metavar="NAMES", type=_names, action="extend", default=[],
+                    help="host names, comma-separated, that requests may be addressed to besides localhost, "
+                         "127.0.0.1, ::1 and --host ('*': any); others get 403, which stops DNS rebinding")
+    ap.add_argument("--allowed-origins", metavar="ORIGINS", type=_names, action="extend", default=[],
+                    help="web pages, comma-separated, that may call the server from a browser besides this "
+                         "machine's: origins (https://app.example:3000) or host names (any scheme and port); "
+                         "'*': any. Pages from other origins get 403")
+    ap.add_argument("--max-body-mb", metavar="MIB", type=_positive_mib, default=MAX_BODY_MIB,
+                    help=f"largest request body in MiB, chunked or not (default {MAX_BODY_MIB}); larger ones get 413")
     return ap
+
+
+MAX_BODY_MIB = 8
+
+
+def _names(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def _positive_mib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of MiB, got {text!r}")
+    return value
+
+
+def api_key_of(args: argparse.Namespace, environ: dict[str, str] = os.environ) -> str | None:
+    """--api-key, else LLMRS_API_KEY, else None (no key asked for)."""
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty; give the key clients must send, or leave the flag out")
+    return args.api_key or environ.get("LLMRS_API_KEY") or None
+
+
+def exposure_notice(host: str, api_key: str | None) -> str | None:
+    """The one line for a user whose server other machines can reach without a key."""
+    from .server import ANY_ADDRESS, host_name
+    name = host_name(host)
+    try:
+        loopback = ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        loopback = name == "localhost"
+    if loopback or api_key:
+        return None
+    where = "every interface" if name in ANY_ADDRESS else host
+    return (f"llmrs-serve: note: listening on {where}: any machine that reaches it may use the model; "
+            "add --api-key KEY (or set LLMRS_API_KEY) to require a key")
 
 
 def model_id_of(plan: Path) -> str:
@@ -72,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         import uvicorn
-        from .server import make_app
+        from .server import Access, make_app
     except ImportError:
         print(f"llmrs-serve: error: {MISSING}", file=sys.stderr)
         return 2
@@ -82,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not 0 <= args.port < 65536:
             raise ValueError(f"--port must be in 0..65535, got {args.port}")
+        access = Access.serving(args.host, args.allowed_hosts, args.allowed_origins, api_key_of(args))
         plan = args.plan or default_plan()
         model = Model.load(plan, args.backend, args.threads, args.device)
         sock = listen(args.host, args.port)
@@ -93,13 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"llmrs-serve: {model_id} at http://{f'[{host}]' if ':' in host else host}:{port}/v1 "
           f"({args.backend}, {model.max_seq_len}-token cache, one request at a time); Ctrl-C stops",
           file=sys.stderr, flush=True)
-    try:
-        if not ipaddress.ip_address(host).is_loopback:
-            print(f"llmrs-serve: note: {host} is reachable from other machines, and there is no authentication",
-                  file=sys.stderr)
-    except ValueError:
-        pass
-    server = uvicorn.Server(uvicorn.Config(make_app(model, model_id), log_level="warning"))
+    notice = exposure_notice(args.host, access.api_key)
+    if notice:
+        print(notice, file=sys.stderr)
+    app = make_app(model, model_id, access, int(args.max_body_mb * (1 << 20)))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:

@@ -1,14 +1,23 @@
 """The app behind llmrs-serve: one plan behind OpenAI's HTTP API (/v1/models, /v1/completions, /v1/chat/completions,
 streaming as server-sent events ending in `data: [DONE]`), on loopback unless told otherwise.
+It serves one plan, so a request's `model` may name anything: answers carry the plan's own id.
 
 Built on starlette (routing, requests, responses) and uvicorn (the HTTP server): a small, widely used
 pair, and the one FastAPI itself stands on; both are the optional extra `llmrs[serve]`.
 
-One model, one KV cache, so one generation at a time: requests wait their turn in arrival order on an
+One model, one KV cache, so one generation at a time: requests, once read, wait their turn in order on an
 asyncio lock, and each generation runs one piece at a time on a worker thread while the event loop
-keeps reading sockets. A client that goes away stops its generation after the current token. The
-cache is kept between requests, so a client that re-sends a growing conversation prefills only the
-new turn. Every error is OpenAI's JSON shape: {"error": {"message", "type", "param", "code"}}.
+keeps reading sockets. Everything else that costs CPU (parsing a body, rendering a chat, tokenizing)
+runs on a worker thread too, so a big prompt never stalls the requests behind it; a body is read
+with a running count and refused (413) the moment it passes the limit, however it is sent. A client
+that goes away stops its generation after the current token. The cache is kept between requests, so
+a client that re-sends a growing conversation prefills only the new turn. Every error is OpenAI's
+JSON shape: {"error": {"message", "type", "param", "code"}}.
+
+Loopback keeps other machines out but not web pages: any page the user opens may POST to 127.0.0.1
+(a "simple" cross-origin request runs without asking) and, by rebinding its own name to 127.0.0.1,
+read the answers. So a request's Host must name this server, a browser's Origin must be allowed
+(this machine's names unless widened), and an API key may be required (Guard, below).
 
 Defaults are OpenAI's, not llmrs-run's: temperature 1; a completion is 16 tokens, a chat reply runs
 until it ends or the cache is full. Besides OpenAI's fields a request may set top_k and
@@ -19,16 +28,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import ipaddress
 import json
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterable
+from urllib.parse import urlsplit
 
 import anyio
 from starlette.applications import Starlette
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -37,19 +51,140 @@ from .chat import ChatTemplateError
 from .engine import EngineError
 from .model import Completion, GenerationOptions, Model
 
-MAX_BODY_BYTES = 8 << 20    # a request beyond this is refused unread: no prompt that fits a cache is near it
+MAX_BODY_BYTES = 8 << 20    # the default limit on a request body: no prompt that fits a cache is near it
 
 
 class APIError(Exception):
     """A request the server refuses; becomes OpenAI's error body with this status."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers={**(self.headers or {}), **(headers or {})})
+
+
+# -- who may use the server ---------------------------------------------------------------------------
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+ANY_ADDRESS = frozenset({"0.0.0.0", "::", ""})      # a bind to every interface: the user serves the LAN
+
+
+def host_name(value: str) -> str:
+    """The name in a Host header or a bind address, without port, brackets or a final dot:
+    '[::1]:8080' -> '::1', 'LocalHost.:80' -> 'localhost'."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        value = value[1:].partition("]")[0]
+    elif value.count(":") == 1:
+        value = value.partition(":")[0]
+    return value.rstrip(".")
+
+
+def _is_loopback(name: str) -> bool:
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return name in LOOPBACK_NAMES
+
+
+@dataclass(frozen=True)
+class Access:
+    """Who may use the server: the names a Host header may give (None: any), the web origins pages
+    may come from (host names, which allow any scheme and port, or exact origins such as
+    'https://app.example:3000'; '*' allows any), and the API key every request must bear (None: none)."""
+    hosts: frozenset[str] | None
+    origins: frozenset[str]
+    api_key: str | None = None
+
+    @classmethod
+    def serving(cls, bound: str = "127.0.0.1", allowed_hosts: Iterable[str] = (),
+                allowed_origins: Iterable[str] = (), api_key: str | None = None) -> "Access":
+        """This machine's names and the bound address, widened by llmrs-serve's --allowed-hosts and
+        --allowed-origins. Bound to every interface, any Host is taken (the LAN has names this machine
+        cannot know), but web origins stay this machine's unless allowed."""
+        bound = host_name(bound)
+        own = LOOPBACK_NAMES if bound in ANY_ADDRESS else LOOPBACK_NAMES | {bound}
+        extra_hosts = {host_name(h) for h in allowed_hosts}
+        hosts = None if bound in ANY_ADDRESS or "*" in extra_hosts else frozenset(own | extra_hosts)
+        origins = frozenset(own | {o.strip().lower().rstrip("/") for o in allowed_origins})
+        return cls(hosts, origins, api_key or None)
+
+    def host_allowed(self, host: str | None) -> bool:
+        # no Host at all is HTTP/1.0 from a program: browsers always send one
+        if host is None or self.hosts is None:
+            return True
+        name = host_name(host)
+        return name in self.hosts or _is_loopback(name)
+
+    def origin_allowed(self, origin: str) -> bool:
+        origin = origin.strip().lower().rstrip("/")
+        if "*" in self.origins or origin in self.origins:
+            return True
+        parts = urlsplit(origin)
+        try:
+            name = parts.hostname
+        except ValueError:
+            return False
+        return parts.scheme in ("http", "https") and bool(name) and (name in self.origins or _is_loopback(name))
+
+    def key_accepted(self, authorization: str | None) -> bool:
+        if self.api_key is None:
+            return True
+        scheme, _, key = (authorization or "").partition(" ")
+        # constant time: how much of a guess matched must not show in how long the refusal took
+        return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key.encode())
+
+
+class Guard:
+    """ASGI middleware that applies an Access to every HTTP request: a foreign Host or Origin gets 403,
+    a missing or wrong API key 401 (all in OpenAI's error shape); an allowed Origin gets CORS headers,
+    and its preflight (OPTIONS) an answer, which asks for no key since browsers send none with it."""
+
+    def __init__(self, app, access: Access):
+        self.app, self.access = app, access
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        host, origin = headers.get("host"), headers.get("origin")
+        if not self.access.host_allowed(host):
+            name = host_name(host or "")
+            refusal = APIError(403, f"the Host header {host!r} is not a name of this server; if it is, start "
+                                    f"llmrs-serve with --allowed-hosts {name}", code="host_not_allowed")
+            return await refusal.response()(scope, receive, send)
+        cors: dict[str, str] = {}
+        if origin is not None:
+            if not self.access.origin_allowed(origin):
+                refusal = APIError(403, f"requests from web pages at {origin} are not allowed; to allow them, "
+                                        f"start llmrs-serve with --allowed-origins {origin}", code="origin_not_allowed")
+                return await refusal.response()(scope, receive, send)
+            cors = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+            if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
+                asked = headers.get("access-control-request-headers", "authorization, content-type")
+                preflight = Response(status_code=204, headers={
+                    **cors, "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                    "Access-Control-Allow-Headers": asked, "Access-Control-Max-Age": "600"})
+                return await preflight(scope, receive, send)
+        if not self.access.key_accepted(headers.get("authorization")):
+            refusal = APIError(401, "this server needs its API key: send the header 'Authorization: Bearer KEY' "
+                                    "with the key llmrs-serve was given (--api-key or LLMRS_API_KEY)",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            return await refusal.response(cors)(scope, receive, send)
+        if not cors:
+            return await self.app(scope, receive, send)
+
+        async def send_with_cors(message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).update(cors)
+            await send(message)
+        await self.app(scope, receive, send_with_cors)
 
 
 # -- request fields -> GenerationOptions -----------------------------------------------------------
@@ -125,11 +260,32 @@ def _message_text(i: int, message: Any) -> dict[str, str]:
     return {"role": message["role"], "content": content}
 
 
+def _invalid_unicode(body: Any) -> str | None:
+    """The field of a parsed body holding a string that is not valid Unicode (a lone surrogate, which
+    JSON's \\ud800-\\udfff escapes can spell and which no text can hold), e.g. 'messages[1].content'.
+    A loop, not recursion: json nests deeper than Python's recursion limit allows twice over."""
+    fields: list[tuple[str, Any]] = [("", body)]
+    while fields:
+        path, value = fields.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode()
+                except UnicodeEncodeError:
+                    return path or "body"
+        elif isinstance(value, (dict, list)):
+            named = ((f"{path}.{k}" if path else str(k), v) for k, v in value.items()) if isinstance(value, dict) \
+                else ((f"{path}[{i}]", v) for i, v in enumerate(value) if isinstance(v, (str, dict, list)))
+            fields.extend(reversed(list(named)))    # reversed: the first bad field is found first
+    return None
+
+
 @dataclass
 class Server:
     model: Model
     model_id: str
     created: int
+    max_body_bytes: int = MAX_BODY_BYTES
 
     def __post_init__(self):
         self.lock = asyncio.Lock()   # FIFO: requests are served in the order they asked
@@ -148,30 +304,56 @@ class Server:
                 completion.close()
 
     # -- request parsing ---------------------------------------------------------------------------
-    async def read_json(self, request) -> dict[str, Any]:
-        if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-            raise APIError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB", code="request_too_large")
-        raw = await request.body()
+    async def read_body(self, request: Request) -> bytes:
+        """The body, counted as it arrives: past the limit the request is refused without reading
+        further, whether it declared its length or was sent in chunks."""
+        limit = self.max_body_bytes
+        size_text = f"{limit / (1 << 20):g} MiB" if limit % 1024 == 0 else f"{limit} bytes"
+        too_large = APIError(413, f"the request body is over the limit of {size_text} (llmrs-serve's --max-body-mb)",
+                             code="request_too_large",
+                             headers={"Connection": "close"})   # the rest of the body is never read
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def parse(self, raw: bytes) -> dict[str, Any]:
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        except RecursionError:
+            raise APIError(400, "the request body nests too deeply to be a request", code="invalid_json") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-        model = body.get("model")
-        if model is not None and model != self.model_id:
-            raise APIError(404, f"the model '{model}' does not exist; this server has '{self.model_id}'",
-                           "model", "model_not_found")
+        bad = _invalid_unicode(body)
+        if bad is not None:
+            raise APIError(400, f"'{bad}' is not valid Unicode: it has a lone surrogate (a \\ud800-\\udfff escape "
+                                "without its pair); send text as UTF-8", bad, "invalid_unicode")
+        # one plan is served, so whatever a client calls it is that plan (as llama.cpp's server does)
+        if not isinstance(body.get("model", ""), str):
+            raise APIError(400, f"'model' must be a string, got {body['model']!r}", "model")
         if not isinstance(body.get("stream", False), bool):
             raise APIError(400, "'stream' must be true or false", "stream")
         return body
+
+    def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Model.tokenize's ids; encode_batch rather than encode because encode holds the GIL to the
+        end, which for megabytes of text would stall the event loop though it runs on another thread."""
+        return self.model.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def prompt_ids(self, prompt: Any) -> list[int]:
         """OpenAI's prompt: a string, token ids, or a list of one of either (no batches here)."""
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str) and prompt:
-            return self.model.tokenize(prompt)
+            return self.tokenize(prompt, add_special_tokens=True)
         if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
             if not all(0 <= t < self.model.vocab_size for t in prompt):
                 raise APIError(400, f"'prompt' has token ids outside 0..{self.model.vocab_size - 1}", "prompt")
@@ -179,6 +361,9 @@ class Server:
         raise APIError(400, "'prompt' must be a non-empty string or token ids (one prompt per request)", "prompt")
 
     def chat_ids(self, messages: Any) -> list[int]:
+        if self.model.chat_template is None:
+            raise APIError(400, f"the model '{self.model_id}' has no chat template (a base model); "
+                                "use /v1/completions", "messages", "no_chat_template")
         if not isinstance(messages, list) or not messages:
             raise APIError(400, "'messages' must be a non-empty list", "messages")
         msgs = [_message_text(i, m) for i, m in enumerate(messages)]
@@ -186,12 +371,21 @@ class Server:
             text = self.model.render_chat(msgs)
         except ChatTemplateError as e:
             raise APIError(400, str(e), "messages") from None
-        return self.model.tokenize(text, add_special_tokens=False)
+        return self.tokenize(text, add_special_tokens=False)
+
+    def prepare(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], list[int], GenerationOptions]:
+        """A request's body, prompt ids and options: the CPU-bound part, run on a worker thread."""
+        body = self.parse(raw)
+        if chat:
+            ids, default_max = self.chat_ids(body.get("messages")), None    # default: the rest of the cache
+        else:
+            ids, default_max = self.prompt_ids(body.get("prompt")), 16      # OpenAI's default: 16 tokens
+        return body, ids, _options(body, len(ids), self.model.max_seq_len, default_max)
 
     # -- responses -----------------------------------------------------------------------------
-    async def respond(self, request: Request, body: dict, ids: list[int], default_max: int | None,
-                      chat: bool) -> Response:
-        opts = _options(body, len(ids), self.model.max_seq_len, default_max)
+    async def respond(self, request: Request, chat: bool) -> Response:
+        raw = await self.read_body(request)
+        body, ids, opts = await anyio.to_thread.run_sync(self.prepare, raw, chat)
         completion = Completion(self.model, ids, opts)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         kind = "chat.completion" if chat else "text_completion"
@@ -267,9 +461,9 @@ class EventStream(StreamingResponse):
             await super().stream_response(send)
 
 
-def make_app(model: Model, model_id: str):
-    """The ASGI app serving `model` as `model_id`."""
-    server = Server(model, model_id, int(Path(model.plan.path).stat().st_mtime))
+def make_app(model: Model, model_id: str, access: Access | None = None, max_body_bytes: int = MAX_BODY_BYTES):
+    """The ASGI app serving `model` as `model_id` to those `access` lets in (default: this machine)."""
+    server = Server(model, model_id, int(Path(model.plan.path).stat().st_mtime), max_body_bytes)
 
     def model_card() -> dict[str, Any]:
         return {"id": model_id, "object": "model", "created": server.created, "owned_by": "llmrs"}
@@ -285,20 +479,13 @@ def make_app(model: Model, model_id: str):
         return JSONResponse(model_card())
 
     async def completions(request):
-        body = await server.read_json(request)
-        ids = server.prompt_ids(body.get("prompt"))
-        return await server.respond(request, body, ids, 16, chat=False)     # OpenAI's default: 16 tokens
+        return await server.respond(request, chat=False)
 
     async def chat_completions(request):
-        body = await server.read_json(request)
-        if model.chat_template is None:
-            raise APIError(400, f"the model '{model_id}' has no chat template (a base model); "
-                                "use /v1/completions", "messages", "no_chat_template")
-        ids = server.chat_ids(body.get("messages"))
-        return await server.respond(request, body, ids, None, chat=True)     # default: the rest of the cache
+        return await server.respond(request, chat=True)
 
     async def api_error(request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return exc.response()
 
     async def http_error(request, exc: HTTPException):
         return JSONResponse(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
@@ -312,7 +499,7 @@ def make_app(model: Model, model_id: str):
     routes = [Route("/v1/models", models), Route("/v1/models/{name:path}", one_model),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"])]
-    app = Starlette(routes=routes, exception_handlers={APIError: api_error, HTTPException: http_error,
-                                                       Exception: server_error})
+    app = Starlette(routes=routes, middleware=[Middleware(Guard, access=access or Access.serving())],
+                    exception_handlers={APIError: api_error, HTTPException: http_error, Exception: server_error})
     app.state.llmrs = server    # for whoever embeds the app: the model, its lock
     return app
