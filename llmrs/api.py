@@ -187,11 +187,13 @@ def builtin_model() -> Path:
 def load(plan: str | Path | None = None, backend: str = "cpu", threads: int | None = None,
          device: str | int | None = None, **engine_options: Any) -> "Model":
     """Open a plan (default: the built-in model, made on first use) on `backend`: "cpu" (threads:
-    default the physical cores), "opencl" (device: an index or a name), "reference" (numpy),
-    "hybrid" (both, switching: hybrid_start, switch_threshold, switch_back_at, hybrid_kv, as
-    llmrs-run's flags) or "auto" (each phase where it measured faster; recalibrate=True measures
-    again). engine_options go to the engine by name, for the options it has. Raises ValueError (PlanError,
-    EngineError) with a one-line message."""
+    default the physical cores; more than the CPUs this process may use are capped, with a
+    warning), "opencl" (device: an index or a name), "reference" (numpy), "hybrid" (both,
+    switching: hybrid_start, switch_threshold, switch_back_at, hybrid_kv, as llmrs-run's flags) or
+    "auto" (each phase where it measured faster; recalibrate=True measures again). engine_options
+    go to the engine by name, for the options it has. Raises ValueError (PlanError, EngineError) or
+    TypeError (an argument of the wrong type) with a one-line message. Model.close() (or a `with`
+    block) frees it; any use after that is an EngineError."""
     from .runtime.builtin import default_plan
     from .runtime.model import Model
 

@@ -117,9 +117,10 @@ class GenerationOptions:
         """Raises TypeError / ValueError naming the first bad option (by its Python name)."""
         for name, whole, what in _OPTION_TYPES:
             value = getattr(self, name)
-            if not (value is None and name in ("max_tokens", "seed")) and not (_is_whole if whole else _is_real)(value):
+            may_be_none = name in ("max_tokens", "seed")
+            if not (value is None and may_be_none) and not (_is_whole if whole else _is_real)(value):
                 raise TypeError(f"{name} must be {what}, got {value!r}")
-        if self.max_tokens is not None and (type(self.max_tokens) is not int or self.max_tokens < 1):
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a whole number of at least 1, got {self.max_tokens!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {list(self.stop)!r}")
@@ -227,7 +228,8 @@ class Completion:
         self.text = ""                  # what the pieces so far add up to
         self.finish_reason: str | None = None
         self.generation = Generation(tokens=[])
-        self.thread: int | None = None
+        self.thread: int | None = None      # the thread that started it
+        self._closing = False
         self._steps = self._run()
 
     @property
@@ -263,17 +265,20 @@ class Completion:
 
     def close(self) -> None:
         """Stop after the step in progress (from any thread)."""
+        self._closing = True    # seen before the next step: a lock is not fair, a stepping thread may keep it
         with self.model._lock:
             self._steps.close()
         self.finish_reason = self.finish_reason or "cancelled"  # also when it never started
 
     def _step(self) -> str:
         with self.model._lock:      # the engine runs one step at a time, whoever asks
+            if self._closing:
+                self._steps.close()
             return next(self._steps)
 
     def _run(self) -> Iterator[str]:
         model, opts = self.model, self.options
-        self.thread = threading.get_ident()     # the thread that started it (Model._claim)
+        self.thread = threading.get_ident()     # Model._claim refuses other threads while this runs
         self.cached_tokens = model._claim(self, self.prompt)
         engine, k = model.engine, self.cached_tokens
         max_new = opts.max_tokens or model.max_seq_len

@@ -4,7 +4,7 @@ import pytest
 
 from llmrs.models.llama import build_graphs, load_model
 from llmrs.runtime.backends.reference import ReferenceBackend
-from llmrs.runtime.engine import Engine, EngineError, check_finite
+from llmrs.runtime.engine import Engine, EngineError
 from llmrs.runtime.sampler import Sampler, SamplerConfig
 
 from ..conftest import DATA, rel_err
@@ -161,6 +161,8 @@ def test_non_finite_logits_stop_generation_naming_the_step(value):
 
 
 def test_finite_logits_of_any_size_pass_the_check():
+    from llmrs.runtime.engine import check_finite
+
     rows = (np.random.default_rng(3).uniform(0.5, 1.0, (4, 384)) * 3.4e38).astype(np.float32)
     with np.errstate(over="ignore"):
         assert np.isinf(rows[0].sum()) and np.isfinite(rows).all()   # an f32 sum would overflow

@@ -13,7 +13,7 @@ import pytest
 from llmrs.runtime.backends.cpu import CpuBackendError
 from llmrs.runtime.chat import ChatTemplateError
 from llmrs.runtime.engine import EngineError
-from llmrs.runtime.model import Detokenizer, Model, StopScan, TextRepairWarning, clean_text
+from llmrs.runtime.model import Detokenizer, Model, StopScan
 
 from ..conftest import DATA, rel_err
 from .chat_plans import CHAT_KEYS, compile_tiny
@@ -226,6 +226,8 @@ def test_a_closed_model_refuses_every_use_in_one_line_instead_of_hanging(plans):
 
 def test_text_that_is_not_unicode_is_repaired_with_one_warning(plans):
     """Before, a lone surrogate reached the tokenizer: TypeError: TextInputSequence must be str."""
+    from llmrs.runtime.model import TextRepairWarning, clean_text
+
     model = _load(plans)
     with pytest.warns(TextRepairWarning) as caught:
         ids = model.tokenize("hi \udcff there \ud800")
