@@ -5,7 +5,7 @@
     for piece in model.generate("Once upon a time", max_tokens=32):
         print(piece, end="")
 """
-from .api import CompileError, compile, load
+from .api import CompileError, builtin_model, compile, load
 
 __version__ = "0.1.0"
-__all__ = ["CompileError", "compile", "load"]
+__all__ = ["CompileError", "builtin_model", "compile", "load"]

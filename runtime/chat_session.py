@@ -8,6 +8,7 @@ each reply on stdout followed by a newline; the first failed turn ends the sessi
 from __future__ import annotations
 
 import argparse
+import io
 import signal
 import sys
 import threading
@@ -15,7 +16,7 @@ from typing import TextIO
 
 from .chat import ChatTemplateError
 from .engine import EngineError
-from .model import Completion, Model
+from .model import Completion, Model, clean_text
 
 
 class _StopOnCtrlC:
@@ -66,7 +67,7 @@ def _read_turn(interactive: bool, stdin: TextIO) -> str | None:
                 return None
         line = line.rstrip("\r\n")
         if line.strip():
-            return line
+            return clean_text(line, "the chat turn")   # once here, not again at every later turn
 
 
 def chat(model: Model, args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | None = None,
@@ -75,6 +76,8 @@ def chat(model: Model, args: argparse.Namespace, stdin: TextIO | None = None, st
     if model.chat_template is None:
         raise ChatTemplateError(f"{model.plan.path}: the plan has no chat template (a base model); "
                                 "use --prompt instead of --chat")
+    if isinstance(stdin, io.TextIOWrapper):    # undecodable bytes reach clean_text as lone surrogates
+        stdin.reconfigure(errors="surrogateescape")
     interactive = stdin.isatty()
     if interactive:
         try:

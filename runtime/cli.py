@@ -150,10 +150,11 @@ def prompt_ids(tokenizer, manifest: dict, text: str, args: argparse.Namespace) -
 
 
 def run(args: argparse.Namespace) -> int:
+    from .model import check_threads
+
     if args.max_new_tokens < 1:
         raise EngineError(f"-n must be at least 1, got {args.max_new_tokens}")
-    if args.threads is not None and args.threads < 1:
-        raise EngineError(f"--threads must be at least 1, got {args.threads}")
+    args.threads = check_threads(args.threads, "--threads")
     if args.dump_logits:   # before the run, not after it
         check_output_file(args.dump_logits, "--dump-logits")
     if args.profile:
@@ -206,12 +207,13 @@ def run(args: argparse.Namespace) -> int:
 
 def run_chat(args: argparse.Namespace) -> int:
     from .chat_session import chat
-    from .model import Model
+    from .model import Model, check_threads
 
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise EngineError(f"-n must be at least 1, got {args.max_new_tokens}")
     SamplerConfig(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.repetition_window,
                   args.seed).check()  # before the plan loads, naming the flags
+    args.threads = check_threads(args.threads, "--threads")
     return chat(Model.load(args.plan or default_plan(), args.backend, args.threads, args.device,
                            **hybrid_options(args)), args)
 

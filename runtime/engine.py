@@ -76,6 +76,17 @@ class Generation:
     notice: str | None = None                       # one line for the user (why it stopped early)
 
 
+def check_finite(logits: np.ndarray, step: int) -> np.ndarray:
+    """Refuse a row with NaN or inf: sampling it would silently give a token (argmax of NaN is 0).
+    One sum over the row (f64: a sum of finite f32 values cannot overflow) is the whole cost."""
+    with np.errstate(invalid="ignore"):     # inf - inf: the NaN is the answer, not a warning
+        total = np.sum(logits, dtype=np.float64)
+    if not np.isfinite(total):
+        raise EngineError(f"step {step}{' (prefill)' if step == 0 else ''}: the logits are NaN/inf — the model "
+                          "file is corrupt or badly converted (llmrs-check PLAN compares every kernel)")
+    return logits
+
+
 def cache_full_notice(max_seq_len: int) -> str:
     return (f"the KV cache is full ({max_seq_len} slots); go on with "
             f"--eviction-policy sliding|snapkv|h2o, or recompile with a larger --max-seq-len")
@@ -188,7 +199,8 @@ class Engine:
             while True:
                 if keep_logits:
                     gen.logits.append(np.asarray(logits, np.float32).copy())
-                token = int(logits) if on_device else sampler.sample(logits, history)
+                # a device argmax returns no logits to look at; every row sampled here is checked
+                token = int(logits) if on_device else sampler.sample(check_finite(logits, len(gen.tokens)), history)
                 if not gen.tokens:
                     st.ttft_s = time.perf_counter() - t0
                 if token in self.stop_ids:

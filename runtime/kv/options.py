@@ -32,6 +32,15 @@ def add_eviction_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--log-evictions", action="store_true", help="one line on stderr per eviction")
 
 
+def check_threshold(threshold_mb: float, total_bytes: int) -> None:
+    """MemAvailable never reaches the machine's memory: a threshold at or above it would evict on
+    every step, down to a cache too short to say anything."""
+    total_mb = total_bytes >> 20
+    if threshold_mb >= total_mb:
+        raise ValueError(f"--memory-threshold-mb {threshold_mb:.10g} is not under this machine's memory "
+                         f"({total_mb} MB): every step would evict; give less, e.g. {total_mb // 8}")
+
+
 def cache_manager(args: argparse.Namespace, backend: Any) -> CacheManager | None:
     """The manager the flags ask for, or None when nothing evicts (no scores, no bookkeeping)."""
     if args.eviction_policy == "none":
@@ -44,4 +53,6 @@ def cache_manager(args: argparse.Namespace, backend: Any) -> CacheManager | None
         raise ValueError(f"back end {getattr(backend, 'name', backend)} cannot evict; use --backend cpu, opencl or reference")
     log = (lambda e: print(e.line(), file=sys.stderr)) if args.log_evictions else None
     monitor = LinuxSystemMonitor() if args.memory_threshold_mb is not None else None
+    if monitor is not None:
+        check_threshold(args.memory_threshold_mb, monitor.mem_stats().total)
     return CacheManager(policy, backend.kv_store(), monitor, args.memory_threshold_mb, args.eviction_target_ratio, log)

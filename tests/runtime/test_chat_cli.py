@@ -193,3 +193,22 @@ def test_system_without_a_template_and_raw_with_chat_are_one_line_errors(plans, 
     got = _chat(plans["chat"], "hi\n", "--raw")
     assert got.returncode == 2 and got.stderr.strip().endswith("--raw goes with --prompt: --chat always uses the chat template (see --help)")
     assert len(got.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("locale", ["C.UTF-8", "C"])
+def test_a_turn_that_is_not_utf8_is_repaired_with_a_warning(plans, locale):
+    """Before, the byte 0xFF in a turn was a traceback (UnicodeDecodeError under a UTF-8 locale,
+    TypeError: TextInputSequence must be str under C), where --prompt warned and went on."""
+    env = {**os.environ, "LC_ALL": locale, "PYTHONIOENCODING": ""}
+    done = subprocess.run(python_argv(RUN, str(plans["chat"]), "--chat", "--threads", "2", "-n", "4", "--stats"),
+                          input=b"What is \xff the value?\nAnd \xc3\n", capture_output=True, env=env, timeout=120)
+    err = done.stderr.decode()
+    assert done.returncode == 0, err
+    assert err.count("llmrs-run: warning: the chat turn is not valid Unicode: 1 lone surrogate") == 2, err
+    assert "(U+DCFF from byte 0xFF) replaced by U+FFFD" in err and "(U+DCC3 from byte 0xC3)" in err
+    assert "Traceback" not in err and len(_turn_stats(err)) == 2
+    # the model saw U+FFFD where the byte was
+    model = Model.load(plans["chat"], threads=2)
+    first = model.tokenize(model.render_chat([{"role": "user", "content": "What is \ufffd the value?"}]),
+                           add_special_tokens=False)
+    assert _turn_stats(err)[0][0] == len(first)

@@ -127,3 +127,44 @@ def test_memory_pressure_evicts_to_the_target_ratio_and_generation_goes_on():
     assert events[1:] == [("budget", 31, 30, p) for p in range(41, 56)]
     assert engine.start_pos == 16 + 39 and engine.n_past == 30
     assert "evictions         16 (budget 15, memory 1): 25 slots freed in" in gen.stats.report()
+
+
+class _Poisoned(ReferenceBackend):
+    """The reference backend, except that decode step `bad` (1-based) returns a row with NaNs or infs."""
+
+    def __init__(self, graphs, bad: int, value: float):
+        super().__init__(graphs)
+        self.bad, self.value, self.decodes = bad, value, 0
+
+    def run(self, phase, *a):
+        out = super().run(phase, *a)
+        self.decodes += phase == "decode"
+        if self.decodes == self.bad and phase == "decode":
+            out[-1, 7:9] = self.value, -self.value     # inf and -inf: their sum is NaN
+        return out
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+@pytest.mark.filterwarnings("error")
+def test_non_finite_logits_stop_generation_naming_the_step(value):
+    """Before, argmax of a NaN row chose token 0 and generation went on, printing garbage."""
+    gd = np.load(DATA / "golden-a.npz")
+    prefill, decode = build_graphs(load_model(DATA / "golden-a"), 16, 64)
+    engine = Engine(_Poisoned({"prefill": prefill, "decode": decode}, 3, value), 16, 64)
+    seen = []
+    with pytest.raises(EngineError) as e:
+        engine.generate(list(gd["prompt_tokens"]), 9, Sampler(SamplerConfig(temperature=0.8, seed=1)),
+                        on_token=seen.append)
+    assert str(e.value) == ("step 3: the logits are NaN/inf — the model file is corrupt or badly converted "
+                            "(llmrs-check PLAN compares every kernel)")
+    assert len(seen) == 3     # the prefill's token and two decode steps' went out before it
+
+
+def test_finite_logits_of_any_size_pass_the_check():
+    from llmrs.runtime.engine import check_finite
+
+    rows = (np.random.default_rng(3).uniform(0.5, 1.0, (4, 384)) * 3.4e38).astype(np.float32)
+    with np.errstate(over="ignore"):
+        assert np.isinf(rows[0].sum()) and np.isfinite(rows).all()   # an f32 sum would overflow
+    for row in rows:
+        np.testing.assert_array_equal(check_finite(row, 1), row)

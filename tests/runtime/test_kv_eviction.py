@@ -196,15 +196,30 @@ def test_the_cli_evicts_past_the_cache_and_reports_the_evictions(cli_plan, capsy
     assert f"evictions         {len(lines)} (" in err and f"[{policy}]" in err and "stopped by        length" in err
 
 
-def test_memory_pressure_evicts_for_real_above_the_machines_free_memory(cli_plan, capsys):
+def _total_mb() -> int:
     with open("/proc/meminfo") as f:
-        total_mb = next(int(ln.split()[1]) for ln in f if ln.startswith("MemTotal:")) // 1024
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("MemTotal:")) // 1024
+
+
+def test_memory_pressure_evicts_for_real_above_the_machines_free_memory(cli_plan, capsys):
     assert run_main([str(cli_plan), "--prompt", "Once upon a time", "-n", "24", "--stats",
                      "--eviction-policy", "sliding", "--eviction-window", "28",
-                     "--memory-threshold-mb", str(2 * total_mb), "--eviction-target-ratio", "0.5"]) == 0
+                     "--memory-threshold-mb", str(_total_mb() - 1), "--eviction-target-ratio", "0.5"]) == 0
     err = capsys.readouterr().err
-    # MemAvailable is always under twice the machine's memory: every step halves the cache
+    # MemAvailable is always under the machine's memory less what the kernel and this process hold:
+    # every step halves the cache
     assert "evictions         " in err and "(memory " in err and "budget" not in err.split("evictions")[1]
+
+
+@pytest.mark.parametrize("over", [0, 1, 10**6])
+def test_a_memory_threshold_not_under_the_machines_memory_is_refused(cli_plan, capsys, over):
+    """Before, it was taken: every step evicted, down to a cache too short for sense, without a word."""
+    total = _total_mb()
+    assert run_main([str(cli_plan), "--prompt", "Hi", "--eviction-policy", "sliding",
+                     "--memory-threshold-mb", str(total + over)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"llmrs-run: error: --memory-threshold-mb {total + over} is not under this machine's "
+                          "memory (") and "every step would evict; give less, e.g. " in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("argv, message", [

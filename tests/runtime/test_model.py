@@ -3,9 +3,14 @@ numbers through it, text that streams whole characters, stop strings, and a KV c
 calls that gives the same tokens and logits as a fresh one."""
 from __future__ import annotations
 
+import os
+import threading
+import warnings
+
 import numpy as np
 import pytest
 
+from llmrs.runtime.backends.cpu import CpuBackendError
 from llmrs.runtime.chat import ChatTemplateError
 from llmrs.runtime.engine import EngineError
 from llmrs.runtime.model import Detokenizer, Model, StopScan
@@ -176,3 +181,150 @@ def test_load_refuses_unknown_backends_and_engine_options(plans):
         Model.load(plans["a"], backend="tpu")
     with pytest.raises(TypeError, match=r"unknown engine option 'eviction' \(this engine takes: cache\)"):
         Model.load(plans["a"], eviction="sliding")
+
+
+def _in_thread(fn, timeout: float = 60):
+    """fn() on another thread; its result or exception. A hang fails the test instead of the suite."""
+    out = {}
+
+    def run():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 (handed back to the test)
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"{fn} hung"
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+def test_a_closed_model_refuses_every_use_in_one_line_instead_of_hanging(plans):
+    """Before, generate after close() (or after a `with` block) waited forever at the closed CPU
+    thread team's barrier."""
+    gd = np.load(DATA / "golden-a.npz")
+    prompt = gd["prompt_tokens"].tolist()
+    with _load(plans) as model:
+        assert _tokens(model.generate(prompt, max_tokens=3)) == gd["generated"][:3].tolist()
+        unfinished = model.generate(prompt, max_tokens=9)
+        next(unfinished)
+    assert unfinished.finish_reason == "cancelled" and list(unfinished) == []
+    message = f"{plans['a']}: the model is closed; llmrs.load the plan again to use it"
+    for use in (lambda: list(model.generate(prompt, max_tokens=3)), lambda: model.chat(QUESTION),
+                lambda: model.logits(prompt), model.reset, lambda: model.tokenize("hi"),
+                lambda: model.detokenize([5]), lambda: model.render_chat(QUESTION)):
+        with pytest.raises(EngineError) as e:
+            _in_thread(use)
+        assert str(e.value) == message
+    model.close()   # a second close does nothing
+    with pytest.raises(CpuBackendError, match="^the CPU back end is closed; load the plan again$"):
+        _in_thread(lambda: model.backend.run("decode", np.array([5]), 0, 0))
+
+
+def test_text_that_is_not_unicode_is_repaired_with_one_warning(plans):
+    """Before, a lone surrogate reached the tokenizer: TypeError: TextInputSequence must be str."""
+    from llmrs.runtime.model import TextRepairWarning, clean_text
+
+    model = _load(plans)
+    with pytest.warns(TextRepairWarning) as caught:
+        ids = model.tokenize("hi \udcff there \ud800")
+    assert [str(w.message) for w in caught] == [
+        "the text is not valid Unicode: 2 lone surrogates (U+DCFF from byte 0xFF, U+D800) replaced by U+FFFD"]
+    assert ids == model.tokenize("hi \ufffd there \ufffd")
+    with pytest.warns(TextRepairWarning, match="1 lone surrogate"):
+        c = model.generate("Once upon \udcff", max_tokens=4)
+    assert c.prompt == model.tokenize("Once upon \ufffd") and len(_tokens(c)) == 4
+    with pytest.warns(TextRepairWarning):
+        model.chat([{"role": "user", "content": "\udce9t\udce9"}], max_tokens=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # valid text, and a surrogate pair, pass without a word
+        assert clean_text("ok \ud83d\ude00 \U0001f600") == "ok \U0001f600 \U0001f600"
+        assert model.detokenize(model.tokenize("Grüße \U0001f600", add_special_tokens=False)) == "Grüße \U0001f600"
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda m: m.generate(b"hello"), TypeError,
+     "prompt must be str or token ids, got bytes: decode it first (prompt.decode())"),
+    (lambda m: m.generate(123), TypeError, "prompt must be str or a list of token ids, got int"),
+    (lambda m: m.generate([1, "2"]), TypeError, "prompt must be whole numbers (token ids), got '2'"),
+    (lambda m: m.generate("hi", temperature="hot"), TypeError, "temperature must be a number >= 0, got 'hot'"),
+    (lambda m: m.generate("hi", seed="x"), TypeError, "seed must be a whole number >= 0 or None, got 'x'"),
+    (lambda m: m.generate("hi", top_k=2.5), TypeError, "top_k must be a whole number >= 0, got 2.5"),
+    (lambda m: m.generate("hi", max_tokens=True), TypeError, "max_tokens must be a whole number >= 1 or None, got True"),
+    (lambda m: m.generate("hi", stop=5), TypeError, "stop must be a string or a list of strings, got 5"),
+    (lambda m: m.detokenize([10**9]), ValueError, "token id 1000000000 is not in 0..383"),
+    (lambda m: m.detokenize([-1]), ValueError, "token id -1 is not in 0..383"),
+    (lambda m: m.detokenize("hi"), TypeError, "tokens must be a sequence of token ids, got str"),
+    (lambda m: m.tokenize(b"hi"), TypeError, "text must be str, got bytes"),
+    (lambda m: m.logits([3, 4.0]), TypeError, "tokens must be whole numbers (token ids), got 4.0"),
+])
+def test_bad_api_arguments_are_one_line_errors_naming_the_argument(plans, call, error, message):
+    """Before: bytes were token ids, detokenize([10**9]) was "", and the rest were internal TypeErrors."""
+    with pytest.raises(error) as e:
+        call(_load(plans))
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(threads="2"), TypeError, "threads must be a whole number >= 1, got '2'"),
+    (dict(threads=0), ValueError, "threads must be a whole number >= 1, got 0"),
+    (dict(device=1.5), TypeError, "device must be an OpenCL device index or name, got 1.5"),
+])
+def test_bad_load_arguments_are_one_line_errors(plans, kwargs, error, message):
+    with pytest.raises(error) as e:
+        Model.load(plans["a"], **kwargs)
+    assert str(e.value) == message
+    with pytest.raises(TypeError, match=r"^plan must be a path to a plan file, got \['a.plan'\]$"):
+        Model.load(["a.plan"])
+
+
+def test_more_threads_than_cpus_are_capped_with_a_warning(plans):
+    cpus = len(os.sched_getaffinity(0))
+    with pytest.warns(UserWarning) as caught:
+        model = Model.load(plans["a"], threads=1000)
+    assert [str(w.message) for w in caught] == [
+        f"threads 1000 is more than the {cpus} CPUs this process may use: using {cpus}"]
+    assert model.backend.threads == cpus
+
+
+def test_a_second_thread_is_refused_while_another_threads_generation_is_unfinished(plans):
+    """One generation at a time: before, the second thread's generate broke the first with
+    'generator already executing'. Now it gets one line and the first runs to its end."""
+    gd = np.load(DATA / "golden-a.npz")
+    prompt = gd["prompt_tokens"].tolist()
+    model = _load(plans)
+    first = model.generate(prompt, max_tokens=9)
+    pieces = [next(first)]
+    busy = ("the model is busy: a generation another thread started is unfinished (one at a time per Model; "
+            "finish or close() it first, or llmrs.load a second Model)")
+    for use in (lambda: model.generate("hi"), lambda: model.logits([5]), model.reset):
+        with pytest.raises(EngineError) as e:
+            _in_thread(use)
+        assert str(e.value) == busy
+    # its steps may be taken on any thread (llmrs-serve steps on worker threads)
+    pieces += _in_thread(lambda: list(first))
+    assert first.tokens == gd["generated"].tolist() and "".join(pieces) == first.text
+    # finished: the other thread's turn
+    assert _in_thread(lambda: _tokens(model.generate(prompt, max_tokens=9))) == first.tokens
+
+
+def test_a_generation_streaming_on_one_thread_is_closed_from_another_between_two_steps(plans):
+    model = _load(plans)
+    c = model.generate(np.load(DATA / "golden-a.npz")["prompt_tokens"].tolist(), max_tokens=200)
+    steps, started, seen = c.steps(), threading.Event(), []
+
+    def stream():
+        for piece in steps:
+            seen.append(piece)
+            started.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(60)
+    c.close()           # before, "generator already executing" if it landed mid-step
+    t.join(60)
+    assert not t.is_alive() and c.finish_reason == "cancelled" and 1 <= len(seen) < 200
+    assert _tokens(model.generate([5, 6], max_tokens=2)) == _tokens(_load(plans).generate([5, 6], max_tokens=2))

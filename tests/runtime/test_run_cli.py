@@ -1,4 +1,5 @@
 """llmrs-run as a user meets it: streamed text, --dump-logits, and one-line errors with exit code 2."""
+import io
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from llmrs.compiler.cli import main as compile_main
 from llmrs.runtime.cli import main as run_main
 
 from ..conftest import DATA, rel_err
+from .chat_plans import CHAT_KEYS, compile_tiny, manifest_extras
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,7 @@ def test_prompt_longer_than_the_cache(plan, capsys):
 
 def test_zero_tokens_and_zero_threads(plan, capsys):
     _one_line(*_run(capsys, plan, "--prompt", "hi", "-n", "0")[::2], "-n must be at least 1")
-    _one_line(*_run(capsys, plan, "--prompt", "hi", "--threads", "0")[::2], "--threads must be at least 1")
+    _one_line(*_run(capsys, plan, "--prompt", "hi", "--threads", "0")[::2], "--threads must be a whole number >= 1, got 0")
 
 
 def test_unknown_flag_value(plan, capsys):
@@ -151,14 +153,34 @@ def test_a_plan_path_that_is_missing_or_a_folder(tmp_path, capsys):
     _one_line(*_run(capsys, tmp_path, "-p", "hi")[::2], "cannot read the plan: Is a directory")
 
 
-def test_negative_seed_and_too_many_threads(plan, capsys):
+def test_negative_seed_is_refused(plan, capsys):
     _one_line(*_run(capsys, plan, "-p", "hi", "--temperature", "1", "--seed", "-1")[::2], "--seed must be >= 0")
-    _one_line(*_run(capsys, plan, "-p", "hi", "--threads", "100000")[::2], "--threads 100000: need 1 to 1024")
 
 
-def test_threads_the_system_will_not_start_are_one_line_not_a_hang(plan, capsys, monkeypatch):
+@pytest.mark.parametrize("chat", [False, True])
+def test_more_threads_than_cpus_are_capped_with_a_warning(plan, tmp_path, capsys, monkeypatch, chat):
+    """Before, --threads 1000 on 2 cores ran 1000 threads: 0.14 tok/s instead of ~50, 1.1 GB resident."""
+    real_start, started = threading.Thread.start, []
+    monkeypatch.setattr(threading.Thread, "start", lambda t: started.append(t) or real_start(t))
+    cpus = len(os.sched_getaffinity(0))
+    if chat:
+        chat_plan = compile_tiny(tmp_path / "chat.plan.bin", **CHAT_KEYS)
+        monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n"))
+        rc = run_main([str(chat_plan), "--chat", "-n", "2", "--threads", "100000"])
+    else:
+        rc = run_main([str(plan), "-p", "hi", "-n", "2", "--threads", "100000"])
+    err = capsys.readouterr().err
+    assert rc == 0 and len(started) < cpus, err      # the team: the caller's thread and cpus - 1 more
+    assert err.startswith(f"llmrs-run: warning: --threads 100000 is more than the {cpus} CPUs this process may "
+                          f"use: using {cpus}\n"), err
+
+
+def test_threads_the_system_will_not_start_are_one_line_not_a_hang(plan, monkeypatch):
     """Before, the threads that had started waited at the step's barrier for the one that had
     not, and the process died in a segfault at exit."""
+    from llmrs.runtime.backends.cpu import CpuBackend, CpuBackendError
+    from llmrs.runtime.plan import Plan
+
     real_start, started = threading.Thread.start, []
 
     def start(thread):
@@ -167,10 +189,12 @@ def test_threads_the_system_will_not_start_are_one_line_not_a_hang(plan, capsys,
         started.append(thread)
         real_start(thread)
 
+    opened = Plan.open(plan)
     monkeypatch.setattr(threading.Thread, "start", start)
-    rc, _, err = _run(capsys, plan, "-p", "hi", "--threads", "6")
+    with pytest.raises(CpuBackendError) as e:
+        CpuBackend(opened, threads=6)
     monkeypatch.undo()
-    _one_line(rc, err, "--threads 6: the system would not start that many threads (can't start new thread)")
+    assert str(e.value).startswith("--threads 6: the system would not start that many threads (can't start new thread)")
     for t in started:
         t.join(timeout=10)
         assert not t.is_alive()
@@ -221,3 +245,40 @@ def test_opencl_where_no_device_builds_kernels_names_debians_pocl(opencl_plan, c
     rc, _, err = _run(capsys, opencl_plan, "-p", "hi", "--backend", "opencl")
     _one_line(rc, err, "no OpenCL device here can build kernels (Portable Computing Language: pthread-znver5)")
     assert "apt-get install pocl-opencl-icd" in err
+
+
+@pytest.fixture(scope="module")
+def overflowing_plan(tmp_path_factory):
+    """golden-a, with a chat template, whose final norm weight is 3e38: finite weights whose logits
+    overflow to inf and NaN, as a corrupt or badly converted model's do."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    d = tmp_path_factory.mktemp("overflow")
+    shutil.copytree(DATA / "golden-a", d / "model")
+    weights = load_file(d / "model" / "model.safetensors")
+    weights["model.norm.weight"] = np.full_like(weights["model.norm.weight"], 3e38)
+    save_file(weights, d / "model" / "model.safetensors", metadata={"format": "pt"})
+    with manifest_extras(**CHAT_KEYS):
+        assert compile_main([str(d / "model"), "-o", str(d / "nan.plan.bin"), "--target", "cpu", "--weights", "f32",
+                             "--max-seq-len", "48", "--prefill-chunk", "16", "-q"]) == 0
+    return d / "nan.plan.bin"
+
+
+NAN_ERROR = ("step 0 (prefill): the logits are NaN/inf — the model file is corrupt or badly converted "
+             "(llmrs-check PLAN compares every kernel)")
+
+
+def test_nan_logits_are_a_one_line_error_not_a_silent_answer(overflowing_plan, capsys):
+    """Before, every logit was NaN, argmax chose token 0 each step, and the run exited 0."""
+    rc, out, err = _run(capsys, overflowing_plan, "--prompt", "Once upon a time", "-n", "5", "--threads", "2")
+    _one_line(rc, err, NAN_ERROR)
+    assert out == ""
+
+
+def test_nan_logits_end_a_piped_chat_with_one_line(overflowing_plan, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\nHow are you?\n"))
+    rc, out, err = _run(capsys, overflowing_plan, "--chat", "--threads", "2")
+    _one_line(rc, err, NAN_ERROR)
+    assert out == ""
