@@ -241,9 +241,10 @@ def test_opencl_where_no_device_builds_kernels_names_debians_pocl(opencl_plan, c
         type = cl.device_type.CPU
 
     monkeypatch.setattr(ocl, "list_devices", lambda: [("Portable Computing Language: pthread-znver5", NewCpu())])
-    monkeypatch.setattr(ocl, "_compiles", lambda dev: False)
+    monkeypatch.setattr(ocl, "_why_unusable", lambda dev: "its compiler cannot build kernels for this CPU")
     rc, _, err = _run(capsys, opencl_plan, "-p", "hi", "--backend", "opencl")
-    _one_line(rc, err, "no OpenCL device here can build kernels (Portable Computing Language: pthread-znver5)")
+    _one_line(rc, err, "no OpenCL device here can run kernels (Portable Computing Language: pthread-znver5: "
+                       "its compiler cannot build kernels for this CPU)")
     assert "apt-get install pocl-opencl-icd" in err
 
 
