@@ -9,7 +9,6 @@ One generation runs at a time: starting another closes the one in progress.
 """
 from __future__ import annotations
 
-import argparse
 import inspect
 import re
 import time
@@ -233,10 +232,10 @@ class Model:
              switch_back_at: int | None = None, hybrid_kv: str = "auto", recalibrate: bool = False,
              **engine_options: Any) -> "Model":
         """Open and verify `plan`, bind it to `backend` ("cpu", "opencl", "reference", "hybrid" or
-        "auto"). The hybrid options are llmrs-run's flags of the same names (runtime/backends/hybrid.py).
+        "auto"). The other options are BackendOptions' fields (runtime/backends/options.py), llmrs-run's flags.
         engine_options go to the engine by name (the options it has; an unknown one is a TypeError)."""
         from tokenizers import Tokenizer
-        from .cli import make_backend
+        from .backends.options import BackendOptions, open_backend
 
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r}: choose one of {', '.join(BACKENDS)}")
@@ -251,7 +250,7 @@ class Model:
             tokenizer_json = bytes(opened.section("tokenizer.json")).decode()
         except (KeyError, LookupError, ValueError):
             raise EngineError(f"{plan}: the plan has no tokenizer.json (recompile from a folder that has one)") from None
-        bound = make_backend(backend, opened, argparse.Namespace(
+        bound = open_backend(opened, backend, BackendOptions(
             threads=threads, device=device, hybrid_start=hybrid_start, switch_threshold=switch_threshold,
             switch_back_at=switch_back_at, hybrid_kv=hybrid_kv, recalibrate=recalibrate))
         model = cls(opened, bound, Tokenizer.from_str(tokenizer_json), engine_options)
@@ -322,9 +321,7 @@ class Model:
     def close(self) -> None:
         if self._active is not None:
             self._active.close()
-        close = getattr(self.backend, "close", None)
-        if close:
-            close()
+        self.backend.close()
 
     def __enter__(self) -> "Model":
         return self
