@@ -185,6 +185,12 @@ class CpuBackend(Backend):
     def reset(self) -> None:
         self.kv[:] = 0
 
+    def run_argmax(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
+        return np.argmax(self.run(phase, tokens, n_past, start_pos), axis=-1).astype(np.int32)
+
+    def report_lines(self) -> list[str]:
+        return []
+
     def kv_region(self) -> np.ndarray:
         """The KV region: uint8 [kv bytes], each state at the plan's layout["kv"] offset. Another
         back end may make its KV buffers over it, or copy rows in and out between steps
@@ -204,16 +210,10 @@ class CpuBackend(Backend):
             views[name] = self.kv[off:off + g.values[name].nbytes].view(np_dtype).reshape(shape)
         return HostKV(g, views)
 
-    def report_lines(self) -> list[str]:
-        return []
-
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
-
-    def run_argmax(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
-        return np.argmax(self.run(phase, tokens, n_past, start_pos), axis=-1).astype(np.int32)
 
     def run(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
         io = self._io.get(phase)

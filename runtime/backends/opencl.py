@@ -22,6 +22,7 @@ import numpy as np
 from ...compiler.ir import Graph, IRError, storage_shape
 from ..plan import Plan
 from .base import Backend
+# the parts' public names, importable from here as before the split
 from .opencl_device import INSTALL_OPENCL, OpenCLError, _cl, list_devices, pick_device
 from .opencl_launch import GREEDY_MAX_STEPS, Bound, CommandBuffer, DirectLaunches, bind_program
 from .opencl_memory import (ALIGN, DeviceMemory, Region, from_split_blocks, naive_layout, pack_weights,
@@ -46,7 +47,7 @@ class OpenCLBackend(Backend):
         try:
             program = json.loads(bytes(plan.section("opencl")).decode())
         except (KeyError, ValueError) as e:
-            raise OpenCLError(f"{plan.path}: no usable 'opencl' section ({e}); "
+            raise OpenCLError(f"{getattr(plan, 'path', 'plan')}: no usable 'opencl' section ({e}); "
                               "recompile with the opencl target") from None
         tensors = {n: (t.offset, t.nbytes) for n, t in plan.tensors.items()}
         self._setup(plan.graphs(), program, plan.weights_region(), tensors, device, kv_host)
