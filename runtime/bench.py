@@ -17,9 +17,8 @@ import numpy as np
 from ..compiler.cliutil import OneLineParser, check_output_file
 from ..compiler.summary import decode_weight_bytes
 from . import ceilings
-from .backends.base import Backend
+from .backends import Backend, BackendOptions, open_backend
 from .backends.cpu import physical_cores
-from .backends.options import BackendOptions, open_backend
 from .engine import Engine, Stats
 from .plan import Plan, PlanError
 

@@ -14,8 +14,8 @@ import numpy as np
 from ..compiler.cliutil import OneLineParser, check_output_file
 from .engine import Engine, EngineError
 from .kv.options import add_eviction_args, cache_manager
-from .backends.base import Backend
-from .backends.options import KV_MODES, SIDES, BackendOptionError, BackendOptions, open_backend
+from .backends import Backend, BackendOptionError, BackendOptions, open_backend
+from .backends.options import KV_MODES, SIDES
 from .builtin import default_plan
 from .plan import Plan, PlanError
 from .sampler import Sampler, SamplerConfig

@@ -235,7 +235,7 @@ class Model:
         "auto"). The other options are BackendOptions' fields (runtime/backends/options.py), llmrs-run's flags.
         engine_options go to the engine by name (the options it has; an unknown one is a TypeError)."""
         from tokenizers import Tokenizer
-        from .backends.options import BackendOptions, open_backend
+        from .backends import BackendOptions, open_backend
 
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r}: choose one of {', '.join(BACKENDS)}")

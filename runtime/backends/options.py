@@ -1,9 +1,7 @@
-"""Opening a back end from typed options: `open_backend(plan, "hybrid", BackendOptions(...))`.
-
-The library's one way to get a back end; llmrs-run's flags, Model.load's keywords and the
-benchmarks translate into these options and nothing else. A bad value is a BackendOptionError:
-one line naming the option by its Python name (`str()`), or by any other name a caller gives it
-(`worded`: a command line's flag).
+"""How to open a back end: BackendOptions, the typed options open_backend (runtime/backends/
+__init__.py) takes. llmrs-run's flags, Model.load's keywords and the benchmarks translate into
+these and nothing else. A bad value is a BackendOptionError: one line naming the option by its
+Python name (`str()`), or by any other name a caller gives it (`worded`: a command line's flag).
 """
 from __future__ import annotations
 
@@ -85,26 +83,4 @@ class BackendOptions:
         return self
 
 
-def open_backend(plan: Any, kind: str = "cpu", options: BackendOptions = BackendOptions()) -> Any:
-    """`plan` (a runtime/plan.Plan) bound to a back end of `kind`: cpu, opencl, reference (numpy),
-    hybrid (cpu and opencl, the KV cache handed over where the schedule switches) or auto (the
-    faster side for prefill and for decode, measured once per plan and device)."""
-    options.check_for(kind)
-    if kind == "reference":
-        from .reference import ReferenceBackend
-        return ReferenceBackend(plan.graphs())
-    if kind == "opencl":
-        from .opencl import OpenCLBackend
-        return OpenCLBackend(plan, device=options.device)
-    if kind == "hybrid":
-        from .hybrid import HybridBackend, Schedule
-        schedule = Schedule(options.hybrid_start, options.switch_threshold, options.switch_back_at)
-        return HybridBackend.load(plan, schedule, options.hybrid_kv, options.threads, options.device)
-    if kind == "auto":
-        from ..calibrate import auto_backend
-        return auto_backend(plan, options.threads, options.device, options.recalibrate)
-    from .cpu import CpuBackend
-    return CpuBackend(plan, threads=options.threads)
-
-
-__all__ = ["BACKENDS", "KV_MODES", "MAX_THREADS", "SIDES", "BackendOptionError", "BackendOptions", "open_backend"]
+__all__ = ["BACKENDS", "KV_MODES", "MAX_THREADS", "SIDES", "BackendOptionError", "BackendOptions"]
