@@ -18,6 +18,7 @@ from ..compiler.cliutil import OneLineParser, check_output_file
 from ..compiler.summary import decode_weight_bytes
 from . import ceilings
 from .ceilings import sig
+from .backends import Backend, BackendOptions, open_backend
 from .backends.cpu import physical_cores
 from .engine import Engine, Stats
 from .plan import Plan, PlanError
@@ -122,7 +123,7 @@ def run_llama_bench(binary: str, gguf: str, threads: int, repeats: int, prompt: 
 # -- speeds -----------------------------------------------------------------------------------
 
 def _greedy(engine: Engine) -> Callable[[Any], int]:
-    on_device = hasattr(engine.backend, "run_argmax")
+    on_device = engine.backend.device_argmax
     return (lambda out: int(out)) if on_device else (lambda out: int(np.argmax(out)))
 
 
@@ -130,7 +131,7 @@ def time_prefill(engine: Engine, n: int, rng: np.random.Generator, vocab: int) -
     """(tok/s of the prompt, seconds to the first token: prefill + the greedy choice)."""
     engine.reset()
     prompt = rng.integers(0, vocab, n).tolist()
-    pick, argmax = _greedy(engine), hasattr(engine.backend, "run_argmax")
+    pick, argmax = _greedy(engine), engine.backend.device_argmax
     t0 = time.perf_counter()
     out = engine.prefill(prompt, argmax)
     t1 = time.perf_counter()
@@ -140,7 +141,7 @@ def time_prefill(engine: Engine, n: int, rng: np.random.Generator, vocab: int) -
 
 def time_decode(engine: Engine, prompt_len: int, n: int, rng: np.random.Generator, vocab: int) -> float:
     engine.reset()
-    argmax = hasattr(engine.backend, "run_argmax")
+    argmax = engine.backend.device_argmax
     pick = _greedy(engine)
     out = engine.prefill(rng.integers(0, vocab, prompt_len).tolist(), argmax)
     t0 = time.perf_counter()
@@ -149,18 +150,15 @@ def time_decode(engine: Engine, prompt_len: int, n: int, rng: np.random.Generato
     return n / (time.perf_counter() - t0)
 
 
-def make_backend(name: str, plan: Plan, threads: int, device: Any) -> Any:
+def make_backend(name: str, plan: Plan, threads: int, device: Any) -> Backend:
     missing = plan.missing_code(name)
     if missing:
         raise BenchError(f"{plan.path}: {missing}")
-    if name == "opencl":
-        from .backends.opencl import OpenCLBackend, OpenCLError
-        try:
-            return OpenCLBackend(plan, device=device)
-        except OpenCLError as e:
-            raise BenchError(str(e)) from None
-    from .backends.cpu import CpuBackend
-    return CpuBackend(plan, threads=threads)
+    from .backends.opencl_device import OpenCLError
+    try:
+        return open_backend(plan, name, BackendOptions(threads=threads, device=device))
+    except OpenCLError as e:
+        raise BenchError(str(e)) from None
 
 
 def bench(a: argparse.Namespace) -> dict[str, Any]:
@@ -256,9 +254,7 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
         if a.backend == "opencl":   # the device found above, by index: no second search and notice
             from .backends.opencl import list_devices
             dev = [d for _, d in list_devices()].index(backend.device)
-        close = getattr(backend, "close", None)
-        if close:
-            close()
+        backend.close()
         rows = time_kernels(plan, a.backend, ceil, deep, threads, dev, max(a.repeats, 3), say)
         result["kernels"] = [asdict(r) for r in rows]
     return result

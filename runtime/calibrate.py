@@ -18,12 +18,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from .backends.base import Backend
+from .backends.cpu import CpuBackend
+from .backends.hybrid import HybridBackend, Schedule
+from .backends.opencl import OpenCLBackend
+from .backends.opencl_device import OpenCLError
 from .kv.store import NEVER
-from .plan import cache_dir
+from .plan import Plan, cache_dir
 
 PREFILL_REPEATS = 3
 DECODE_STEPS = 5
@@ -51,9 +55,9 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def cache_key(plan: Any, threads: int, opencl: Any) -> str:
+def cache_key(plan: Plan, threads: int, opencl: OpenCLBackend) -> str:
     """The plan (its manifest: shapes, dtypes, sizes) and both devices, as the figures depend on them."""
-    manifest = json.dumps(getattr(plan, "manifest", {}), sort_keys=True, default=str)
+    manifest = json.dumps(plan.manifest, sort_keys=True, default=str)
     plan_id = hashlib.sha256(manifest.encode()).hexdigest()[:16]
     dev = opencl.device
     return (f"plan {plan_id} | cpu {_cpu_name()} x{threads} | opencl {dev.platform.name.strip()}: "
@@ -69,7 +73,7 @@ def _median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(hybrid: Any, side: str) -> Speeds:
+def measure(hybrid: HybridBackend, side: str) -> Speeds:
     """Prefill and decode speeds of one side of a loaded HybridBackend (its cache is reset after)."""
     be = hybrid.backends[side]
     hybrid.reset()
@@ -94,7 +98,7 @@ def measure(hybrid: Any, side: str) -> Speeds:
     return Speeds(n / prefill_s, 1.0 / decode_s)
 
 
-def calibrate(hybrid: Any, plan: Any, threads: int, recalibrate: bool = False) -> tuple[dict[str, Speeds], str]:
+def calibrate(hybrid: HybridBackend, plan: Plan, threads: int, recalibrate: bool = False) -> tuple[dict[str, Speeds], str]:
     """Speeds of both sides, from the cache file or measured now (and stored); with where they came from."""
     path = calibration_file()
     key = cache_key(plan, threads, hybrid.opencl)
@@ -135,12 +139,8 @@ def explain(speeds: dict[str, Speeds], prefill: str, decode: str, where: str) ->
             f"{where}")
 
 
-def auto_backend(plan: Any, threads: int | None, device: Any, recalibrate: bool = False) -> Any:
+def auto_backend(plan: Plan, threads: int | None, device: int | str | None, recalibrate: bool = False) -> Backend:
     """A HybridBackend whose schedule the calibration chose; the CPU alone where no OpenCL device works."""
-    from .backends.cpu import CpuBackend
-    from .backends.hybrid import HybridBackend, Schedule
-    from .backends.opencl import OpenCLError
-
     try:
         import pyopencl as cl
         device_errors: tuple[type, ...] = (OpenCLError, cl.Error)

@@ -253,7 +253,7 @@ def kernel_error(kernel: Kernel, want: dict[str, np.ndarray], got: dict[str, np.
 # -- back ends --------------------------------------------------------------------------------
 
 def _with_layout(kernel: Kernel) -> Graph:
-    from .backends.opencl import naive_layout  # plain Python; pyopencl is imported on use only
+    from .backends.opencl_memory import naive_layout  # plain Python; pyopencl is imported on use only
     if "layout" not in kernel.graph.meta:
         kernel.graph.meta["layout"] = naive_layout({kernel.name: kernel.graph})[kernel.name]
     return kernel.graph

@@ -6,6 +6,7 @@ import os
 import sys
 import time
 import warnings
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,8 @@ import numpy as np
 from ..compiler.cliutil import OneLineParser, check_output_file
 from .engine import Engine, EngineError
 from .kv.options import add_eviction_args, cache_manager
-from .backends.hybrid import add_hybrid_args, check_flags, hybrid_options
+from .backends import Backend, BackendOptionError, BackendOptions, open_backend
+from .backends.options import KV_MODES, SIDES
 from .builtin import default_plan
 from .plan import Plan, PlanError
 from .sampler import Sampler, SamplerConfig
@@ -72,19 +74,37 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def make_backend(name: str, plan: Plan, args: argparse.Namespace):
-    check_flags(name, args)
-    if name in ("hybrid", "auto"):
-        from .backends.hybrid import make_hybrid
-        return make_hybrid(name, plan, args)
-    if name == "reference":
-        from .backends.reference import ReferenceBackend
-        return ReferenceBackend(plan.graphs())
-    if name == "opencl":
-        from .backends.opencl import OpenCLBackend
-        return OpenCLBackend(plan, device=args.device)
-    from .backends.cpu import CpuBackend
-    return CpuBackend(plan, threads=args.threads)
+def add_hybrid_args(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("hybrid (--backend hybrid: one back end, then the other, the KV cache handed over)")
+    g.add_argument("--hybrid-start", choices=SIDES, default="cpu",
+                   help="the back end that runs first (default cpu)")
+    g.add_argument("--switch-threshold", type=int, default=None, metavar="N",
+                   help="switch to the other back end at position N (inside a prompt: its prefill is cut "
+                        "there); default: at the prompt's end, prefill on --hybrid-start, decode on the other")
+    g.add_argument("--switch-back-at", type=int, default=None, metavar="N",
+                   help="switch back to --hybrid-start at position N (default: never)")
+    g.add_argument("--hybrid-kv", choices=KV_MODES, default="auto",
+                   help="how a switch hands the KV cache over: map (shared memory, nothing copied), copy "
+                        "(the live slots only), auto (map where the device shares host memory; default)")
+    g.add_argument("--recalibrate", action="store_true",
+                   help="--backend auto: measure again instead of using the cached figures")
+
+
+# BackendOptions' fields (and open_backend's kind) -> llmrs-run's flags of the same names
+BACKEND_FLAGS = {name: "--" + name.replace("_", "-") for name in ("backend", *(f.name for f in fields(BackendOptions)))}
+
+
+def backend_options(name: str, args: argparse.Namespace) -> BackendOptions:
+    """--threads, --device and the hybrid flags as BackendOptions for --backend `name`; a bad
+    one is a ValueError naming its flag."""
+    try:
+        return BackendOptions(**{f: vars(args)[f] for f in BACKEND_FLAGS if f != "backend"}).check_for(name)
+    except BackendOptionError as e:
+        raise ValueError(e.worded(BACKEND_FLAGS.__getitem__)) from None
+
+
+def make_backend(name: str, plan: Plan, args: argparse.Namespace) -> Backend:
+    return open_backend(plan, name, backend_options(name, args))
 
 
 class TextStream:
@@ -198,9 +218,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"llmrs-run: profile: {backend.trace.steps} steps, {n_slices} kernel slices in {args.profile} "
               "(open it in https://ui.perfetto.dev)", file=sys.stderr)
     if args.stats:
-        print(f"backend           {getattr(backend, 'name', args.backend)}\n{gen.stats.report()}\nstopped by        {gen.stop_reason}",
+        print(f"backend           {backend.name}\n{gen.stats.report()}\nstopped by        {gen.stop_reason}",
               file=sys.stderr)
-        for line in getattr(backend, "report_lines", lambda: [])():   # hybrid: switches, phases per side
+        for line in backend.report_lines():   # hybrid: switches, phases per side
             print(line, file=sys.stderr)
     return 0
 
@@ -214,8 +234,8 @@ def run_chat(args: argparse.Namespace) -> int:
     SamplerConfig(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.repetition_window,
                   args.seed).check()  # before the plan loads, naming the flags
     args.threads = check_threads(args.threads, "--threads")
-    return chat(Model.load(args.plan or default_plan(), args.backend, args.threads, args.device,
-                           **hybrid_options(args)), args)
+    options = backend_options(args.backend, args)   # before the plan loads, naming the flags
+    return chat(Model.load(args.plan or default_plan(), args.backend, **vars(options)), args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,25 +4,13 @@ from __future__ import annotations
 import resource
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from .backends.base import Backend
 from .kv import CacheManager, StepInfo, summarize
 from .sampler import Sampler
-
-
-class Backend(Protocol):
-    name: str
-
-    def run(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
-        """One step of `phase` ("prefill" | "decode"); returns logits f32[rows, vocab]."""
-
-    def reset(self) -> None:
-        """Forget the KV cache."""
-
-    # Optional: run_argmax(phase, tokens, n_past, start_pos) -> int32[rows], the greedy choice
-    # taken on the device so a step reads back 4 bytes instead of the logits.
 
 
 class EngineError(ValueError):
@@ -189,7 +177,7 @@ class Engine:
         if self.cache is not None:
             st.eviction_policy = self.cache.policy.name
             seen = len(self.cache.events)
-        on_device = sampler.greedy and not keep_logits and hasattr(self.backend, "run_argmax")
+        on_device = sampler.greedy and not keep_logits and self.backend.device_argmax
         t0 = time.perf_counter()
         logits = self.prefill(prompt, on_device)
         st.prefill_s = time.perf_counter() - t0

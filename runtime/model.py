@@ -11,7 +11,6 @@ lock, so a Completion may be stepped, or closed, from any thread.
 """
 from __future__ import annotations
 
-import argparse
 import inspect
 import numbers
 import os
@@ -331,10 +330,10 @@ class Model:
              switch_back_at: int | None = None, hybrid_kv: str = "auto", recalibrate: bool = False,
              **engine_options: Any) -> "Model":
         """Open and verify `plan`, bind it to `backend` ("cpu", "opencl", "reference", "hybrid" or
-        "auto"). The hybrid options are llmrs-run's flags of the same names (runtime/backends/hybrid.py).
+        "auto"). The other options are BackendOptions' fields (runtime/backends/options.py), llmrs-run's flags.
         engine_options go to the engine by name (the options it has; an unknown one is a TypeError)."""
         from tokenizers import Tokenizer
-        from .cli import make_backend
+        from .backends import BackendOptions, open_backend
 
         if not isinstance(plan, (str, os.PathLike)):
             raise TypeError(f"plan must be a path to a plan file, got {plan!r}")
@@ -354,7 +353,7 @@ class Model:
             tokenizer_json = bytes(opened.section("tokenizer.json")).decode()
         except (KeyError, LookupError, ValueError):
             raise EngineError(f"{plan}: the plan has no tokenizer.json (recompile from a folder that has one)") from None
-        bound = make_backend(backend, opened, argparse.Namespace(
+        bound = open_backend(opened, backend, BackendOptions(
             threads=threads, device=device, hybrid_start=hybrid_start, switch_threshold=switch_threshold,
             switch_back_at=switch_back_at, hybrid_kv=hybrid_kv, recalibrate=recalibrate))
         model = cls(opened, bound, Tokenizer.from_str(tokenizer_json), engine_options)
@@ -446,9 +445,7 @@ class Model:
             if self._active is not None:
                 self._active.close()
             self._closed = True
-            close = getattr(self.backend, "close", None)
-            if close:
-                close()
+            self.backend.close()
 
     def __enter__(self) -> "Model":
         return self

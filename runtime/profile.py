@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..compiler.ir import Op
+from .backends.base import Backend
 
 _LAYER = re.compile(r"^l(\d+)\.")
 
@@ -171,22 +172,33 @@ def profiled_opencl(plan: Any, device: Any) -> Any:
     return ProfiledOpenCL()
 
 
-class Profiler:
-    """Wraps a profiled back end for the Engine: each step's host time and its kernels' slices
-    go into `trace`; everything else passes through to the back end."""
+class Profiler(Backend):
+    """A profiled back end for the Engine: each step's host time and its kernels' slices go into
+    `trace`; everything else is the back end's own."""
 
     def __init__(self, backend: Any, kind: str, meta: dict[str, Any]):
         self._backend, self._kind = backend, kind
         self.trace = Trace(meta={**meta, "backend": kind})
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._backend, name)   # AttributeError passes on: run_argmax only where it exists
-        if name == "run_argmax":
-            return lambda *a: self._step(attr, *a)
-        return attr
+        self.name, self.device_name, self.graphs = backend.name, backend.device_name, backend.graphs
+        self.device_argmax = backend.device_argmax
 
     def run(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
         return self._step(self._backend.run, phase, tokens, n_past, start_pos)
+
+    def run_argmax(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
+        return self._step(self._backend.run_argmax, phase, tokens, n_past, start_pos)
+
+    def reset(self) -> None:
+        self._backend.reset()
+
+    def kv_store(self) -> Any:
+        return self._backend.kv_store()
+
+    def report_lines(self) -> list[str]:
+        return self._backend.report_lines()
+
+    def close(self) -> None:
+        self._backend.close()
 
     def _step(self, fn, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
         t0 = time.perf_counter_ns()
@@ -209,7 +221,7 @@ def profiling_backend(name: str, plan: Any, threads: int | None, device: Any) ->
         be = profiled_opencl(plan, device)
     else:
         raise ValueError(f"--profile times kernels on --backend cpu or opencl, not {name}")
-    return Profiler(be, name, {"plan": str(getattr(plan, "path", "")), "device": getattr(be, "device_name", "")})
+    return Profiler(be, name, {"plan": str(plan.path), "device": be.device_name})
 
 
 def kernel_totals(trace: dict[str, Any]) -> dict[str, dict[str, float]]:

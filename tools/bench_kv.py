@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from llmrs.compiler.cliutil import OneLineParser
-from llmrs.runtime.cli import make_backend
+from llmrs.runtime.backends import BackendOptions, open_backend
+from llmrs.runtime.backends.opencl import OpenCLBackend
 from llmrs.runtime.engine import Engine, EngineError
 from llmrs.runtime.kv import CacheManager, make_policy
 from llmrs.runtime.plan import Plan, PlanError
@@ -50,12 +51,12 @@ class State:
         self.saved = {n: self._read(n) for n in self.names}
 
     def _read(self, n):
-        if hasattr(self.be, "read_value"):
+        if isinstance(self.be, OpenCLBackend):   # device memory; the others' stores hold numpy arrays
             return self.be.read_value("decode", n)
         return self.be.kv_store().arrays[n].copy()
 
     def restore(self):
-        if hasattr(self.be, "write_value"):
+        if isinstance(self.be, OpenCLBackend):
             for n in self.names:
                 self.be.write_value("decode", n, self.saved[n])
             self.be.scoring = False
@@ -165,9 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"plan": str(args.plan), "compile_command": m.get("compile_command"), "slots": slots,
               "threads": args.threads, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "backends": {}}
     for name in backends:
-        be = make_backend(name, plan, argparse.Namespace(threads=args.threads, device=args.device))
-        dev = getattr(be, "device", None)
-        label = f"{name} ({dev.name.strip()})" if dev is not None and hasattr(dev, "name") else name
+        be = open_backend(plan, name, BackendOptions(threads=args.threads, device=args.device))
+        label = f"{name} ({be.device_name})" if be.device_name else name
         log(f"{label}: S = {slots} slots")
         result["backends"][name] = {
             "device": label,
@@ -175,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             "scores": bench_scores(be, label, slots, chunk, tokens, args.steps, args.rounds),
             "generate": bench_generate(be, label, slots, chunk, tokens, args.tokens, args.rounds),
         }
-        if hasattr(be, "close"):
-            be.close()
+        be.close()
     print_tables(result)
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)

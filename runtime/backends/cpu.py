@@ -18,10 +18,11 @@ import numpy as np
 
 from ...compiler.ir import Graph, storage_shape
 from ..plan import Plan
+from .base import Backend
 from .cpu_native import NativeCode, NativeCodeError, host_triple
+from .options import MAX_THREADS
 
 _STEP_ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5
-MAX_THREADS = 1024   # more than any CPU runs at once; more only makes every barrier wait longer
 
 
 class CpuBackendError(ValueError):
@@ -151,8 +152,11 @@ def _start_team(threads: int) -> ThreadPoolExecutor | None:
     return pool
 
 
-class CpuBackend:
+class CpuBackend(Backend):
     """run(phase, tokens, n_past, start_pos) -> float32 logits [rows, vocab]; reset() clears the KV cache."""
+    name = "cpu"
+    device_name = ""
+    device_argmax = False      # run_argmax is the argmax of run's logits
 
     def __init__(self, plan, threads: int | None = None, code: NativeCode | None = None):
         threads = physical_cores() if threads is None else threads
@@ -181,6 +185,18 @@ class CpuBackend:
 
     def reset(self) -> None:
         self.kv[:] = 0
+
+    def run_argmax(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
+        return np.argmax(self.run(phase, tokens, n_past, start_pos), axis=-1).astype(np.int32)
+
+    def report_lines(self) -> list[str]:
+        return []
+
+    def kv_region(self) -> np.ndarray:
+        """The KV region: uint8 [kv bytes], each state at the plan's layout["kv"] offset. Another
+        back end may make its KV buffers over it, or copy rows in and out between steps
+        (runtime/backends/hybrid.py)."""
+        return self.kv
 
     def kv_store(self):
         """The caches for eviction (runtime/kv): numpy views of the KV region, at the plan's
@@ -231,4 +247,4 @@ class CpuBackend:
         return self.arena[off:off + rows * io.out_cols * 4].view(np.float32).reshape(rows, -1).copy()
 
 
-__all__ = ["CpuBackend", "CpuBackendError", "NativeCodeError", "physical_cores", "load_code"]
+__all__ = ["MAX_THREADS", "CpuBackend", "CpuBackendError", "NativeCodeError", "physical_cores", "load_code"]

@@ -35,10 +35,11 @@ from typing import Any, Callable
 import numpy as np
 
 from ..kv.store import NEVER
-from .opencl_launch import OpenCLError
-
-SIDES = ("cpu", "opencl")
-KV_MODES = ("auto", "copy", "map")
+from .base import Backend
+from .cpu import CpuBackend
+from .opencl import OpenCLBackend
+from .opencl_device import OpenCLError, pick_device
+from .options import KV_MODES, SIDES
 
 
 class HybridError(ValueError):
@@ -203,20 +204,21 @@ class _Phase:
     seconds: float = 0.0
 
 
-class HybridBackend:
+class HybridBackend(Backend):
     """run(phase, tokens, n_past, start_pos) on the side the schedule names; see the module doc."""
+    device_argmax = True     # the OpenCL side's; the CPU side takes the argmax of its logits
 
-    def __init__(self, cpu: Any, opencl: Any, schedule: Schedule, kv_mode: str = "auto",
+    def __init__(self, cpu: CpuBackend, opencl: OpenCLBackend, schedule: Schedule, kv_mode: str = "auto",
                  notice: Callable[[str], None] | None = None):
         if kv_mode not in KV_MODES:
             raise HybridError(f"--hybrid-kv {kv_mode!r}: choose one of {', '.join(KV_MODES)}")
-        import pyopencl as cl
-        self._cl = cl
         self.schedule = schedule.check()
-        self.backends = {"cpu": cpu, "opencl": opencl}
+        self.backends: dict[str, Backend] = {"cpu": cpu, "opencl": opencl}
         self.cpu, self.opencl = cpu, opencl
-        shared = opencl.kv.chunks[0][2].flags & cl.mem_flags.USE_HOST_PTR
-        if (kv_mode == "map") != bool(shared) and kv_mode != "auto":
+        self.graphs = cpu.graphs
+        self.device_name = opencl.device_name
+        shared = opencl.shares_kv
+        if (kv_mode == "map") != shared and kv_mode != "auto":
             raise HybridError(f"--hybrid-kv {kv_mode}: the OpenCL KV buffers are {'' if shared else 'not '}made over "
                               "the CPU's memory (HybridBackend.load makes them as the mode needs)")
         self.kv_mode = "map" if shared and kv_mode != "copy" else "copy"
@@ -228,7 +230,7 @@ class HybridBackend:
         self.phases: dict[tuple[str, str], _Phase] = {}
         self.failed: str | None = None       # the device error that moved everything to the CPU
         self.store: HybridKV | None = None
-        self._maps: list[Any] | None = None
+        self._maps: list[tuple[int, np.ndarray]] | None = None   # the OpenCL KV region, mapped while the CPU runs
         self.active = schedule.start
         self.scores_live = False             # an eviction policy keeps attention scores
         self.evicted = False                 # slots no longer hold positions 0..n_past-1
@@ -241,9 +243,6 @@ class HybridBackend:
              device: int | str | None = None, notice: Callable[[str], None] | None = None) -> "HybridBackend":
         """Both sides of `plan`; with kv_mode map (or auto on a device sharing host memory) the
         OpenCL KV buffers are made over the CPU back end's KV memory."""
-        from .cpu import CpuBackend
-        from .opencl import OpenCLBackend, pick_device
-
         if kv_mode not in KV_MODES:
             raise HybridError(f"--hybrid-kv {kv_mode!r}: choose one of {', '.join(KV_MODES)}")
         schedule.check()
@@ -251,7 +250,7 @@ class HybridBackend:
         try:
             dev = pick_device(device)
             share = kv_mode == "map" or (kv_mode == "auto" and shares_host_memory(dev))
-            opencl = OpenCLBackend(plan, device=dev, kv_host=cpu.kv if share else None)
+            opencl = OpenCLBackend(plan, device=dev, kv_host=cpu.kv_region() if share else None)
         except BaseException:
             cpu.close()
             raise
@@ -299,6 +298,7 @@ class HybridBackend:
     def close(self) -> None:
         if self._maps is not None:
             self._unmap()
+        self.opencl.close()
         self.cpu.close()
 
     def use(self, side: str, n_past: int = 0, position: int = 0, phase: str = "prefill") -> None:
@@ -336,12 +336,10 @@ class HybridBackend:
         be = self.backends[self.active]
         t0 = time.perf_counter()
         try:
-            if argmax and hasattr(be, "run_argmax"):
+            if argmax:
                 out = be.run_argmax(phase, tokens, n_past, start_pos)
             else:
                 out = be.run(phase, tokens, n_past, start_pos)
-                if argmax:
-                    out = np.argmax(out, axis=-1).astype(np.int32)
         except _device_errors() as err:
             if self.active != "opencl":
                 raise
@@ -361,7 +359,6 @@ class HybridBackend:
             if dst == "opencl":
                 self._unmap()
             else:
-                self.opencl.queue.finish()
                 self._map()
         else:
             kv_bytes, score_bytes = self._copy(dst, n_past)
@@ -373,57 +370,38 @@ class HybridBackend:
 
     def _copy(self, dst: str, n_past: int) -> tuple[int, int]:
         """The live rows of every state to `dst`; returns (K/V bytes, score bytes) copied."""
-        cl, q, host = self._cl, self.opencl.queue, self.cpu.kv
+        host = self.cpu.kv_region()
         to_device = dst == "opencl"
-        moved = [0, 0]
-
-        def copy(off: int, nbytes: int, what: int) -> None:
-            if nbytes == 0:
-                return
-            buf, boff = self.opencl.kv.locate(off, nbytes, "hybrid switch")
-            view = host[off:off + nbytes]
-            if to_device:
-                cl.enqueue_copy(q, buf, view, dst_offset=boff, is_blocking=False)
-            else:
-                cl.enqueue_copy(q, view, buf, src_offset=boff, is_blocking=False)
-            moved[what] += nbytes
-
-        for s in self.kv_states:
-            copy(s.offset, n_past * s.row_bytes, 0)
+        kv = [(s.offset, n_past * s.row_bytes) for s in self.kv_states]
+        scores, tails = [], []
         if self.scores_live:
             # scores are [KV head, slot]: each head's live run, and a zero tail where later steps add
             for s in self.score_states:
                 for h in range(s.rows):
                     start = s.offset + h * s.row_bytes
-                    copy(start, 4 * n_past, 1)
-                    rest = s.row_bytes - 4 * n_past
-                    if rest <= 0:
-                        continue
-                    if to_device:
-                        buf, boff = self.opencl.kv.locate(start + 4 * n_past, rest, "hybrid switch")
-                        cl.enqueue_fill_buffer(q, buf, np.uint8(0), boff, rest)
-                    else:
-                        host[start + 4 * n_past:start + s.row_bytes] = 0
-        q.finish()
-        return moved[0], moved[1]
+                    scores.append((start, 4 * n_past))
+                    if s.row_bytes > 4 * n_past:
+                        tails.append((start + 4 * n_past, s.row_bytes - 4 * n_past))
+        spans = [(off, n) for off, n in kv + scores if n]
+        if to_device:
+            self.opencl.copy_kv(host, spans, True, zeros=tails)
+        else:
+            self.opencl.copy_kv(host, spans, False)
+            for off, n in tails:
+                host[off:off + n] = 0
+        return sum(n for _, n in kv), sum(n for _, n in scores)
 
     def _map(self) -> None:
-        cl = self._cl
-        maps = []
-        for s, e, buf in self.opencl.kv.chunks:
-            ary, _ = cl.enqueue_map_buffer(self.opencl.queue, buf, cl.map_flags.READ | cl.map_flags.WRITE,
-                                           0, (e - s,), np.uint8, is_blocking=True)
-            if ary.ctypes.data != self.cpu.kv[s:e].ctypes.data:   # the spec says it is: a driver that breaks it
-                ary.base.release(self.opencl.queue)
-                raise HybridError(f"{self.opencl.device_name} mapped the shared KV cache elsewhere; use --hybrid-kv copy")
-            maps.append(ary)
+        maps = self.opencl.map_kv()
+        host = self.cpu.kv_region()
+        if any(ary.ctypes.data != host[s:].ctypes.data for s, ary in maps):  # the spec says it is: a driver that breaks it
+            self.opencl.unmap_kv(maps)
+            raise HybridError(f"{self.opencl.device_name} mapped the shared KV cache elsewhere; use --hybrid-kv copy")
         self._maps = maps
 
     def _unmap(self) -> None:
         maps, self._maps = self._maps or [], None    # none is released twice, even after a failure
-        for ary in maps:
-            ary.base.release(self.opencl.queue)
-        self.opencl.queue.finish()
+        self.opencl.unmap_kv(maps)
 
     # -- device failure -----------------------------------------------------------------------
     def _device_failed(self, err: BaseException, phase: str, n_past: int, position: int) -> None:
@@ -446,7 +424,7 @@ class HybridBackend:
         t0 = time.perf_counter()
         self.active = "cpu"
         if self.kv_mode == "map":           # the CPU's memory is the device's: rebuild it in place
-            self.cpu.kv[:] = 0
+            self.cpu.reset()
         for s in range(0, n_past, self.prefill_T):
             part = np.asarray(self._fed[s:min(n_past, s + self.prefill_T)], np.int32)
             self.cpu.run("prefill" if "prefill" in self.cpu.graphs else "decode", part, s, s)
@@ -476,52 +454,5 @@ class HybridBackend:
         self.phases.clear()
 
 
-# -- llmrs-run's flags --------------------------------------------------------------------------
-
-def add_hybrid_args(ap) -> None:
-    g = ap.add_argument_group("hybrid (--backend hybrid: one back end, then the other, the KV cache handed over)")
-    g.add_argument("--hybrid-start", choices=SIDES, default="cpu",
-                   help="the back end that runs first (default cpu)")
-    g.add_argument("--switch-threshold", type=int, default=None, metavar="N",
-                   help="switch to the other back end at position N (inside a prompt: its prefill is cut "
-                        "there); default: at the prompt's end, prefill on --hybrid-start, decode on the other")
-    g.add_argument("--switch-back-at", type=int, default=None, metavar="N",
-                   help="switch back to --hybrid-start at position N (default: never)")
-    g.add_argument("--hybrid-kv", choices=KV_MODES, default="auto",
-                   help="how a switch hands the KV cache over: map (shared memory, nothing copied), copy "
-                        "(the live slots only), auto (map where the device shares host memory; default)")
-    g.add_argument("--recalibrate", action="store_true",
-                   help="--backend auto: measure again instead of using the cached figures")
-
-
-HYBRID_FLAGS = {"switch_threshold": None, "switch_back_at": None, "hybrid_start": "cpu", "hybrid_kv": "auto",
-                "recalibrate": False}
-
-
-def hybrid_options(args: Any) -> dict[str, Any]:
-    """The hybrid flags of parsed arguments, by their Python names (Model.load's keywords)."""
-    return {key: getattr(args, key, default) for key, default in HYBRID_FLAGS.items()}
-
-
-def check_flags(backend: str, args: Any) -> None:
-    """The schedule flags are for --backend hybrid (auto picks its own), --recalibrate for auto."""
-    for key, default in HYBRID_FLAGS.items():
-        wants = "auto" if key == "recalibrate" else "hybrid"
-        if backend != wants and getattr(args, key, default) != default:
-            raise HybridError(f"--{key.replace('_', '-')} goes with --backend {wants}")
-
-
-def make_hybrid(name: str, plan: Any, args: Any) -> Any:
-    """The back end --backend hybrid or auto asks for (auto may answer with a single back end)."""
-    check_flags(name, args)
-    threads, device = getattr(args, "threads", None), getattr(args, "device", None)
-    if name == "auto":
-        from ..calibrate import auto_backend
-        return auto_backend(plan, threads, device, getattr(args, "recalibrate", False))
-    schedule = Schedule(getattr(args, "hybrid_start", "cpu"), getattr(args, "switch_threshold", None),
-                        getattr(args, "switch_back_at", None)).check()
-    return HybridBackend.load(plan, schedule, getattr(args, "hybrid_kv", "auto"), threads, device)
-
-
-__all__ = ["HybridBackend", "HybridError", "HybridKV", "Schedule", "SwitchEvent", "add_hybrid_args",
-           "check_flags", "hybrid_options", "live_kv_bytes", "make_hybrid", "shares_host_memory"]
+__all__ = ["KV_MODES", "SIDES", "HybridBackend", "HybridError", "HybridKV", "Schedule", "SwitchEvent",
+           "live_kv_bytes", "shares_host_memory"]

@@ -1,351 +1,42 @@
 """Run a plan's graphs with OpenCL: one arena buffer, weights uploaded once, kernels bound once.
 
-Memory (all planned at compile time, graph.meta["layout"]):
-    arena    one buffer, CL_MEM_ALLOC_HOST_PTR (the host maps it without copies): every
-             activation and input, prefill and decode sharing it
-    weights  the plan's weights section, read-only, uploaded once; quantized tensors are
-             converted to the split layout of templates/opencl/common.cl (quants, then
-             scales; same size, so every offset stays the plan's)
-    kv       the KV caches, persistent across steps
+The parts, one module each: which device (opencl_device.py), its programs and their build cache
+(opencl_program.py), the planned memory regions (opencl_memory.py: weights, kv, arena), the
+kernels bound and the ways to launch them (opencl_launch.py). This module is the back end: it
+opens them in that order and runs steps. Besides the regions it holds
     step     int32[4]: n_tokens, n_past, start_pos, k; written once per step, or once per
              batch of greedy steps, which advance it on the device (k: the batch's step)
-    scratch  kernels' partial results (split attention, greedy argmax), zero-filled once
-    result   int32 [rows]: greedy tokens, the only bytes a greedy step reads back
-    staging  one launch's output for the next (stage_x's Q8_0 activations for its matmul)
-A region larger than CL_DEVICE_MAX_MEM_ALLOC_SIZE is split over several buffers at tensor
-boundaries. Every kernel's arguments are set at load; a step writes `step` and the tokens,
-enqueues the launch table and reads the logits back.
+and the kernels' own buffers (scratch, result, staging: opencl_launch.Binding). Every kernel's
+arguments are set at load; a step writes `step` and the tokens, enqueues the launch table and
+reads the logits back.
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import math
 import os
-import re
-import sys
 import warnings
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
 from ...compiler.ir import Graph, IRError, storage_shape
 from ..plan import Plan
-from .opencl_launch import CommandBuffer, DirectLaunches, OpenCLError
-from .opencl_probe import FIX as PROBE_FIX, is_pocl, why_unusable
+from .base import Backend
+# the parts' public names, importable from here as before the split
+from .opencl_device import INSTALL_OPENCL, OpenCLError, _cl, list_devices, pick_device
+from .opencl_launch import GREEDY_MAX_STEPS, Bound, CommandBuffer, DirectLaunches, bind_program
+from .opencl_memory import (ALIGN, DeviceMemory, Region, from_split_blocks, naive_layout, pack_weights,
+                            split_region, to_split_blocks)
+from .opencl_program import build_program, cache_dir, device_options, patch_wgmma_ptx
 
-ALIGN = 64
-GREEDY_MAX_STEPS = 4096   # run_greedy_steps: tokens one batch may produce
 COMMAND_BUFFERS_KEPT = 8  # recorded launch lists kept (one per phase and size), oldest dropped
-# per 32-value block: (header bytes, quant bytes); the header is the f16 scale d, and for
-# q4_1 d then the f16 minimum m, kept together so a kernel reads both in one 4-byte load
-_SPLIT_BYTES = {"q4_0": (2, 16), "q4_1": (4, 16), "q8_0": (2, 32)}
 
 
-def to_split_blocks(raw: np.ndarray, dtype: str) -> np.ndarray:
-    """GGML blocks (uint8, any shape) -> the device's split layout: every block's quants, then
-    every block's header (f16 scale; q4_1: scale and minimum); the same number of bytes."""
-    hb, qb = _SPLIT_BYTES[dtype]
-    blocks = np.ascontiguousarray(raw).reshape(-1, hb + qb)
-    return np.concatenate([blocks[:, hb:].reshape(-1), blocks[:, :hb].reshape(-1)])
-
-
-def from_split_blocks(data: np.ndarray, dtype: str) -> np.ndarray:
-    """The inverse of to_split_blocks: uint8 [nbytes] of GGML blocks."""
-    hb, qb = _SPLIT_BYTES[dtype]
-    n = data.size // (hb + qb)
-    out = np.empty((n, hb + qb), np.uint8)
-    out[:, hb:] = data[:n * qb].reshape(n, qb)
-    out[:, :hb] = data[n * qb:].reshape(n, hb)
-    return out.reshape(-1)
-
-
-def _cl():
-    try:
-        import pyopencl as cl
-    except ImportError as e:
-        raise OpenCLError(f"pyopencl is not installed ({e}); pip install pyopencl "
-                          "pocl-binary-distribution") from None
-    return cl
-
-
-# -- device choice ----------------------------------------------------------------------------
-
-INSTALL_OPENCL = ("install a GPU driver's OpenCL ICD, or PoCL for the CPU: pip install "
-                  "pocl-binary-distribution, or apt-get install pocl-opencl-icd")
-
-
-def list_devices() -> list[tuple[str, Any]]:
-    """("platform: device", cl.Device) for every device of every platform, GPUs first."""
-    cl = _cl()
-    try:
-        platforms = cl.get_platforms()
-    except cl.Error as e:
-        raise OpenCLError(f"no OpenCL platform found ({e}); {INSTALL_OPENCL}") from None
-    found = []
-    for p in platforms:
-        try:
-            devs = p.get_devices()
-        except cl.Error:
-            continue
-        found += [(f"{p.name.strip()}: {d.name.strip()}", d) for d in devs]
-    found.sort(key=lambda nd: 0 if nd[1].type & cl.device_type.GPU else 1)
-    if not found:
-        raise OpenCLError(f"no OpenCL device found on any platform; {INSTALL_OPENCL}")
-    return found
-
-
-def _why_unusable(dev: Any) -> str:
-    """"" where the device builds and runs kernels here, else why not. PoCL is asked in a child
-    process (opencl_probe.py: pip's PoCL can abort the whole process); others build a probe here."""
-    if is_pocl(dev):
-        return why_unusable(dev)
-    cl = _cl()
-    try:
-        _build(cl.Program(cl.Context([dev]), "__kernel void probe(__global int *x) { x[0] = 1; }"))
-        return ""
-    except cl.Error:
-        return "its compiler cannot build a probe kernel"
-
-
-def _unusable_error(found: list[tuple[str, str]]) -> OpenCLError:
-    return OpenCLError("no OpenCL device here can run kernels ("
-                       + "; ".join(f"{n}: {why}" for n, why in found) + f"): {PROBE_FIX}")
-
-
-def _first_working_cpu(found: list[tuple[str, Any]]) -> tuple[str, Any]:
-    refused = []
-    for name, dev in found:
-        why = _why_unusable(dev)
-        if not why:
-            return name, dev
-        refused.append((name, why))
-    raise _unusable_error(refused)
-
-
-def pick_device(device: int | str | None = None) -> Any:
-    """A device by index or name substring (else $LLMRS_OPENCL_DEVICE, else the first GPU), or
-    the pyopencl Device given."""
-    cl = _cl()
-    if isinstance(device, cl.Device):
-        return device
-    found = list_devices()
-    want = device if device is not None else os.environ.get("LLMRS_OPENCL_DEVICE")
-    if want is None or want == "":
-        name, dev = found[0]
-        if not dev.type & cl.device_type.GPU:
-            name, dev = _first_working_cpu(found)
-            print(f"llmrs: no OpenCL GPU found; running on {name}", file=sys.stderr)
-        return dev
-    if isinstance(want, int) or str(want).isdigit():
-        i = int(want)
-        if not 0 <= i < len(found):
-            raise OpenCLError(f"OpenCL device index {i} is out of range; devices: "
-                              + "; ".join(f"{j}: {n}" for j, (n, _) in enumerate(found)))
-        return _checked(*found[i])
-    hits = [(n, d) for n, d in found if str(want).lower() in n.lower()]
-    if not hits:
-        raise OpenCLError(f"no OpenCL device matches {want!r}; devices: "
-                          + "; ".join(f"{j}: {n}" for j, (n, _) in enumerate(found)))
-    return _checked(*hits[0])
-
-
-def _checked(name: str, dev: Any) -> Any:
-    """A device the user named, refused with the fix where it cannot run kernels here (PoCL only:
-    a GPU driver's compiler is left to report its own errors)."""
-    why = why_unusable(dev)
-    if why:
-        raise _unusable_error([(name, why)])
-    return dev
-
-
-# -- memory regions ---------------------------------------------------------------------------
-
-@dataclass
-class Region:
-    """A planned region held in one or more device buffers: chunks[i] = (start, end, buffer)."""
-    name: str
-    chunks: list[tuple[int, int, Any]]
-
-    def locate(self, offset: int, nbytes: int, what: str) -> tuple[Any, int]:
-        for start, end, buf in self.chunks:
-            if start <= offset and offset + nbytes <= end:
-                return buf, offset - start
-        raise OpenCLError(f"{what} at {self.name} offset {offset} (+{nbytes} B) lies in no buffer of the region")
-
-
-def split_region(intervals: Iterable[tuple[int, int]], max_bytes: int, what: str) -> list[tuple[int, int]]:
-    """Chunks [start, end) covering the intervals, each <= max_bytes, no interval cut in two.
-    Overlapping intervals (reused arena storage) form one cluster that cannot be cut."""
-    clusters: list[list[int]] = []
-    for s, e in sorted(intervals):
-        if clusters and s < clusters[-1][1]:
-            clusters[-1][1] = max(clusters[-1][1], e)
-        else:
-            clusters.append([s, e])
-    chunks: list[tuple[int, int]] = []
-    for s, e in clusters:
-        if e - s > max_bytes:
-            raise OpenCLError(f"{what}: {e - s} bytes at offset {s} must sit in one buffer but the device "
-                              f"allows {max_bytes} per allocation; use a smaller prefill chunk or weights dtype")
-        if chunks and e - chunks[-1][0] <= max_bytes:
-            chunks[-1] = (chunks[-1][0], e)
-        else:
-            chunks.append((s, e))
-    return chunks
-
-
-def naive_layout(graphs: dict[str, Graph]) -> dict[str, dict[str, Any]]:
-    """A layout in plan_memory's format with no reuse at all: for graphs that were not planned."""
-    kv: dict[str, int] = {}
-    kv_bytes = 0
-    for g in graphs.values():
-        for name in g.state:
-            if name not in kv:
-                kv[name] = kv_bytes
-                kv_bytes += -(-g.values[name].nbytes // ALIGN) * ALIGN
-    out = {}
-    for phase, g in graphs.items():
-        arena, off = {}, 0
-        for v in g.values.values():
-            if v.kind in ("input", "act") and v.alias is None:
-                arena[v.name] = off
-                off += -(-v.nbytes // ALIGN) * ALIGN
-        out[phase] = {"alignment": ALIGN, "arena_bytes": off, "arena": arena, "kv_bytes": kv_bytes, "kv": kv}
-    return out
-
-
-# -- program builds ---------------------------------------------------------------------------
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("LLMRS_CACHE_DIR") or Path.home() / ".cache" / "llmrs") / "opencl"
-
-
-def device_options(dev: Any) -> list[str]:
-    """Build options chosen for the device at bind time. NVIDIA's driver reports no subgroup
-    extension but compiles inline PTX: warp shuffles and dp4a come from there, and on compute
-    capability 8.0+ the tensor-core bodies of the prefill matmul and attention (-DUSE_NV_MMA)
-    (LLMRS_OPENCL_PORTABLE=1 keeps the portable C path, LLMRS_OPENCL_NO_MMA=1 only drops the
-    tensor cores, for comparisons; LLMRS_OPENCL_EMULATE_MMA=1 runs the tensor-core bodies on any
-    device, their mma.sync emulated in C, for tests). Compute capability 9.x adds Hopper's
-    warpgroup MMA to the f16 prefill matmul (-DUSE_NV_WGMMA; build_program assembles it for
-    sm_90a; LLMRS_OPENCL_NO_WGMMA=1 keeps mma.sync; LLMRS_OPENCL_EMULATE_WGMMA=1 emulates it)."""
-    cl = _cl()
-    opts = ["-w"] if is_pocl(dev) else []   # pip's PoCL prints "N warnings generated." per kernel
-    if dev.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT:
-        opts.append("-cl-fp32-correctly-rounded-divide-sqrt")  # Q8_0 scales round as numpy's
-    if "NVIDIA" in dev.platform.vendor.upper() and os.environ.get("LLMRS_OPENCL_PORTABLE", "") in ("", "0"):
-        opts.append("-DUSE_NV_PTX")
-        if _nv_compute_capability(dev) >= (8, 0) and os.environ.get("LLMRS_OPENCL_NO_MMA", "") in ("", "0"):
-            opts.append("-DUSE_NV_MMA")   # mma.sync m16n8k32 s8 / m16n8k16 f16 need sm_80
-            if _nv_compute_capability(dev)[0] == 9 and os.environ.get("LLMRS_OPENCL_NO_WGMMA", "") in ("", "0"):
-                opts.append("-DUSE_NV_WGMMA")   # wgmma: sm_90a alone (not sm_100)
-    emulate = {name: os.environ.get(f"LLMRS_OPENCL_EMULATE_{name}", "") not in ("", "0") for name in ("MMA", "WGMMA")}
-    if (emulate["MMA"] or emulate["WGMMA"]) and "-DUSE_NV_MMA" not in opts:
-        opts += ["-DUSE_NV_MMA", "-DEMU_MMA"]   # tests: the tensor-core bodies, emulated (common.cl)
-        if emulate["WGMMA"]:
-            opts.append("-DUSE_NV_WGMMA")
-    return opts
-
-
-def _nv_compute_capability(dev: Any) -> tuple[int, int]:
-    """(major, minor) from cl_nv_device_attribute_query; (0, 0) where the driver lacks it."""
-    try:
-        return int(dev.compute_capability_major_nv), int(dev.compute_capability_minor_nv)
-    except Exception:   # pyopencl raises its own error types, or AttributeError, for a missing query
-        return 0, 0
-
-
-def _device_key(dev: Any) -> str:
-    return f"{dev.platform.name}|{dev.name}|{dev.driver_version}|{dev.version}"
-
-
-def _build(prg: Any, **options: Any) -> Any:
-    """prg.build(**options) without pyopencl's CompilerWarning ("Non-empty compiler output
-    encountered", printed with pyopencl's source line): a driver's remarks on a build that works
-    mean nothing to someone running a plan, and a build that fails raises with its log.
-    PYOPENCL_COMPILER_OUTPUT=1, pyopencl's own switch, shows the logs again."""
-    cl = _cl()
-    with warnings.catch_warnings():
-        if os.environ.get("PYOPENCL_COMPILER_OUTPUT", "").lower() not in ("1", "true", "yes", "on"):
-            warnings.simplefilter("ignore", cl.CompilerWarning)
-        return prg.build(**options)
-
-
-_WGMMA_MARK = re.compile(r"// LLMRS_WGMMA_(FENCE|COMMIT|WAIT[01]|M64N(\d+)K16)([^\n]*)")
-
-
-def patch_wgmma_ptx(ptx: str) -> str:
-    """NVIDIA's OpenCL compiler emits PTX for sm_90, which has no wgmma; matmul.cl writes each
-    wgmma instruction as a comment of its inline asm (with the registers the compiler bound), and
-    this turns the comments into the instructions and the target into sm_90a."""
-    def one(m: re.Match) -> str:
-        what, n, ops = m.group(1), m.group(2), m.group(3)
-        if what == "FENCE":
-            return "wgmma.fence.sync.aligned;"
-        if what == "COMMIT":
-            return "wgmma.commit_group.sync.aligned;"
-        if what.startswith("WAIT"):
-            return f"wgmma.wait_group.sync.aligned {what[4]};"
-        regs = [o.strip() for o in ops.split(",")]
-        acc, (da, db, one_reg) = regs[:int(n) // 2], regs[int(n) // 2:]
-        return ("{ .reg .pred p; setp.ne.b32 p, %s, 0; wgmma.mma_async.sync.aligned.m64n%sk16.f32.f16.f16 "
-                "{%s}, %s, %s, p, 1, 1, 0, 0; }" % (one_reg, n, ", ".join(acc), da, db))
-    out = _WGMMA_MARK.sub(one, ptx)
-    return re.sub(r"^\.target sm_90\b", ".target sm_90a", out, count=1, flags=re.M)
-
-
-def build_program(ctx: Any, dev: Any, source: str, options: list[str], label: str) -> Any:
-    """A built program, from the on-disk cache (source hash + device) when it holds one."""
-    cl = _cl()
-    opts = " ".join(options)
-    key = hashlib.sha256("\0".join([source, opts, _device_key(dev)]).encode()).hexdigest()[:32]
-    path = cache_dir() / f"{key}.bin"
-    if path.exists():
-        try:
-            return _build(cl.Program(ctx, [dev], [path.read_bytes()]), options=opts)
-        except (cl.Error, OSError):
-            pass  # a stale or foreign binary: build from source below
-    try:
-        prg = _build(cl.Program(ctx, source), options=opts, devices=[dev])
-        if "-DUSE_NV_WGMMA" in options and "-DEMU_MMA" not in options:
-            ptx = prg.get_info(cl.program_info.BINARIES)[0].decode(errors="replace")
-            if "LLMRS_WGMMA_" in ptx:   # the PTX as a program binary: the driver assembles it
-                prg = _build(cl.Program(ctx, [dev], [patch_wgmma_ptx(ptx).encode()]), options=opts)
-    except cl.Error as e:
-        log = " ".join(str(e).split())
-        raise OpenCLError(f"OpenCL build of {label} ({opts}) failed on {dev.name.strip()}: {log[:400]}") from None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(prg.get_info(cl.program_info.BINARIES)[0])
-        tmp.replace(path)
-    except OSError:
-        pass  # the cache is an optimisation; a read-only home still runs
-    return prg
-
-
-# -- the back end -----------------------------------------------------------------------------
-
-@dataclass
-class _Bound:
-    op: str
-    kernel: Any
-    local: int
-    groups: int
-    rows: int
-    row_tile: int
-    variant: str = ""   # the fused prologue/epilogue switches, for profiles
-    scores: bool = False  # eviction scores: in a step only while self.scoring
-
-    def global_size(self, n_tokens: int) -> tuple[int, int]:
-        return self.groups * self.local, math.ceil(min(self.rows, n_tokens) / self.row_tile)
-
-
-class OpenCLBackend:
+class OpenCLBackend(Backend):
     """Runs the plan's prefill and decode graphs on one OpenCL device."""
+    name = "opencl"
+    device_argmax = True     # the plan's argmax kernel (plans without one: the logits read back)
+    locate: Callable[[str, str], tuple[Any, int]]   # (buffer, byte offset) of a graph's value: DeviceMemory.locate
 
     def __init__(self, plan: Any, device: int | str | None = None, kv_host: np.ndarray | None = None):
         """kv_host: host memory (uint8, at least the plan's KV bytes) the KV buffers are made over
@@ -371,18 +62,7 @@ class OpenCLBackend:
         if program is None:
             from ...compiler.codegen.opencl import generate  # tests only: a plan carries its program
             program = generate(graphs)
-        tensors: dict[str, tuple[int, int]] = {}
-        blobs: dict[str, np.ndarray] = {}
-        off = 0
-        for g in graphs.values():
-            for name in g.by_kind("param") + g.by_kind("const"):
-                if name not in tensors:
-                    blobs[name] = np.ascontiguousarray(g.weights[name].load()).view(np.uint8).reshape(-1)
-                    tensors[name] = (off, blobs[name].nbytes)
-                    off += -(-blobs[name].nbytes // ALIGN) * ALIGN
-        region = np.zeros(max(off, ALIGN), np.uint8)
-        for name, (o, n) in tensors.items():
-            region[o:o + n] = blobs[name]
+        region, tensors = pack_weights(graphs)
         self = cls.__new__(cls)
         self._setup(graphs, program, region, tensors, device)
         return self
@@ -415,39 +95,14 @@ class OpenCLBackend:
         except cl.Error as e:
             raise OpenCLError(f"OpenCL device {self.device_name} failed while loading the plan: {e}") from None
 
-    def _alloc(self, region: np.ndarray, tensors: dict[str, tuple[int, int]], kv_host: np.ndarray | None = None) -> None:
+    def _alloc(self, region: np.ndarray, tensors: dict[str, tuple[int, int]], kv_host: np.ndarray | None) -> None:
         cl = _cl()
-        mf = cl.mem_flags
-        used = {n for g in self.graphs.values() for n in g.by_kind("param") + g.by_kind("const")}
-        for n in used:
-            if n not in tensors:
-                raise OpenCLError(f"tensor {n!r} is used by the graphs but missing from the plan's weights")
-        w_chunks = split_region([(tensors[n][0], tensors[n][0] + tensors[n][1]) for n in used],
-                                self.max_alloc, "weights") or [(0, ALIGN)]
-        self.quantized = {n: v.dtype for g in self.graphs.values() for n, v in g.values.items()
-                          if n in used and v.dtype in _SPLIT_BYTES}
-        self.weights = Region("weights", [
-            (s, e, cl.Buffer(self.ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=self._device_bytes(region, tensors, s, e)))
-            for s, e in w_chunks])
-        self.tensors = tensors
-        kv = next(iter(self.layouts.values()))["kv"]
-        kv_sizes = {n: g.values[n].nbytes for g in self.graphs.values() for n in g.state}
-        kv_chunks = split_region([(kv[n], kv[n] + kv_sizes[n]) for n in kv_sizes], self.max_alloc, "KV cache")
-        if kv_host is None:
-            self.kv = Region("kv", [(s, e, cl.Buffer(self.ctx, mf.READ_WRITE, e - s)) for s, e in kv_chunks])
-        else:
-            self.kv = Region("kv", [(s, e, cl.Buffer(self.ctx, mf.READ_WRITE | mf.USE_HOST_PTR, hostbuf=kv_host[s:e]))
-                                    for s, e in kv_chunks])
-        self.kv_offsets = kv
-        spans = []
-        for phase, g in self.graphs.items():
-            for n, o in self.layouts[phase]["arena"].items():
-                if n in g.values:
-                    spans.append((o, o + g.values[n].nbytes))
-        a_chunks = split_region(spans, self.max_alloc, "activation arena")
-        self.arena = Region("arena", [(s, e, cl.Buffer(self.ctx, mf.READ_WRITE | mf.ALLOC_HOST_PTR, e - s))
-                                      for s, e in a_chunks])
-        self.step_buf = cl.Buffer(self.ctx, mf.READ_WRITE, 16)   # greedy steps advance it
+        self.memory = DeviceMemory(self.ctx, self.graphs, self.layouts, region, tensors, self.max_alloc, kv_host)
+        mem = self.memory
+        self.weights, self.kv, self.arena = mem.weights, mem.kv, mem.arena
+        self.tensors, self.quantized, self.kv_offsets = mem.tensors, mem.quantized, mem.kv_offsets
+        self.locate = mem.locate      # bound once: a step calls it
+        self.step_buf = cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, 16)   # greedy steps advance it
         self._in_flight: list[np.ndarray] = []
         self._limits: dict[str, tuple[int, int, int | None]] = {}
         self._sized: dict[tuple[str, int, bool], list[Any]] = {}
@@ -457,135 +112,52 @@ class OpenCLBackend:
                                     and os.environ.get("LLMRS_OPENCL_NO_COMMAND_BUFFER", "") in ("", "0"))
         self.reset()
 
-    def _device_bytes(self, region: np.ndarray, tensors: dict[str, tuple[int, int]], start: int, end: int) -> np.ndarray:
-        """Bytes [start, end) of the weights region as the kernels read them."""
-        chunk = np.asarray(region[start:end])
-        inside = [n for n in self.quantized if start <= tensors[n][0] < end]
-        if not inside:
-            return chunk
-        chunk = np.array(chunk)     # a private copy: the plan's memmap stays GGML bytes
-        for n in inside:
-            o, nbytes = tensors[n][0] - start, tensors[n][1]
-            chunk[o:o + nbytes] = to_split_blocks(chunk[o:o + nbytes], self.quantized[n])
-        return chunk
-
-    def locate(self, phase: str, name: str) -> tuple[Any, int]:
-        """(buffer, byte offset) holding value `name` of graph `phase`."""
-        v = self.graphs[phase].values[name]
-        if v.kind in ("param", "const"):
-            off, n = self.tensors[name]
-            return self.weights.locate(off, n, f"tensor {name!r}")
-        if v.kind == "state" or v.alias:
-            state = v.alias or name
-            return self.kv.locate(self.kv_offsets[state], v.nbytes, f"cache {state!r}")
-        arena = self.layouts[phase]["arena"]
-        if name not in arena:
-            raise OpenCLError(f"graph {phase}: value {name!r} has no arena offset in the memory plan")
-        return self.arena.locate(arena[name], v.nbytes, f"value {name!r}")
-
     def _bind(self, program: dict[str, Any]) -> None:
-        cl = _cl()
-        extra = device_options(self.device)
-        self.build_options = extra
+        self.build_options = device_options(self.device)
         self.build_notes: list[str] = []   # build fallbacks taken, for benchmarks and reports
         try:
             self.direct: DirectLaunches | None = DirectLaunches(self.queue)
         except OpenCLError as err:   # no loader reachable by ctypes: pyopencl enqueues, with events
             self.direct = None
             self.build_notes.append(f"{err}; launching through pyopencl")
-        built: dict[tuple[str, tuple[str, ...]], Any] = {}
-        self.launches: dict[str, list[_Bound]] = {}
         self.kernel_table = program["graphs"]
         self.program = program
         self.scoring = False    # runtime/kv turns eviction scores on for the steps that want them
-        max_wg = self.device.max_work_group_size
-        entries = [e for t in program["graphs"].values() for e in t] + list(program.get("greedy", {}).values())
-        # every launch gets its own slice: ticket counters must be 0 when a kernel starts, and
-        # kernels that take tickets leave theirs at 0, so one zero fill at load lasts
-        scratch = sum(-(-a["scratch"] // ALIGN) * ALIGN for e in entries for a in e["args"] if "scratch" in a)
-        result = max([a["result"] for e in entries for a in e["args"] if "result" in a], default=0)
-        # launches run in order on one queue, so one staging buffer serves every producer /
-        # consumer pair (stage_x, then its matmul)
-        staging = max([a["staging"] for e in entries for a in e["args"] if "staging" in a], default=0)
-        mf = cl.mem_flags
-        self.scratch_buf = cl.Buffer(self.ctx, mf.READ_WRITE, max(scratch, ALIGN))
-        cl.enqueue_fill_buffer(self.queue, self.scratch_buf, np.uint8(0), 0, max(scratch, ALIGN))
-        scratch_at = [0]
-        self.result_buf = cl.Buffer(self.ctx, mf.READ_WRITE, max(result, ALIGN))
-        self.staging_buf = cl.Buffer(self.ctx, mf.READ_WRITE, max(staging, ALIGN))
-        self.steps_buf = cl.Buffer(self.ctx, mf.READ_WRITE, 4 * GREEDY_MAX_STEPS)  # int32 [steps]
-        self._scratch_at: dict[tuple[str, str], int] = {}
+        b = bind_program(self.ctx, self.queue, self.device, program, self.graphs, self.locate, self.step_buf,
+                         self.arena.chunks[0][2], self.build_options, self.build_notes)
+        self.launches: dict[str, list[Bound]] = b.launches
+        self.greedy, self.advance = b.greedy, b.advance
+        self.scratch_buf, self.result_buf, self.staging_buf, self.steps_buf = b.scratch, b.result, b.staging, b.steps
 
-        def bind(phase: str, entry: dict[str, Any], advance: int | None = None) -> _Bound:
-            """advance: the scratch offset of the phase's greedy launch, whose slice the
-            step-advancing copy of it shares (never in flight at the same time)."""
-            options = list(entry["options"]) + (["-DARG_ADVANCE"] if advance is not None else [])
-            key = (entry["family"], tuple(options))
-            if key not in built:
-                src, opts = program["sources"][entry["family"]], options
-                # a driver whose PTX assembler rejects wgmma still runs mma.sync, and one that
-                # rejects mma.sync the fp32 body
-                tries = [extra] + [[o for o in extra if o not in drop] for drop in
-                                   (("-DUSE_NV_WGMMA",), ("-DUSE_NV_WGMMA", "-DUSE_NV_MMA")) if drop[-1] in extra]
-                for i, opts_dev in enumerate(tries):
-                    try:
-                        built[key] = build_program(self.ctx, self.device, src, opts + opts_dev, entry["family"])
-                        break
-                    except OpenCLError as err:
-                        if i == len(tries) - 1:
-                            raise
-                        dropped = " ".join(o for o in tries[i] if o not in tries[i + 1])
-                        note = f"{err}; built without {dropped}"
-                        warnings.warn(note)
-                        self.build_notes.append(note)
-            if entry["local"] > max_wg:
-                raise OpenCLError(f"kernel {entry['kernel']} of op {entry['op']} needs {entry['local']} "
-                                  f"threads per group; {self.device_name} allows {max_wg}")
-            kern = cl.Kernel(built[key], entry["kernel"])
-            args: list[Any] = [self.step_buf]
-            for a in entry["args"]:
-                if "value" in a:
-                    buf, off = self.locate(phase, a["value"])
-                    args += [buf, np.uint64(off)]
-                elif "none" in a:
-                    args += [self.arena.chunks[0][2], np.uint64(0)]
-                elif "scratch" in a and advance is not None:
-                    args += [self.scratch_buf, np.uint64(advance)]
-                elif "scratch" in a:
-                    self._scratch_at[(phase, entry["kernel"])] = scratch_at[0]
-                    args += [self.scratch_buf, np.uint64(scratch_at[0])]
-                    scratch_at[0] += -(-a["scratch"] // ALIGN) * ALIGN
-                elif "staging" in a:
-                    args += [self.staging_buf, np.uint64(0)]
-                elif "result" in a and advance is not None:
-                    args += [self.steps_buf, np.uint64(0)]
-                elif "result" in a:
-                    args += [self.result_buf, np.uint64(0)]
-                elif "int" in a:
-                    args.append(np.int32(a["int"]))
-                else:
-                    args.append(np.float32(a["float"]))
-            if advance is not None:
-                args += list(self.locate(phase, self.graphs[phase].inputs[0]))
-                args[-1] = np.uint64(args[-1])
-            kern.set_args(*args)
-            variant = "+".join(o[2:].split("=")[0].lower() for o in entry["options"]
-                               if o.startswith(("-DEPI_", "-DPROLOGUE_")))
-            return _Bound(entry["op"], kern, entry["local"], entry["groups"], entry["rows"],
-                          entry["row_tile"], variant, bool(entry.get("scores")))
+    # -- the KV cache shared with another back end (runtime/backends/hybrid.py) ---------------
+    @property
+    def shares_kv(self) -> bool:
+        """Whether the KV buffers were made over the host memory given at load (kv_host)."""
+        return self.memory.kv_on_host
 
-        for phase, table in program["graphs"].items():
-            if phase in self.graphs:
-                self.launches[phase] = [bind(phase, entry) for entry in table]
-        self.greedy = {phase: bind(phase, entry) for phase, entry in program.get("greedy", {}).items()
-                       if phase in self.graphs}
-        # decode's argmax that also writes the next step's token and scalars: run_greedy_steps
-        entry = program.get("greedy", {}).get("decode")
-        g = self.graphs.get("decode")
-        self.advance = None
-        if entry is not None and entry["rows"] == 1 and g is not None and len(g.inputs) == 1 \
-                and g.values[g.inputs[0]].dtype == "i32":
-            self.advance = bind("decode", entry, advance=self._scratch_at[("decode", entry["kernel"])])
+    def map_kv(self) -> list[tuple[int, np.ndarray]]:
+        """The KV region mapped for the host, once the queue is idle: (region offset, uint8 view)
+        per buffer; the device must not run until unmap_kv."""
+        return self.kv.map(self.queue)
+
+    def unmap_kv(self, maps: list[tuple[int, np.ndarray]]) -> None:
+        self.kv.unmap(self.queue, maps)
+
+    def copy_kv(self, host: np.ndarray, spans: list[tuple[int, int]], to_device: bool,
+                zeros: list[tuple[int, int]] = ()) -> None:
+        """(offset, nbytes) spans of the KV region copied from host[offset:offset + nbytes] to the
+        device (to_device) or back, and `zeros` spans zeroed on the device; returns when done."""
+        self.kv.copy(self.queue, host, spans, to_device, zeros)
+
+    def report_lines(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        """Releases the recorded command buffers (a pending one goes when it completes); buffers
+        and programs go with the context when the back end is dropped."""
+        for kept in self._command_buffers.values():
+            kept.release()
+        self._command_buffers.clear()
 
     # -- steps --------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -773,3 +345,8 @@ class OpenCLBackend:
             out = self.read_value(phase, g.outputs[0], rows=len(tokens)).astype(np.float32, copy=False)
         self._in_flight.clear()
         return out
+
+
+__all__ = ["ALIGN", "GREEDY_MAX_STEPS", "INSTALL_OPENCL", "OpenCLBackend", "OpenCLError", "Region", "build_program",
+           "cache_dir", "device_options", "from_split_blocks", "list_devices", "naive_layout", "patch_wgmma_ptx",
+           "pick_device", "split_region", "to_split_blocks"]

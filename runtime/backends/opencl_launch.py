@@ -1,6 +1,8 @@
-"""Enqueueing launch lists the ways pyopencl cannot: with no event, and as recorded
-cl_khr_command_buffer replays. Both call the OpenCL C API through ctypes on the handles of
-pyopencl's objects (whose arguments stay set at load, by pyopencl).
+"""Kernels bound and launched. bind_program builds every kernel of a plan's program and sets its
+arguments once, at load (buffers plus byte offsets; only the step buffer's scalars change per
+step). The launchers enqueue launch lists the ways pyopencl cannot: with no event, and as
+recorded cl_khr_command_buffer replays; both call the OpenCL C API through ctypes on the handles
+of pyopencl's objects.
 
 Why: a decode step is ~80 small kernels, and on NVIDIA's driver the host's enqueue call is the
 step's pace. pyopencl asks every enqueue for an event; without one an empty launch costs the
@@ -11,18 +13,24 @@ in-order queues order the launches, and a blocking read or finish ends the step.
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from ...compiler.ir import Graph
+from .opencl_device import OpenCLError, _cl
+from .opencl_memory import ALIGN
+from .opencl_program import build_with_fallbacks
 
 _c = ctypes
+GREEDY_MAX_STEPS = 4096   # run_greedy_steps: tokens one batch may produce
 
 # the error codes a launch can give on a loaded plan, named as the OpenCL headers name them
 _ERRORS = {-4: "CL_MEM_OBJECT_ALLOCATION_FAILURE", -5: "CL_OUT_OF_RESOURCES", -6: "CL_OUT_OF_HOST_MEMORY",
            -36: "CL_INVALID_COMMAND_QUEUE", -48: "CL_INVALID_KERNEL", -52: "CL_INVALID_KERNEL_ARGS",
            -54: "CL_INVALID_WORK_GROUP_SIZE"}
-
-
-class OpenCLError(RuntimeError):
-    """A device-side failure; str() is one line naming the device and what to do."""
 
 
 def icd_loader() -> Any:
@@ -130,3 +138,134 @@ class CommandBuffer:
         if self.handle:
             self._release(self.handle)
             self.handle = None
+
+
+# -- binding ----------------------------------------------------------------------------------
+
+@dataclass
+class Bound:
+    """One kernel with its arguments set, and how to size its launch."""
+    op: str
+    kernel: Any
+    local: int
+    groups: int
+    rows: int
+    row_tile: int
+    variant: str = ""   # the fused prologue/epilogue switches, for profiles
+    scores: bool = False  # eviction scores: in a step only while the back end is scoring
+
+    def global_size(self, n_tokens: int) -> tuple[int, int]:
+        return self.groups * self.local, math.ceil(min(self.rows, n_tokens) / self.row_tile)
+
+
+@dataclass
+class Binding:
+    """A plan's program bound on one device: what a step enqueues, and the buffers only kernels use."""
+    launches: dict[str, list[Bound]]   # phase -> its kernels, in launch order
+    greedy: dict[str, Bound]           # phase -> the argmax that follows its kernels on a greedy step
+    advance: Bound | None              # decode's argmax that also writes the next step's token and scalars
+    scratch: Any                       # kernels' partial results (split attention, greedy argmax), zeroed once
+    result: Any                        # int32 [rows]: greedy tokens, the only bytes a greedy step reads back
+    staging: Any                       # one launch's output for the next (stage_x's Q8_0 activations)
+    steps: Any                         # int32 [GREEDY_MAX_STEPS]: the tokens of a batch of greedy steps
+
+
+class _Binder:
+    """Builds each kernel family once per option set and binds entries of the program's tables."""
+
+    def __init__(self, ctx: Any, queue: Any, device: Any, program: dict[str, Any], graphs: dict[str, Graph],
+                 locate: Callable[[str, str], tuple[Any, int]], step_buf: Any, placeholder: Any,
+                 device_opts: list[str], notes: list[str]):
+        cl = _cl()
+        self.ctx, self.device, self.program, self.graphs, self.locate = ctx, device, program, graphs, locate
+        self.step_buf, self.placeholder, self.device_opts, self.notes = step_buf, placeholder, device_opts, notes
+        self.built: dict[tuple[str, tuple[str, ...]], Any] = {}
+        entries = [e for t in program["graphs"].values() for e in t] + list(program.get("greedy", {}).values())
+        # every launch gets its own slice: ticket counters must be 0 when a kernel starts, and
+        # kernels that take tickets leave theirs at 0, so one zero fill at load lasts
+        scratch = sum(-(-a["scratch"] // ALIGN) * ALIGN for e in entries for a in e["args"] if "scratch" in a)
+        result = max([a["result"] for e in entries for a in e["args"] if "result" in a], default=0)
+        # launches run in order on one queue, so one staging buffer serves every producer /
+        # consumer pair (stage_x, then its matmul)
+        staging = max([a["staging"] for e in entries for a in e["args"] if "staging" in a], default=0)
+        mf = cl.mem_flags
+        self.scratch = cl.Buffer(ctx, mf.READ_WRITE, max(scratch, ALIGN))
+        cl.enqueue_fill_buffer(queue, self.scratch, np.uint8(0), 0, max(scratch, ALIGN))
+        self.result = cl.Buffer(ctx, mf.READ_WRITE, max(result, ALIGN))
+        self.staging = cl.Buffer(ctx, mf.READ_WRITE, max(staging, ALIGN))
+        self.steps = cl.Buffer(ctx, mf.READ_WRITE, 4 * GREEDY_MAX_STEPS)
+        self.scratch_next = 0
+        self.scratch_at: dict[tuple[str, str], int] = {}   # (phase, kernel) -> its scratch slice
+
+    def bind(self, phase: str, entry: dict[str, Any], advance: int | None = None) -> Bound:
+        """advance: the scratch offset of the phase's greedy launch, whose slice the
+        step-advancing copy of it shares (never in flight at the same time)."""
+        cl = _cl()
+        options = list(entry["options"]) + (["-DARG_ADVANCE"] if advance is not None else [])
+        key = (entry["family"], tuple(options))
+        if key not in self.built:
+            self.built[key] = build_with_fallbacks(self.ctx, self.device, self.program["sources"][entry["family"]],
+                                                   options, self.device_opts, entry["family"], self.notes)
+        max_wg = self.device.max_work_group_size
+        if entry["local"] > max_wg:
+            raise OpenCLError(f"kernel {entry['kernel']} of op {entry['op']} needs {entry['local']} "
+                              f"threads per group; {self.device.name.strip()} allows {max_wg}")
+        kern = cl.Kernel(self.built[key], entry["kernel"])
+        args = self._args(phase, entry, advance)
+        if advance is not None:
+            buf, off = self.locate(phase, self.graphs[phase].inputs[0])
+            args += [buf, np.uint64(off)]
+        kern.set_args(*args)
+        variant = "+".join(o[2:].split("=")[0].lower() for o in entry["options"]
+                           if o.startswith(("-DEPI_", "-DPROLOGUE_")))
+        return Bound(entry["op"], kern, entry["local"], entry["groups"], entry["rows"],
+                     entry["row_tile"], variant, bool(entry.get("scores")))
+
+    def _args(self, phase: str, entry: dict[str, Any], advance: int | None) -> list[Any]:
+        args: list[Any] = [self.step_buf]
+        for a in entry["args"]:
+            if "value" in a:
+                buf, off = self.locate(phase, a["value"])
+                args += [buf, np.uint64(off)]
+            elif "none" in a:
+                args += [self.placeholder, np.uint64(0)]
+            elif "scratch" in a and advance is not None:
+                args += [self.scratch, np.uint64(advance)]
+            elif "scratch" in a:
+                self.scratch_at[(phase, entry["kernel"])] = self.scratch_next
+                args += [self.scratch, np.uint64(self.scratch_next)]
+                self.scratch_next += -(-a["scratch"] // ALIGN) * ALIGN
+            elif "staging" in a:
+                args += [self.staging, np.uint64(0)]
+            elif "result" in a and advance is not None:
+                args += [self.steps, np.uint64(0)]
+            elif "result" in a:
+                args += [self.result, np.uint64(0)]
+            elif "int" in a:
+                args.append(np.int32(a["int"]))
+            else:
+                args.append(np.float32(a["float"]))
+        return args
+
+
+def bind_program(ctx: Any, queue: Any, device: Any, program: dict[str, Any], graphs: dict[str, Graph],
+                 locate: Callable[[str, str], tuple[Any, int]], step_buf: Any, placeholder: Any,
+                 device_opts: list[str], notes: list[str]) -> Binding:
+    """Every launch of the program's tables for the phases in `graphs`, bound: value arguments at
+    locate(phase, value), every kernel's first argument the step buffer (int32 [4]: n_tokens,
+    n_past, start_pos, k), `placeholder` for an argument a variant leaves unused. Build
+    fallbacks taken are appended to `notes`."""
+    b = _Binder(ctx, queue, device, program, graphs, locate, step_buf, placeholder, device_opts, notes)
+    launches = {phase: [b.bind(phase, entry) for entry in table]
+                for phase, table in program["graphs"].items() if phase in graphs}
+    greedy = {phase: b.bind(phase, entry) for phase, entry in program.get("greedy", {}).items() if phase in graphs}
+    entry, g = program.get("greedy", {}).get("decode"), graphs.get("decode")
+    advance = None
+    if entry is not None and entry["rows"] == 1 and g is not None and len(g.inputs) == 1 \
+            and g.values[g.inputs[0]].dtype == "i32":
+        advance = b.bind("decode", entry, advance=b.scratch_at[("decode", entry["kernel"])])
+    return Binding(launches, greedy, advance, b.scratch, b.result, b.staging, b.steps)
+
+
+__all__ = ["GREEDY_MAX_STEPS", "Bound", "Binding", "CommandBuffer", "DirectLaunches", "OpenCLError", "bind_program",
+           "icd_loader"]

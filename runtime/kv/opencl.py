@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ..backends.opencl_program import build_program
 from .store import NEVER, KVStoreError, layer_states
 
 
@@ -29,9 +30,8 @@ class _Run:
 
 
 class OpenCLKV:
-    def __init__(self, backend: Any):
+    def __init__(self, backend: Any):   # runtime/backends/opencl.OpenCLBackend, which makes it
         import pyopencl as cl
-        from ..backends.opencl import build_program
 
         self.be = backend
         g = backend.graphs["decode"]
@@ -45,8 +45,8 @@ class OpenCLKV:
                                "llmrs-compile to evict on the OpenCL back end")
         built: dict[tuple[str, ...], Any] = {}
         self.runs: list[_Run] = []
-        for kind in ("k", "v", "scores"):
-            names = [getattr(layer, kind) for layer in self.layers]
+        for names in ([layer.k for layer in self.layers], [layer.v for layer in self.layers],
+                      [layer.scores for layer in self.layers]):
             where = [backend.locate("decode", n) for n in names]
             i = 0
             while i < len(names):

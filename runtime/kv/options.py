@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .manager import CacheManager, LinuxSystemMonitor
 from .policy import POLICIES, POOLINGS, make_policy
+
+if TYPE_CHECKING:
+    from ..backends.base import Backend
 
 
 def add_eviction_args(ap: argparse.ArgumentParser) -> None:
@@ -41,7 +44,7 @@ def check_threshold(threshold_mb: float, total_bytes: int) -> None:
                          f"({total_mb} MB): every step would evict; give less, e.g. {total_mb // 8}")
 
 
-def cache_manager(args: argparse.Namespace, backend: Any) -> CacheManager | None:
+def cache_manager(args: argparse.Namespace, backend: Backend) -> CacheManager | None:
     """The manager the flags ask for, or None when nothing evicts (no scores, no bookkeeping)."""
     if args.eviction_policy == "none":
         if args.memory_threshold_mb is not None:
@@ -49,8 +52,6 @@ def cache_manager(args: argparse.Namespace, backend: Any) -> CacheManager | None
         return None
     policy = make_policy(args.eviction_policy, args.eviction_window, args.protected_prefix, args.snapkv_window,
                          args.snapkv_kernel, args.snapkv_pooling, args.h2o_recent)
-    if not hasattr(backend, "kv_store"):
-        raise ValueError(f"back end {getattr(backend, 'name', backend)} cannot evict; use --backend cpu, opencl or reference")
     log = (lambda e: print(e.line(), file=sys.stderr)) if args.log_evictions else None
     monitor = LinuxSystemMonitor() if args.memory_threshold_mb is not None else None
     if monitor is not None:

@@ -62,6 +62,7 @@ def test_reset_forgets_the_cache():
 
 class _ArgmaxCounting(ReferenceBackend):
     """A backend that offers a device-side argmax; counts which path the engine takes."""
+    device_argmax = True
 
     def __init__(self, graphs):
         super().__init__(graphs)

@@ -282,7 +282,7 @@ def test_the_python_api_passes_hybrid_options(plan_files):
                     ("cpu", "opencl", len(ids), len(ids)), ("opencl", "cpu", len(ids) + 4, len(ids) + 4),
                     ("cpu", "opencl", len(ids) + 9, len(ids) + 9)]
     assert turns["hybrid"] == turns["cpu"]
-    with pytest.raises(ValueError, match="--switch-back-at goes with --backend hybrid"):
+    with pytest.raises(ValueError, match="^switch_back_at goes with backend hybrid$"):
         llmrs.load(plan, backend="cpu", switch_back_at=3)
 
 

@@ -62,6 +62,7 @@ class Lockstep:
     """A back end that, before each step, copies the back end's whole KV state (the entries
     that survived every eviction so far, and the score control) into the interpreter and runs
     the same step there; it keeps both logits and both updated scores."""
+    device_argmax = False     # the engine takes the greedy token from run's logits
 
     def __init__(self, be, graphs):
         self.be, self.name = be, "lockstep"

@@ -235,7 +235,7 @@ def test_opencl_with_no_device_at_all_is_one_line_naming_what_to_install(opencl_
 def test_opencl_where_no_device_builds_kernels_names_debians_pocl(opencl_plan, capsys, monkeypatch):
     """pip's PoCL (LLVM 14) on a CPU newer than it knows (a Zen 5) fails every build."""
     cl = pytest.importorskip("pyopencl")
-    import llmrs.runtime.backends.opencl as ocl
+    import llmrs.runtime.backends.opencl_device as ocl
 
     class NewCpu:
         type = cl.device_type.CPU
