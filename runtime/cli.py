@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     m = plan.manifest
     tokenizer = Tokenizer.from_str(bytes(plan.section("tokenizer.json")).decode())
     if args.profile:
-        from .profile import profiling_backend
+        from ..measure.profile import profiling_backend
         backend = profiling_backend(args.backend, plan, args.threads, args.device)
     else:
         backend = make_backend(args.backend, plan, args)

@@ -8,7 +8,7 @@ from typing import Any, TextIO
 from pathlib import Path
 
 from ..compiler.cliutil import OneLineParser, check_output_file
-from .plotting import PlotError, plot_arena, pyplot
+from ..measure.plotting import PlotError, plot_arena, pyplot
 from ..compiler.ir import Graph
 from .plan import VERIFY_MODES, Plan, PlanError
 

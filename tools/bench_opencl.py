@@ -33,7 +33,7 @@ from llmrs.compiler.pipeline import CompileOptions, compile_graphs
 from llmrs.compiler.summary import decode_weight_bytes
 from llmrs.compiler.plan import write_graph_plan
 from llmrs.runtime.backends.opencl import OpenCLBackend
-from llmrs.runtime.ceilings import device_copy_gbps, launch_us
+from llmrs.measure.ceilings import device_copy_gbps, launch_us
 from llmrs.runtime.plan import Plan
 
 def launch_cost_us(be: OpenCLBackend, n: int = 2000, pyopencl: bool = False) -> float:

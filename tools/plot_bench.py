@@ -18,7 +18,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from llmrs.runtime.plotting import PlotError, pyplot
+from llmrs.measure.plotting import PlotError, pyplot
 
 
 def _label(r: dict) -> str:

@@ -67,9 +67,10 @@ def _write_cache(key: str, verdict: str) -> None:
 
 
 def _run_child(platform: str, device: str) -> subprocess.CompletedProcess:
-    code = ("import sys; from llmrs.runtime.backends.opencl_probe import child; "
-            "child(sys.argv[1], sys.argv[2])")
-    return subprocess.run([sys.executable, "-c", code, platform, device], capture_output=True,
+    from llmrs.child import python_argv
+
+    code = "from llmrs.runtime.backends.opencl_probe import child; child(sys.argv[1], sys.argv[2])"
+    return subprocess.run(python_argv(code, platform, device), capture_output=True,
                           text=True, errors="replace", timeout=PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
 
 

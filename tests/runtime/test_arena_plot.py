@@ -20,7 +20,7 @@ def plan(measure_plan) -> Path:
 
 def test_arena_picture_draws_the_plans_offsets_sizes_and_lifetimes(plan, tmp_path):
     pytest.importorskip("matplotlib", reason="pip install 'llmrs[plot]'")
-    from llmrs.runtime.plotting import plot_arena
+    from llmrs.measure.plotting import plot_arena
 
     graphs = Plan.open(plan).graphs()
     out = tmp_path / "arena.png"

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from llmrs.compiler.interpret import Step
-from llmrs.runtime import bench, check
-from llmrs.runtime.bench_kernels import kernel_cost
+from llmrs.measure import bench
+from llmrs.measure import kernels as kernel_checks
+from llmrs.measure.bench_kernels import kernel_cost
 from llmrs.runtime.plan import Plan
 
 from .measure_plans import tiny_plan
@@ -57,7 +58,7 @@ def test_bench_cpu_json_schema_and_kernels(plan, tmp_path):
     r = _run(plan, tmp_path, "--backend", "cpu", "--threads", "1", "--kernels")
     _check_result(r, plan, "cpu")
     assert r["device"] is None and r["threads"] == 1 and "weights_read_gbs" not in r["ceilings"]  # < 16 MiB of weights
-    kernels = check.plan_kernels(Plan.open(plan).graphs())
+    kernels = kernel_checks.plan_kernels(Plan.open(plan).graphs())
     rows = r["kernels"]
     assert [(k["phase"], k["op"]) for k in rows] == [(k.phase, k.op.name) for k in kernels]
     for k in rows:
@@ -71,7 +72,7 @@ def test_bench_opencl_json_schema(plan, tmp_path, opencl_device):
     r = _run(plan, tmp_path, "--backend", "opencl", "--kernels")
     _check_result(r, plan, "opencl")
     assert r["device"] and r["ceilings"]["device_copy_gbps"] > 0 and r["ceilings"]["launch_us"] > 0
-    assert len(r["kernels"]) == len(check.plan_kernels(Plan.open(plan).graphs()))
+    assert len(r["kernels"]) == len(kernel_checks.plan_kernels(Plan.open(plan).graphs()))
     assert all(k["us"] > 0 and k["of_gemm"] is None for k in r["kernels"])
 
 

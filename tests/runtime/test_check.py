@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from llmrs.compiler.cli import main as compile_main
-from llmrs.runtime import check
+from llmrs.measure import check
+from llmrs.measure import kernels as kernel_checks
 from llmrs.runtime.plan import Plan
 
 from ..conftest import DATA, unavailable
@@ -35,8 +36,8 @@ def plans(tmp_path_factory) -> dict[str, Path]:
 
 
 def _runners(plan: Plan) -> dict:
-    runners = check.open_runners(plan, check.BACKENDS)
-    if isinstance(runners["opencl"], check.Unavailable):
+    runners = kernel_checks.open_runners(plan, kernel_checks.BACKENDS)
+    if isinstance(runners["opencl"], kernel_checks.Unavailable):
         unavailable(f"no usable OpenCL device: {runners['opencl']}")
     return runners
 
@@ -44,8 +45,8 @@ def _runners(plan: Plan) -> dict:
 @pytest.mark.parametrize("model", ["a", "b"])
 def test_every_kernel_of_golden_plans_matches_interpreter_on_cpu_and_opencl(plans, model):
     plan = Plan.open(plans[model])
-    kernels = check.plan_kernels(plan.graphs())
-    results = check.check_kernels(kernels, _runners(plan))
+    kernels = kernel_checks.plan_kernels(plan.graphs())
+    results = kernel_checks.check_kernels(kernels, _runners(plan))
     assert len(results) == 2 * len(kernels)
     for r in results:
         assert r.status == "PASS", (r.kernel.label, r.backend, r.note)
@@ -57,19 +58,19 @@ def test_every_kernel_of_golden_plans_matches_interpreter_on_cpu_and_opencl(plan
 def test_every_kernel_of_a_q4_1_opencl_plan_matches_interpreter(tmp_path):
     """Q4_1 weights (Q8_1 activations) on the OpenCL column; a plan without CPU code skips that one."""
     plan = Plan.open(_compile(tmp_path, "golden-b", "--target", "opencl", "--weights", "q4_1", "--kv-type", "f16"))
-    kernels = check.plan_kernels(plan.graphs())
+    kernels = kernel_checks.plan_kernels(plan.graphs())
     assert {k.graph.values[k.op.inputs[0]].dtype for k in kernels if k.op.kind == "embedding"} == {"q4_1"}
     matmuls = [k for k in kernels if k.op.kind == "fused_matmul"]
     assert {k.graph.values[k.op.inputs[1]].dtype for k in matmuls} == {"q4_1"}
     assert {k.phase for k in matmuls} == {"prefill", "decode"}
-    results = check.check_kernels(kernels, _runners(plan))
+    results = kernel_checks.check_kernels(kernels, _runners(plan))
     for r in results:
         if r.backend == "cpu":
             assert r.status == "SKIP" and "no CPU code" in r.note
         else:
             assert r.status == "PASS", (r.kernel.label, r.note)
             assert 0 <= r.error <= r.kernel.tolerance
-    assert all(r.kernel.tolerance == check.TOL_QUANT for r in results if r.kernel in matmuls)
+    assert all(r.kernel.tolerance == kernel_checks.TOL_QUANT for r in results if r.kernel in matmuls)
 
 
 def test_f16_prefill_matmuls_pass_on_the_tensor_core_body(tmp_path, monkeypatch):
@@ -78,33 +79,33 @@ def test_f16_prefill_matmuls_pass_on_the_tensor_core_body(tmp_path, monkeypatch)
     decode's matvecs keep f32 x and TOL_FLOAT."""
     monkeypatch.setenv("LLMRS_OPENCL_EMULATE_MMA", "1")
     plan = Plan.open(_compile(tmp_path, "golden-b", "--target", "opencl", "--weights", "f16", "--kv-type", "f16"))
-    kernels = check.plan_kernels(plan.graphs())
+    kernels = kernel_checks.plan_kernels(plan.graphs())
     matmuls = [k for k in kernels if k.op.kind == "fused_matmul"]
     assert {k.graph.values[k.op.inputs[1]].dtype for k in matmuls} == {"f16"}
     for k in matmuls:
         writes_f16 = k.op.attrs.get("epilogue") == "rope_kv_store"   # the f16 KV cache
-        want = check.TOL_F16_MMA if k.phase == "prefill" else check.TOL_F16_OUT if writes_f16 else check.TOL_FLOAT
-        assert k.tolerance == max(want, check.TOL_F16_OUT if writes_f16 else 0.0), k.label
-    results = check.check_kernels(kernels, _runners(plan))
+        want = kernel_checks.TOL_F16_MMA if k.phase == "prefill" else kernel_checks.TOL_F16_OUT if writes_f16 else kernel_checks.TOL_FLOAT
+        assert k.tolerance == max(want, kernel_checks.TOL_F16_OUT if writes_f16 else 0.0), k.label
+    results = kernel_checks.check_kernels(kernels, _runners(plan))
     for r in results:
         if r.backend == "opencl":
             assert r.status == "PASS", (r.kernel.label, r.note)
     # x in f16 shows: a prefill matmul's error is over the f32 bound, within the f16 one
-    assert any(r.error > check.TOL_FLOAT for r in results
+    assert any(r.error > kernel_checks.TOL_FLOAT for r in results
                if r.backend == "opencl" and r.kernel in matmuls and r.kernel.phase == "prefill")
 
 
 def test_every_kernel_of_a_q4_1_plan_passes_on_the_cpu_column(plans, capsys):
     """golden-b in q4_1 (embedding and head too): K = 96 and 160 end in partial groups of blocks."""
     plan = Plan.open(plans["q4_1"])
-    kernels = check.plan_kernels(plan.graphs())
+    kernels = kernel_checks.plan_kernels(plan.graphs())
     q4_1 = [k for k in kernels if k.op.kind in ("matmul", "fused_matmul", "embedding")]
     assert q4_1 and all(k.graph.values[k.op.inputs[1 if k.op.kind != "embedding" else 0]].dtype == "q4_1"
                         for k in q4_1)
-    results = check.check_kernels(kernels, check.open_runners(plan, ["cpu"]))
+    results = kernel_checks.check_kernels(kernels, kernel_checks.open_runners(plan, ["cpu"]))
     for r in results:
         assert r.status == "PASS", (r.kernel.label, r.note)
-    assert all(r.kernel.tolerance == check.TOL_QUANT for r in results if r.kernel.op.kind in ("matmul", "fused_matmul"))
+    assert all(r.kernel.tolerance == kernel_checks.TOL_QUANT for r in results if r.kernel.op.kind in ("matmul", "fused_matmul"))
     assert any(r.error > 0 for r in results if "q4_1" in r.kernel.label)
     assert check.main([str(plans["q4_1"]), "--backend", "cpu", "-q"]) == 0
     assert "q4_1[" in capsys.readouterr().out
@@ -112,7 +113,7 @@ def test_every_kernel_of_a_q4_1_plan_passes_on_the_cpu_column(plans, capsys):
 
 def test_kernels_are_deduplicated_across_layers_and_cover_every_op(plans):
     graphs = Plan.open(plans["a"]).graphs()
-    kernels = check.plan_kernels(graphs)
+    kernels = kernel_checks.plan_kernels(graphs)
     for phase, g in graphs.items():
         assert sum(k.ops for k in kernels if k.phase == phase) == len(g.ops)
     # golden-a has 2 layers: each per-layer kernel stands for 2 ops and is checked once
@@ -121,43 +122,43 @@ def test_kernels_are_deduplicated_across_layers_and_cover_every_op(plans):
     tol = {k.label: k.tolerance for k in kernels}
     # reads f16, writes f32 (and its eviction scores, f32[KVH, S], as its control i32[2] says);
     # prefill's may run on NVIDIA's tensor cores, with Q and P rounded to f16
-    assert tol["attention f32[12,64] f16[48,2,16] f16[48,2,16] f32[2,48] i32[2]"] == check.TOL_F16_ATT
-    assert tol["attention f32[1,64] f16[48,2,16] f16[48,2,16] f32[2,48] i32[2]"] == check.TOL_FLOAT
-    assert tol["fused_matmul(add) f32[1,64] q4_0[64,64] f32[1,64]"] == check.TOL_QUANT
-    assert tol["slice f32[12,64]"] == check.TOL_FLOAT
+    assert tol["attention f32[12,64] f16[48,2,16] f16[48,2,16] f32[2,48] i32[2]"] == kernel_checks.TOL_F16_ATT
+    assert tol["attention f32[1,64] f16[48,2,16] f16[48,2,16] f32[2,48] i32[2]"] == kernel_checks.TOL_FLOAT
+    assert tol["fused_matmul(add) f32[1,64] q4_0[64,64] f32[1,64]"] == kernel_checks.TOL_QUANT
+    assert tol["slice f32[12,64]"] == kernel_checks.TOL_FLOAT
 
 
 def test_cases_use_history_partial_steps_and_nonzero_inputs(plans):
-    kernels = check.plan_kernels(Plan.open(plans["a"]).graphs())
+    kernels = kernel_checks.plan_kernels(Plan.open(plans["a"]).graphs())
     att = next(k for k in kernels if k.op.kind == "attention" and k.phase == "prefill")
-    case = check.make_case(att, np.random.default_rng(0))
+    case = kernel_checks.make_case(att, np.random.default_rng(0))
     assert case.step.n_past > 0 and case.step.n_tokens == att.graph.T - 1
     assert case.step.start_pos != case.step.n_past
     for name, arr in case.arrays.items():
-        assert np.all(check.to_float(arr, check._storage_dtype(att.graph, name)) != 0), name
+        assert np.all(kernel_checks.to_float(arr, kernel_checks._storage_dtype(att.graph, name)) != 0), name
 
 
 def test_error_is_max_abs_diff_over_max_ref_and_tolerance_decides(plans, monkeypatch, capsys):
     """A back end whose attention output is off by 0.5x or 3x the tolerance: the table reports
     that error and PASS / FAIL, names the kernel, and the exit status follows."""
-    real_run = check.CpuRunner.run
+    real_run = kernel_checks.CpuRunner.run
     for factor, want_rc in ((0.5, 0), (3.0, 1)):
 
         def nudged(self, kernel, case, factor=factor):
             out = real_run(self, kernel, case)
             if kernel.op.kind == "attention" and kernel.phase == "decode":
                 name = kernel.op.outputs[0]
-                ref = check.reference(kernel, case)[name]
+                ref = kernel_checks.reference(kernel, case)[name]
                 out[name] = out[name].copy()
                 out[name].flat[3] += factor * kernel.tolerance * np.abs(ref).max()
             return out
 
-        monkeypatch.setattr(check.CpuRunner, "run", nudged)
+        monkeypatch.setattr(kernel_checks.CpuRunner, "run", nudged)
         assert check.main([str(plans["a"]), "--backend", "cpu", "-q"]) == want_rc
         rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("attention f32[1,64]")]
         assert len(rows) == 1
         err, tol = map(float, rows[0].split()[-3:-1])
-        assert tol == check.TOL_FLOAT
+        assert tol == kernel_checks.TOL_FLOAT
         assert err == pytest.approx(factor * tol, rel=0.05)
         assert rows[0].endswith("PASS" if want_rc == 0 else "FAIL")
         assert "decode" in rows[0] and "attention_2" in rows[0]
@@ -165,7 +166,7 @@ def test_error_is_max_abs_diff_over_max_ref_and_tolerance_decides(plans, monkeyp
 
 def test_broken_opencl_kernel_fails_with_exit_1_and_names_it(plans, monkeypatch, capsys):
     _runners(Plan.open(plans["b"]))
-    real_run = check.OpenCLRunner.run
+    real_run = kernel_checks.OpenCLRunner.run
 
     def broken(self, kernel, case):
         out = real_run(self, kernel, case)
@@ -173,7 +174,7 @@ def test_broken_opencl_kernel_fails_with_exit_1_and_names_it(plans, monkeypatch,
             out[kernel.op.outputs[0]] = out[kernel.op.outputs[0]] * 1.01   # 1% off everywhere
         return out
 
-    monkeypatch.setattr(check.OpenCLRunner, "run", broken)
+    monkeypatch.setattr(kernel_checks.OpenCLRunner, "run", broken)
     assert check.main([str(plans["b"]), "-q"]) == 1
     out = capsys.readouterr().out
     failed = [line for line in out.splitlines() if line.rstrip().endswith("FAIL")]
@@ -185,7 +186,7 @@ def test_broken_opencl_kernel_fails_with_exit_1_and_names_it(plans, monkeypatch,
 
 
 def test_kernel_that_writes_nothing_or_raises_fails_without_hiding_the_others(plans, monkeypatch, capsys):
-    real_run = check.CpuRunner.run
+    real_run = kernel_checks.CpuRunner.run
 
     def bad(self, kernel, case):
         if kernel.op.kind == "embedding":
@@ -195,7 +196,7 @@ def test_kernel_that_writes_nothing_or_raises_fails_without_hiding_the_others(pl
             out[kernel.op.outputs[0]] = np.full_like(out[kernel.op.outputs[0]], np.nan)
         return out
 
-    monkeypatch.setattr(check.CpuRunner, "run", bad)
+    monkeypatch.setattr(kernel_checks.CpuRunner, "run", bad)
     assert check.main([str(plans["a"]), "--backend", "cpu", "-q"]) == 1
     lines = capsys.readouterr().out.splitlines()
     fails = [line for line in lines if "FAIL" in line]
@@ -234,6 +235,6 @@ def test_bad_arguments_are_exit_2_and_help_states_tolerances(plans, capsys):
         check.main([str(plans["a"]), "--no-such-flag"])
     assert e.value.code == 2
     help_text = subprocess.run(["llmrs-check", "--help"], capture_output=True, text=True, check=True).stdout
-    for tol in (check.TOL_FLOAT, check.TOL_QUANT, check.TOL_F16_OUT, check.TOL_Q8_OUT, check.TOL_F16_ATT,
-                check.TOL_F16_MMA):
+    for tol in (kernel_checks.TOL_FLOAT, kernel_checks.TOL_QUANT, kernel_checks.TOL_F16_OUT, kernel_checks.TOL_Q8_OUT, kernel_checks.TOL_F16_ATT,
+                kernel_checks.TOL_F16_MMA):
         assert f"{tol:.0e}" in help_text

@@ -9,7 +9,7 @@ import pytest
 
 from llmrs.runtime import cli
 from llmrs.runtime.plan import Plan
-from llmrs.runtime.profile import op_layer
+from llmrs.measure.profile import op_layer
 
 
 PROMPT = "one two three four five six"   # 19 tokens: two 12-token prefill chunks

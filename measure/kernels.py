@@ -1,5 +1,6 @@
-"""llmrs-check plan.bin: every distinct kernel of a plan, run alone on each back end on random
-inputs and compared with the interpreter (llama.cpp's test-backend-ops, for one plan).
+"""Every distinct kernel of a plan, run alone on a back end on random inputs and compared with the
+interpreter (llama.cpp's test-backend-ops, for one plan): what llmrs-check (check.py) reports and
+llmrs-bench's per-kernel timings (bench_kernels.py) run.
 
 A kernel is an op of the prefill or decode graph, deduplicated by kind, shapes, dtypes and
 attributes (layer 0's QKV kernel stands for every layer's). For each one a one-op graph is made:
@@ -10,10 +11,8 @@ write outside the step's rows shows too).
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
-import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
@@ -21,10 +20,9 @@ from typing import Any, Callable, Iterable, Protocol
 import numpy as np
 
 from ..compiler import quant
-from ..compiler.cliutil import OneLineParser, Progress
 from ..compiler.interpret import OPS, Interpreter, Step
 from ..compiler.ir import Graph, Op, storage_shape
-from .plan import VERIFY_MODES, Plan, PlanError
+from ..runtime.plan import Plan
 
 BACKENDS = ("cpu", "opencl")
 
@@ -252,8 +250,8 @@ def kernel_error(kernel: Kernel, want: dict[str, np.ndarray], got: dict[str, np.
 
 # -- back ends --------------------------------------------------------------------------------
 
-def _with_layout(kernel: Kernel) -> Graph:
-    from .backends.opencl_memory import naive_layout  # plain Python; pyopencl is imported on use only
+def with_layout(kernel: Kernel) -> Graph:
+    from ..runtime.backends.opencl_memory import naive_layout  # plain Python; pyopencl is imported on use only
     if "layout" not in kernel.graph.meta:
         kernel.graph.meta["layout"] = naive_layout({kernel.name: kernel.graph})[kernel.name]
     return kernel.graph
@@ -288,15 +286,15 @@ class CpuRunner:
         try:
             from ..compiler.codegen.llvm import build_module
             from ..compiler.codegen.llvm_target import host_target
-            from .backends.cpu import CpuBackend
-            from .backends.cpu_native import NativeCode
+            from ..runtime.backends.cpu import CpuBackend
+            from ..runtime.backends.cpu_native import NativeCode
         except ImportError as e:
             raise Unavailable(f"llvmlite is not usable here ({e})") from None
         self.plan, self.threads = plan, threads
         self._build, self._target, self._backend, self._native = build_module, host_target(), CpuBackend, NativeCode
 
     def run(self, kernel: Kernel, case: Case) -> dict[str, np.ndarray]:
-        g = _with_layout(kernel)
+        g = with_layout(kernel)
         code = self._native(str(self._build([g], self._target)))
         be = self._backend(_OneGraphPlan(g, self.plan), threads=self.threads, code=code)
         try:
@@ -340,7 +338,7 @@ class OpenCLRunner:
         if missing:
             raise Unavailable(missing)
         try:
-            from .backends.opencl import OpenCLBackend, OpenCLError, list_devices, pick_device
+            from ..runtime.backends.opencl import OpenCLBackend, OpenCLError, list_devices, pick_device
             dev = pick_device(device)
             found = [d for _, d in list_devices()]
         except (ImportError, OpenCLError) as e:
@@ -350,7 +348,7 @@ class OpenCLRunner:
         self.program = json.loads(bytes(plan.section("opencl")).decode())
 
     def run(self, kernel: Kernel, case: Case) -> dict[str, np.ndarray]:
-        g = _with_layout(kernel)
+        g = with_layout(kernel)
         launches = [e for e in self.program["graphs"].get(kernel.phase, []) if e["op"] == kernel.op.name]
         # an attention's scores launch goes along, and a matmul's stage_x (its activations
         # prepared once) comes first
@@ -423,55 +421,3 @@ def format_table(results: list[Result]) -> str:
     lines.append("max rel err = max |backend - interpreter| / max |interpreter| over the kernel's outputs "
                  "(dimensionless; caches compared whole)")
     return "\n".join(lines)
-
-
-def parser() -> argparse.ArgumentParser:
-    ap = OneLineParser(prog="llmrs-check", formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="Run every distinct kernel of a plan alone on each back end on random "
-                                   "non-zero inputs and compare it with the numpy interpreter.",
-                       epilog=HELP_TOLERANCES)
-    ap.add_argument("plan", help="a plan.bin written by llmrs-compile")
-    ap.add_argument("--backend", default="cpu,opencl", help="back ends to check, comma-separated: cpu, opencl "
-                                                            "(default both)")
-    ap.add_argument("--device", default=None, help="OpenCL device index or name substring (default: as llmrs-run)")
-    ap.add_argument("--threads", type=int, default=2, help="CPU threads per kernel (default 2: rows are split)")
-    ap.add_argument("--seed", type=int, default=0, help="random inputs' seed (default 0)")
-    ap.add_argument("--verify", default="auto", choices=VERIFY_MODES, help="checksum the plan's weights")
-    ap.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
-    return ap
-
-
-def _backends(text: str) -> list[str]:
-    names = [b.strip() for b in text.split(",") if b.strip()]
-    bad = [b for b in names if b not in BACKENDS]
-    if bad or not names:
-        raise ValueError(f"--backend {text!r}: choose from {', '.join(BACKENDS)} (comma-separated)")
-    return list(dict.fromkeys(names))
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = parser()
-    args = ap.parse_args(argv)
-    try:
-        backends = _backends(args.backend)
-        if args.threads < 1:
-            raise ValueError(f"--threads {args.threads}: need at least 1")
-        plan = Plan.open(args.plan, verify=args.verify)
-        kernels = plan_kernels(plan.graphs())
-    except (PlanError, ValueError) as e:
-        print(f"llmrs-check: error: {e}", file=sys.stderr)
-        return 2
-    runners = open_runners(plan, backends, args.threads, args.device)
-    bar = Progress("kernels", len(kernels), enabled=False if args.quiet else None)
-    results = check_kernels(kernels, runners, args.seed, lambda i, k: bar.update(i, f"{k.phase} {k.op.name}"))
-    bar.close()
-    print(format_table(results))
-    failed = [r for r in results if r.status == "FAIL"]
-    n_run = sum(r.status != "SKIP" for r in results)
-    print(f"{len(kernels)} kernels x {len(runners)} back ends: {n_run - len(failed)} passed, {len(failed)} failed, "
-          f"{len(results) - n_run} skipped")
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

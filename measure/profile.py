@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..compiler.ir import Op
-from .backends.base import Backend
+from ..runtime.backends.base import Backend
 
 _LAYER = re.compile(r"^l(\d+)\.")
 
@@ -98,8 +98,8 @@ def profiled_cpu(plan: Any, threads: int | None) -> Any:
     """A CpuBackend on instrumented code: take_stamps(phase) after a step gives its clock stamps."""
     from ..compiler.codegen.llvm import build_module
     from ..compiler.codegen.llvm_target import host_target
-    from .backends.cpu import CpuBackend
-    from .backends.cpu_native import NativeCode
+    from ..runtime.backends.cpu import CpuBackend
+    from ..runtime.backends.cpu_native import NativeCode
 
     missing = plan.missing_code("cpu")
     if missing:
@@ -133,7 +133,7 @@ def profiled_opencl(plan: Any, device: Any) -> Any:
     one event each (no command buffers, no event-free launches: those are what it measures)."""
     import pyopencl as cl
 
-    from .backends.opencl import OpenCLBackend
+    from ..runtime.backends.opencl import OpenCLBackend
 
     class ProfiledOpenCL(OpenCLBackend):
         def __init__(self) -> None:

@@ -2,7 +2,7 @@
 test-backend-ops perf mode, for one plan), with the bytes it moves and the arithmetic it does,
 so each gets GB/s and GFLOP/s against the machine's ceilings.
 
-Kernels are llmrs-check's (runtime/check.py: deduplicated by kind, shapes, dtypes and attributes;
+Kernels are llmrs-check's (measure/kernels.py: deduplicated by kind, shapes, dtypes and attributes;
 layer 0's stands for every layer's), on random non-zero inputs with the plan's own weights. A
 prefill kernel runs a whole chunk (T tokens) at the start of a prompt; a decode kernel one token
 after `context` cached tokens. Eviction scores are off, as in a step without a policy.
@@ -24,7 +24,7 @@ import numpy as np
 
 from ..compiler.interpret import Step
 from ..compiler.ir import Graph, Op, storage_shape
-from . import check
+from .kernels import Kernel, make_case, plan_kernels, with_layout
 from .ceilings import sig
 
 REPEATS_HI = 4   # kernel calls in the longer CPU step function (the shorter one makes 1)
@@ -83,7 +83,7 @@ def kernel_cost(g: Graph, op: Op, step: Step) -> tuple[int, int]:
     return int(moved), int(flops)
 
 
-def timing_step(kernel: check.Kernel, context: int) -> Step:
+def timing_step(kernel: Kernel, context: int) -> Step:
     g = kernel.graph
     seq = g.kv_slots
     if kernel.phase == "decode" or g.T == 1:
@@ -93,8 +93,8 @@ def timing_step(kernel: check.Kernel, context: int) -> Step:
     return Step(n, 0, 0)
 
 
-def _inputs(kernel: check.Kernel, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    arrays = check.make_case(kernel, rng).arrays
+def _inputs(kernel: Kernel, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    arrays = make_case(kernel, rng).arrays
     for name, arr in arrays.items():
         v = kernel.graph.values[name]
         if v.kind == "state" and v.dtype == "i32":
@@ -122,14 +122,14 @@ class _Plan:
         return self._plan.weight(name)
 
 
-def time_cpu(kernel: check.Kernel, plan: Any, step: Step, threads: int, rounds: int,
+def time_cpu(kernel: Kernel, plan: Any, step: Step, threads: int, rounds: int,
              rng: np.random.Generator) -> float:
     from ..compiler.codegen.llvm import build_module
     from ..compiler.codegen.llvm_target import host_target
-    from .backends.cpu import CpuBackend
-    from .backends.cpu_native import NativeCode
+    from ..runtime.backends.cpu import CpuBackend
+    from ..runtime.backends.cpu_native import NativeCode
 
-    g = check._with_layout(kernel)
+    g = with_layout(kernel)
     lo, hi = _repeated(g, "t_lo", 1), _repeated(g, "t_hi", REPEATS_HI)
     code = NativeCode(ir_text=str(build_module([lo, hi], host_target())))
     be = CpuBackend(_Plan({"t_lo": lo, "t_hi": hi}, plan), threads=threads, code=code)
@@ -160,13 +160,13 @@ def time_cpu(kernel: check.Kernel, plan: Any, step: Step, threads: int, rounds: 
         be.close()
 
 
-def time_opencl(kernel: check.Kernel, plan: Any, step: Step, device: Any, rounds: int,
+def time_opencl(kernel: Kernel, plan: Any, step: Step, device: Any, rounds: int,
                 rng: np.random.Generator, program: dict) -> float:
     import pyopencl as cl
 
-    from .backends.opencl import OpenCLBackend
+    from ..runtime.backends.opencl import OpenCLBackend
 
-    g = check._with_layout(kernel)
+    g = with_layout(kernel)
     launches = [e for e in program["graphs"].get(kernel.phase, []) if e["op"] == kernel.op.name]
     be = OpenCLBackend.from_graphs({g.name: g}, {**program, "graphs": {g.name: launches}}, device=device)
     for name, arr in _inputs(kernel, rng).items():
@@ -193,7 +193,7 @@ def time_kernels(plan: Any, backend: str, ceilings: dict[str, float], context: i
     (read_gbs or device_copy_gbps, gemm_gflops)."""
     import json
 
-    kernels = check.plan_kernels(plan.graphs())
+    kernels = plan_kernels(plan.graphs())
     program = json.loads(bytes(plan.section("opencl")).decode()) if backend == "opencl" else None
     bw = ceilings.get("device_copy_gbps" if backend == "opencl" else "read_gbs")
     gemm = ceilings.get("gemm_gflops") if backend == "cpu" else None

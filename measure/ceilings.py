@@ -7,24 +7,21 @@ noisy, so a figure is only compared with ceilings of the same run).
     device_copy_gbps an OpenCL device's buffer-to-buffer copy, (read + written bytes) / time
     launch_us        one empty OpenCL launch as the runtime launches (no events), back to back
 
-`python -m llmrs.runtime.ceilings --threads N --read-mib M --gemm N [--weights PLAN]` prints the
-host probes as JSON: llmrs-bench runs them in a child process, so the probe's buffer stays out of
-the benchmark's peak memory.
+llmrs-bench runs the host probes (probe_host) in a child process, so the probe's buffer stays out
+of the benchmark's peak memory.
 """
 from __future__ import annotations
 
 import ctypes
 import json
 import subprocess
-import sys
 import threading
 import time
 from typing import Any, Callable
 
 import numpy as np
 
-from ..compiler.cliutil import OneLineParser
-from .backends.cpu import physical_cores
+from ..runtime.backends.cpu import physical_cores
 
 
 def sig(x: float, digits: int = 4) -> float:
@@ -38,7 +35,7 @@ def _read_kernel() -> tuple[Any, Callable[[int, int], int]]:
     import llvmlite.ir as ir
 
     from ..compiler.codegen.llvm_target import host_target
-    from .backends.cpu_native import NativeCode
+    from ..runtime.backends.cpu_native import NativeCode
 
     target = host_target()
     lanes = 8 if target.has("avx512f") else 4            # i64 lanes of a 512/256-bit vector
@@ -113,16 +110,23 @@ def host_ceilings(threads: int, read_bytes: int, gemm_n: int, weights: np.ndarra
     return out
 
 
-def _child_argv(*args: str) -> list[str]:
-    from llmrs.child import python_argv
-    return python_argv("from llmrs.runtime.ceilings import main; sys.exit(main())", *args)
+def probe_host(threads: int, read_bytes: int, gemm_n: int, plan: str | None = None) -> dict[str, float]:
+    """host_ceilings, reading the plan's mmapped weights too when a plan is given."""
+    weights = None
+    if plan:
+        from ..runtime.plan import Plan
+        weights = Plan.open(plan, verify="never").weights_region()
+    return host_ceilings(threads, read_bytes, gemm_n, weights)
 
 
 def measure_host(threads: int, read_bytes: int, gemm_n: int, plan: str | None = None) -> dict[str, float]:
-    """host_ceilings in a fresh Python: its probe buffer never counts in this process's peak memory."""
-    argv = _child_argv("--threads", str(threads), "--read-bytes", str(read_bytes), "--gemm", str(gemm_n),
-                       *(["--weights", plan] if plan else []))
-    proc = subprocess.run(argv, capture_output=True, text=True)
+    """probe_host in a fresh Python: its probe buffer never counts in this process's peak memory."""
+    from llmrs.child import python_argv
+
+    code = ("import json; from llmrs.measure.ceilings import probe_host; "
+            "json.dump(probe_host(*json.loads(sys.argv[1])), sys.stdout)")
+    proc = subprocess.run(python_argv(code, json.dumps([threads, read_bytes, gemm_n, plan])),
+                          capture_output=True, text=True)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["(no message)"])[-1]
         raise RuntimeError(f"the ceiling probe failed: {last}")
@@ -182,23 +186,3 @@ def machine() -> str:
     except (OSError, StopIteration):
         model = "unknown CPU"
     return f"{model}, {physical_cores()} cores"
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = OneLineParser(prog="python -m llmrs.runtime.ceilings", description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=physical_cores())
-    ap.add_argument("--read-bytes", type=int, default=1 << 30)
-    ap.add_argument("--gemm", type=int, default=2048)
-    ap.add_argument("--weights", help="a plan whose mmapped weights are read too")
-    a = ap.parse_args(argv)
-    weights = None
-    if a.weights:
-        from .plan import Plan
-        weights = Plan.open(a.weights, verify="never").weights_region()
-    json.dump(host_ceilings(a.threads, a.read_bytes, a.gemm, weights), sys.stdout)
-    print()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -18,10 +18,10 @@ from ..compiler.cliutil import OneLineParser, check_output_file
 from ..compiler.summary import decode_weight_bytes
 from . import ceilings
 from .ceilings import sig
-from .backends import Backend, BackendOptions, open_backend
-from .backends.cpu import physical_cores
-from .engine import Engine, Stats
-from .plan import Plan, PlanError
+from ..runtime.backends import Backend, BackendOptions, open_backend
+from ..runtime.backends.cpu import physical_cores
+from ..runtime.engine import Engine, Stats
+from ..runtime.plan import Plan, PlanError
 
 SCHEMA = "llmrs-bench/1"
 BACKENDS = ("cpu", "opencl")
@@ -154,7 +154,7 @@ def make_backend(name: str, plan: Plan, threads: int, device: Any) -> Backend:
     missing = plan.missing_code(name)
     if missing:
         raise BenchError(f"{plan.path}: {missing}")
-    from .backends.opencl_device import OpenCLError
+    from ..runtime.backends.opencl_device import OpenCLError
     try:
         return open_backend(plan, name, BackendOptions(threads=threads, device=device))
     except OpenCLError as e:
@@ -227,7 +227,7 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
         "model": {"weight_bytes_per_token": wbytes, "matmul_params": params,
                   "decode_kernels": decode_g.kernel_count(), "prefill_kernels": graphs["prefill"].kernel_count(),
                   "prefill_chunk": int(m["prefill_chunk"]), "max_seq_len": max_seq},
-        "prefill": [{"tokens": n, "tok_s": round(med(pre[n]), 2), "ttft_ms": round(med(ttft[n]) * 1e3, 2),
+        "prefill": [{"tokens": n, "tok_s": round(med(pre[n]), 2), "ttft_ms": sig(med(ttft[n]) * 1e3),
                      "samples_tok_s": [round(x, 2) for x in pre[n]]} for n in prefills],
         "decode": {
             "tokens": a.decode,
@@ -252,7 +252,7 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
         from .bench_kernels import time_kernels
         dev = a.device
         if a.backend == "opencl":   # the device found above, by index: no second search and notice
-            from .backends.opencl import list_devices
+            from ..runtime.backends.opencl import list_devices
             dev = [d for _, d in list_devices()].index(backend.device)
         backend.close()
         rows = time_kernels(plan, a.backend, ceil, deep, threads, dev, max(a.repeats, 3), say)
