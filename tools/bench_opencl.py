@@ -13,27 +13,31 @@ OpenCLBackend, then measure
                       read back),
                       and the floor max(launches x launch, bytes / copy bw)
     prefill           tok/s of one prompt of --prefill tokens (one chunk)
-and writes one JSON object per dtype (a list) to --out.
+and writes one JSON object per dtype (a list) to --out. The kernels are generated with the tuning
+for the device's kind (compiler/codegen/opencl_tuning.py tuning_for); --variants measures other
+values of its fields on the same compiled model.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from llmrs.compiler.codegen import opencl as codegen
 from llmrs.compiler.codegen.opencl import generate
+from llmrs.compiler.codegen.opencl_tuning import DeviceKind, OpenCLTuning, tuning_for
 from llmrs.compiler.passes.quantize import WEIGHT_DTYPES
 from llmrs.compiler.pipeline import CompileOptions, compile_graphs
 from llmrs.compiler.summary import decode_weight_bytes
 from llmrs.compiler.plan import write_graph_plan
-from llmrs.runtime.backends.opencl import OpenCLBackend
 from llmrs.measure.ceilings import device_copy_gbps, launch_us
+from llmrs.runtime.backends.opencl import OpenCLBackend, pick_device
 from llmrs.runtime.plan import Plan
 
 def launch_cost_us(be: OpenCLBackend, n: int = 2000, pyopencl: bool = False) -> float:
@@ -77,24 +81,41 @@ def matrix_bandwidth(graph, op_us: dict[str, float]) -> dict[str, dict[str, floa
     return {k: {"us": round(r["us"], 1), "gbps": round(r["bytes"] / r["us"] / 1e3, 1)} for k, r in out.items()}
 
 
-def parse_variant(spec: str) -> dict[str, object]:
-    """'default' or NAME=VALUE[+NAME=VALUE...]: codegen constants (compiler/codegen/opencl.py)
-    to override, each value parsed as the constant's own type."""
-    out: dict[str, object] = {}
+TUNING_FIELDS = {f.name: f.type for f in dataclasses.fields(OpenCLTuning)}
+
+
+def parse_variant(spec: str) -> dict[str, Any]:
+    """'default' or FIELD=VALUE[+FIELD=VALUE...]: fields of OpenCLTuning
+    (compiler/codegen/opencl_tuning.py) to override, each value parsed as the field's type."""
+    out: dict[str, Any] = {}
     if spec == "default":
         return out
     for item in spec.split("+"):
         name, sep, value = item.partition("=")
-        if not sep or not name.isupper() or not hasattr(codegen, name):
-            raise ValueError(f"{item!r} is not NAME=VALUE for a constant of compiler/codegen/opencl.py")
-        kind = type(getattr(codegen, name))
-        out[name] = bool(int(value)) if kind is bool else kind(value)
+        if not sep or name not in TUNING_FIELDS:
+            raise ValueError(f"{item!r} is not FIELD=VALUE for a field of OpenCLTuning "
+                             f"(compiler/codegen/opencl_tuning.py: {', '.join(TUNING_FIELDS)})")
+        kind = TUNING_FIELDS[name]
+        try:
+            out[name] = bool(int(value)) if kind in ("bool", bool) else int(value)
+        except ValueError:
+            raise ValueError(f"{item!r}: {name} takes {'0 or 1' if kind in ('bool', bool) else 'an integer'}") from None
     return out
 
 
+def device_kind(dev: Any) -> DeviceKind:
+    """The properties of a pyopencl device that tuning_for reads."""
+    try:
+        cc = (int(dev.compute_capability_major_nv), int(dev.compute_capability_minor_nv))
+    except Exception:   # another vendor's driver: no cl_nv_device_attribute_query
+        cc = (0, 0)
+    return DeviceKind(nvidia_cc=cc, local_mem_bytes=int(dev.local_mem_size),
+                      max_work_group_size=int(dev.max_work_group_size))
+
+
 def bench(model: Path, weights: str, prefill: int, steps: int, max_seq: int, kv: str, workdir: Path,
-          variants: list[str]) -> list[dict]:
-    """One result per variant (codegen constants overridden; see parse_variant); the model
+          variants: list[str], tuning: OpenCLTuning) -> list[dict]:
+    """One result per variant (fields of `tuning` overridden; see parse_variant); the model
     compiles once, each variant regenerates the kernels."""
     t0 = time.perf_counter()
     p, d = compile_graphs(model, CompileOptions(weights=weights, kv_type=kv, prefill_chunk=prefill,
@@ -102,29 +123,24 @@ def bench(model: Path, weights: str, prefill: int, steps: int, max_seq: int, kv:
     compile_s = time.perf_counter() - t0
     out = []
     for spec in variants:
-        overrides = parse_variant(spec)
-        saved = {name: getattr(codegen, name) for name in overrides}
-        for name, value in overrides.items():
-            setattr(codegen, name, value)
-        try:
-            r = measure(model, p, d, weights, prefill, steps, kv, workdir)
-        finally:
-            for name, value in saved.items():
-                setattr(codegen, name, value)
+        r = measure(model, p, d, weights, prefill, steps, kv, workdir,
+                    dataclasses.replace(tuning, **parse_variant(spec)))
         r.update(compile_s=round(compile_s, 1), variant=spec)
         print(json.dumps(r), flush=True)
         out.append(r)
     return out
 
 
-def measure(model: Path, p, d, weights: str, prefill: int, steps: int, kv: str, workdir: Path) -> dict:
+def measure(model: Path, p, d, weights: str, prefill: int, steps: int, kv: str, workdir: Path,
+            tuning: OpenCLTuning) -> dict:
     t0 = time.perf_counter()
     graphs = {"prefill": p, "decode": d}
     path = workdir / f"plan-{weights}.bin"
-    write_graph_plan(path, graphs, sections={"opencl": json.dumps(generate(graphs))})
+    write_graph_plan(path, graphs, sections={"opencl": json.dumps(generate(graphs, tuning))})
     compile_s = time.perf_counter() - t0
     r = measure_plan(path, prefill, steps)
-    r.update(model=str(model), weights=weights, kv=kv, codegen_s=round(compile_s, 1))
+    r.update(model=str(model), weights=weights, kv=kv, codegen_s=round(compile_s, 1),
+             tuning=dataclasses.asdict(tuning))
     return r
 
 
@@ -243,8 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--variants", default="default",
                     help="comma-separated kernel-shape variants, each measured on the same compiled model: "
-                         "'default' (codegen's constants) or NAME=VALUE[+NAME=VALUE...] overriding constants "
-                         "of compiler/codegen/opencl.py, e.g. default,ATT_DECODE=split,MV_LOADS=8+MV_WG=512")
+                         "'default' (the device's tuning) or FIELD=VALUE[+FIELD=VALUE...] overriding fields "
+                         "of OpenCLTuning (compiler/codegen/opencl_tuning.py), e.g. "
+                         "default,tile_pair_f16=0,mv_loads=8+mv_wg=512")
     ap.add_argument("--kv-list", help="comma-separated KV dtypes to run each weights dtype with (overrides --kv)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -258,12 +275,13 @@ def main(argv: list[str] | None = None) -> int:
             parse_variant(spec)
         except ValueError as e:
             ap.error(f"--variants: {e}")
+    tuning = tuning_for(device_kind(pick_device()))
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for w in weights:
             for kv in (args.kv_list or args.kv).split(","):
                 results += bench(args.model, w, args.prefill, args.steps, args.max_seq_len, kv, Path(tmp),
-                                 variants)
+                                 variants, tuning)
                 if args.out:   # after each run, so a later failure keeps what was measured
                     args.out.write_text(json.dumps(results, indent=1) + "\n")
     return 0

@@ -45,7 +45,8 @@ Quantized weights are read in the split layout common.cl describes (the back end
 GGML blocks at upload).
 
 Work-group sizes are fixed per kernel (reqd_work_group_size); the runtime checks them against
-the device limits at bind time.
+the device limits at bind time. They, the tiles and the splits come from the OpenCLTuning value
+generate() is given (opencl_tuning.py; by default the values measured on H100 / H200).
 """
 from __future__ import annotations
 
@@ -55,108 +56,23 @@ from importlib import resources
 from typing import Any
 
 from ..ir import Graph, IRError, Op
+from .opencl_tuning import OpenCLTuning
 
 FORMAT = 1
 FAMILIES = ("matvec", "matmul", "attention", "attention_scores", "norm", "rope", "embedding", "elementwise",
             "reduce", "kv_compact")
-_PRELUDE = {"matvec": ("common", "matmul_common"), "matmul": ("common", "matmul_common")}
+# templates/opencl/ files before a family's kernels (shared parts), and the files of its kernel
+# bodies where they are several (default: the family's own file)
+_PRELUDE = {"matvec": ("common", "matmul_common"), "matmul": ("common", "matmul_common", "matmul")}
+_BODIES = {"matmul": ("matmul_fp32", "matmul_mma", "matmul_async", "matmul_wgmma")}
 KV_TYPES = ("f32", "f16", "q8_0")
 FLOAT_TYPES = ("f32", "f16", "bf16")
 WEIGHT_TYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q8_0")
 QUANT_TYPES = ("q4_0", "q4_1", "q8_0")   # multiplied as GGML does: integer dots with Q8 activations
 
-MV_WG = 256                   # matvec threads per group, float weights
-MV_WG_QUANT = 512             # and quantized weights: 16 warps share one Q8_0 copy of x, so half
-                              # the groups prepare it (H200, q4_0: 956 -> 997 tok/s, round 5)
-MV_MAX_RPW = 8                # weight rows per warp at most
-MV_TARGET_WARPS = 4096        # rows per warp grow while a launch keeps about this many warps
-                              # (an H200: 132 SMs x 32), so every core's loads stay in flight
-MV_LOADS = 16                 # 16-byte weight loads a lane keeps in flight (registers allowing)
-MV_EARLY_BATCH_FLOAT = True   # a matvec's first batch of weight loads issued before the group
-MV_EARLY_BATCH_QUANT = False  # prepares x (RMS sum, Q8_0 copy), so DRAM latency overlaps it;
-                              # False: -DMV_NO_EARLY_BATCH. H200, same process: f16 decode 979 ->
-                              # 998 tok/s (lm_head 137 -> 123 us); q4_0 1348 -> 1165 (the batch's
-                              # registers held across quantize_x: gate_up 236 -> 308 us)
-MV_X_LANES = True             # quantized decode matvecs on NVIDIA quantize x 8 lanes to a Q8_0
-                              # block (shuffles), not one thread a block; False: -DMV_X_SERIAL
-MV_SPLIT_TARGET_WARPS = 8192  # narrow matrices (N under MV_TARGET_WARPS) split K over up to
-MV_MAX_SPLIT = 2              # this many warps per row until a launch has about this many warps
-                              # (an H200 holds 132 x 64); a group keeps >= 2 rows (pair epilogues).
-                              # H200 f16 decode, same run: 2 gave 866.7 tok/s, 4 852.8 (down_proj
-                              # 232 vs 247 us per step, o_proj 119 vs 114)
-MV_SPLIT_PREPARED_X = False   # split also matvecs whose groups prepare x (quantized weights: the
-                              # Q8_0 copy; the RMS prologue's sum): slower on the H200 (matvec_shape)
-MV_RMS_LATE = 1               # float weights: the RMS prologue's 1 / rms scales the finished dot
-                              # products (sum of squares taken in the K loop), so those groups
-                              # prepare nothing and may split K too. 0: never; 1: where K splits
-                              # (H200 f16 qkv 242 -> 231 us per step) or the norm weight is
-                              # folded (nothing left to load per unit); 2: always (gate_up,
-                              # unsplit, with its norm weight, went 363 -> 397 us)
-MV_TRIM_ARGS = True           # matvec launches bind only the arguments their variant reads:
-                              # a launch's host time on NVIDIA's driver grows ~0.08 us per
-                              # argument (H200), and decode is ~80 launches a step
-MV_MAX_K = 32768              # quantized x's Q8_0 copy (1.25 B per value) fits in local memory
-TILE_M = 64                   # matmul_tiled: tokens per group (fixed in matmul.cl)
-TILE_N_WIDE = 128             # and weight rows per group: 128 where N gives enough groups
-TILE_N_MIN_GROUPS = 256       # (about two per SM of an H100 / H200), else 64. 1B prefill 512,
-                              # q4_0: 9.02 ms with 128 here, 8.48 with 256 (H100; H200 9.09 /
-                              # 8.72: o_proj and down_proj get 256 groups, not 128); f16 even
-TILE_SPLIT_K_F16 = 2           # a staged matmul with fewer 128-row tiles than TILE_N_MIN_GROUPS
-TILE_SPLIT_K_QUANT = 1         # splits K over up to this many groups per tile (matmul.cl MM_SPLIT),
-                              # 128-row tiles kept, instead of halving the tiles to 64 rows; 1: off
-X_STAGED = True               # tiled matmuls with quantized (or f16, tensor-core body) weights:
-                              # stage_x prepares the activations once per matmul in the staging
-                              # buffer (matmul.cl) instead of once per group of the N / TN that
-                              # share a token tile
-MMA_PAIRED = True             # tensor-core body with staged x: the paired local layout
-                              # (matmul.cl), 8-byte fragment and scale loads; False: -DMMA_UNPAIRED
-MMA_CONFLICT_FREE_STORES = True   # tensor-core body: stage stores without local-memory bank
-                              # conflicts (matmul.cl put_chunk / put_w); False: -DMMA_PLAIN_STORES
-MMA_ASYNC_F16 = "wide"        # tensor-core body, f16 weights: stages copied by cp.async into a
-                              # ring in local memory, fragments loaded by ldmatrix (matmul.cl
-                              # MMA_ASYNC_BODY) for "wide" (TN = 128) tiles, "all" tiles, or
-                              # "off": the register-staged body everywhere. H200 1B f16 prefill:
-                              # gate_up 3.38 -> 3.14 ms async, o_proj + down_proj (64-row
-                              # tiles, K up to 8192) 3.00 -> 3.23 ms
-TILE_PAIR_F16 = True          # f16 weights, cp.async body, more than one token tile: a group
-                              # takes two token tiles (matmul.cl MM_TPAIR; row_tile 128), the
-                              # cp.async body as one 128-token tile of 32 x 64 warp tiles (H200 1B
-                              # f16 prefill 512, mma.sync: gate_up 3172 -> 2996 us, 8.03 -> 7.87 ms)
-TILE_PAIR_SPLIT = False       # paired tiles may split K (up to TILE_SPLIT_K_PAIR groups a tile);
-TILE_SPLIT_K_PAIR = 4         # False: a matmul that must split keeps unpaired tiles (True: o_proj +
-                              # down_proj 2689 -> 3034 us with mma.sync, 2580 -> 4918 with wgmma)
-MMA_ASYNC_PAIR_K = 32         # that body's stage (K values) and ring depth: 256 local rows of
-MMA_ASYNC_PAIR_STAGES = 2     # 80 bytes a stage (K 32: 2 stages, 40 KB; K 16: 48 bytes, 3, 36 KB)
-WGMMA_SWIZZLE = True          # that body under Hopper's wgmma (the runtime's -DUSE_NV_WGMMA): stages
-                              # in the 64 / 32-byte swizzled layouts; False: -DWG_NO_SWIZZLE, the
-                              # interleaved core matrices
-WGMMA_K = 32                  # its stage (K values; the ring holds as many as 40 KB allow) and the
-WGMMA_INFLIGHT = 0            # stages whose MMAs may still run while the next are issued (0 or 1).
-                              # H200 1B f16 prefill 512 (mma.sync: 7.90 ms): K 16, 1 in flight 7.94
-                              # ms; K 32, 0 in flight 7.39 (gate_up 2946, o + down 2580, qkv 924 us)
-MMA_PREFETCH_QUANT = ""       # tensor-core matmul: stages fetched a stage ahead, x and/or w,
-MMA_PREFETCH_F16 = "xw"       # by weights (H200, prefill 512: q4_0 17.6 ms with none, 18.3 w,
-                              # 21.6 xw; f16 15.8 ms with xw, 16.4 none, 17.5 w)
-ATT_WG, ATT_BQ = 128, 128     # attention_split threads; attention_tiled query rows per group
-                              # (H200 q4_0 prefill 512: attention 4.0 ms with 32, 3.5 with 128)
-ATT_PREFILL_MMA = True        # attention_tiled: the tensor-core body where the device has one
-                              # (NVIDIA sm_80+, f16 KV cache, head_dim % 16 == 0 and <= 128,
-                              # ATT_BQ 128); False passes -DATT_NO_MMA: the fp32 body everywhere
-                              # (A/B in one run: bench_opencl.py --variants default,ATT_PREFILL_MMA=0)
-ATT_TILE_BYTES = 32 << 10     # attention_tiled: local memory for a tile of K and V rows (f32);
-                              # 32 keys of head_dim 128, fewer keys for wider heads
-ATT_KEYS_PER_SPLIT, ATT_MAX_SPLITS = 64, 32   # decode attention: splits = S / 64
-ATT_DECODE = "warp"           # decode attention kernel: "warp" (attention_decode: a key per
-                              # lane, K and V loads in flight together, splits only where the
-                              # context has keys; HEAD_DIM % 32 == 0) or "split" (attention_split)
-ATT_DEC_WG, ATT_DEC_MAX_SPLITS = 128, 64      # attention_decode: keys per split and pass; splits
-ATT_SHARE_KV = False          # decode attention: one group scores all query heads of a KV head
-                              # (measured slower on the H200 at 1B shapes: fewer, longer groups)
-NORM_WG, RED_WG, ELT_WG = 64, 256, 64
+TILE_M = 64                   # matmul_tiled: tokens per group (matmul.cl's TM)
+TILE_N_WIDE = 128             # and the wider of its two weight-row tiles (TN: 64 or 128)
 STAGE_WG = 256                # stage_x: threads per token (matmul.cl's STAGE_WG)
-SC_WG = 128                   # attention_scores: threads per KV head
-COMPACT_WG = 64               # kv_compact: rows moved per pass of a group
-ARG_VALUES_PER_THREAD, ARG_MAX_GROUPS = 16, 64  # greedy argmax: groups per row
 
 
 class CodegenError(IRError):
@@ -180,6 +96,7 @@ class Launch:
 @dataclass
 class _Ctx:
     graph: Graph
+    tuning: OpenCLTuning
     launches: list[Launch] = field(default_factory=list)
 
     def dtype(self, name: str) -> str:
@@ -191,9 +108,9 @@ class _Ctx:
 
 
 def template_source(family: str) -> str:
-    """common.cl (and shared parts) followed by the family's template: the text one build compiles."""
+    """common.cl (and shared parts) followed by the family's kernels: the text one build compiles."""
     root = resources.files("llmrs.templates").joinpath("opencl")
-    parts = _PRELUDE.get(family, ("common",)) + (family,)
+    parts = _PRELUDE.get(family, ("common",)) + _BODIES.get(family, (family,))
     return "\n".join(root.joinpath(f"{p}.cl").read_text() for p in parts)
 
 
@@ -234,31 +151,40 @@ def _pow2_at_most(n: int) -> int:
     return 1 << max(0, int(math.floor(math.log2(max(1, n)))))
 
 
-def matvec_shape(k: int, n: int, quantized: bool, epilogue: str | None, kv_q8: bool,
-                 rms_prologue: bool = False) -> tuple[int, int, int]:
+def matvec_shape(tuning: OpenCLTuning, k: int, n: int, quantized: bool, epilogue: str | None,
+                 kv_q8: bool) -> tuple[int, int, int]:
     """(threads per group, weight rows per group, warps per row) of a decode matvec (matvec.cl).
-    MV_WG threads, MV_WG / 32 warps of MV_RPW rows each: one row per warp for narrow matrices
+    mv_wg threads, mv_wg / 32 warps of MV_RPW rows each: one row per warp for narrow matrices
     (most groups), more for wide ones (x prepared fewer times, more loads per lane), at most
-    MV_MAX_RPW. q8_0 KV stores whole 32-value blocks of a head: 64 rows (32 RoPE pairs).
-    Split-K (S warps per row: a power of 2, at most MV_MAX_SPLIT, no more than the row has
-    32-unit passes, until the launch has about MV_SPLIT_TARGET_WARPS warps) only where a group
+    mv_max_rpw. q8_0 KV stores whole 32-value blocks of a head: 64 rows (32 RoPE pairs).
+    Split-K (S warps per row: a power of 2, at most mv_max_split, no more than the row has
+    32-unit passes, until the launch has about mv_split_target_warps warps) only where a group
     prepares nothing from x: S times the groups repeat the Q8_0 copy of x or the RMS sum, which
     on the H200 cost more than the extra warps gained (q4_0 down_proj 194 -> 340 us per step,
-    f16 qkv 250 -> 300 us), while f16 o_proj / down_proj gained (452 -> 367 us). With
-    MV_RMS_LATE float weights' RMS prologue prepares nothing (its sum rides in the K loop), so
-    f16 qkv splits as well. Every row count is even, as pair epilogues need."""
-    wg = MV_WG_QUANT if quantized else MV_WG
+    f16 qkv 250 -> 300 us; with x quantized by lanes, q4_0 qkv 149 -> 158-179 us, round 12),
+    while f16 o_proj / down_proj gained (452 -> 367 us). Float weights' RMS prologue prepares
+    nothing once K splits (it is then applied late, _rms_late), so f16 qkv splits as well.
+    Every row count is even, as pair epilogues need."""
+    wg = tuning.mv_wg_quant if quantized else tuning.mv_wg
     warps = wg // 32
     if epilogue == "rope_kv_store" and kv_q8:
         return wg, max(64, warps), 1
-    prepares = quantized or (rms_prologue and not MV_RMS_LATE)
-    if n < MV_TARGET_WARPS and (MV_SPLIT_PREPARED_X or not prepares):
-        units = k // 32 if quantized else k // 8               # a lane's loads: blocks | 16-byte units
-        split = min(MV_MAX_SPLIT, warps // 2, _pow2_at_most(max(1, MV_SPLIT_TARGET_WARPS // n)),
+    if n < tuning.mv_target_warps and not quantized:
+        units = k // 8                                          # a lane's 16-byte loads
+        split = min(tuning.mv_max_split, warps // 2, _pow2_at_most(max(1, tuning.mv_split_target_warps // n)),
                     _pow2_at_most(math.ceil(units / 32)))
         return wg, warps // split, split
-    rpw = min(MV_MAX_RPW, _pow2_at_most(max(1, n // MV_TARGET_WARPS)))
+    rpw = min(tuning.mv_max_rpw, _pow2_at_most(max(1, n // tuning.mv_target_warps)))
     return wg, warps * rpw, 1
+
+
+def _rms_late(split: int, norm_folded: bool) -> bool:
+    """Whether a float-weight matvec applies its RMS prologue's 1 / rms to the finished dot
+    products (matvec.cl MV_RMS_LATE: the sum of squares taken in the K loop, so the group
+    prepares nothing): where K splits (H200 f16 qkv 242 -> 231 us per step) or the norm weight
+    is folded (nothing left to load per unit). Everywhere, gate_up (unsplit, with its norm
+    weight) went 363 -> 397 us (round 6)."""
+    return split > 1 or norm_folded
 
 
 def rope_heads_q8(a: dict[str, Any], kv: str) -> bool:
@@ -282,30 +208,28 @@ def split_parts_at(m: int, k: int, wt: str) -> int:
     return -(-staging_bytes(m, k, wt) // 256) * 256
 
 
-def tile_shape(m: int, k: int, n: int, wt: str, epilogue: str | None, a: dict[str, Any]) -> tuple[int, int, bool]:
+def tile_shape(tuning: OpenCLTuning, m: int, k: int, n: int, wt: str, epilogue: str | None,
+               a: dict[str, Any]) -> tuple[int, int, bool]:
     """(weight rows per group, groups per tile along K, token tiles paired) of a prefill
-    matmul_tiled. 128-row tiles while they give TILE_N_MIN_GROUPS groups; below that a matmul
+    matmul_tiled. 128-row tiles while they give tile_n_min_groups groups; below that a matmul
     whose x is staged splits K over S groups per tile (the smallest power of 2 up to
-    TILE_SPLIT_K_* that reaches the count, K / S a multiple of 128, every body's stage), else its
-    tiles halve to 64 rows. f16 weights on the cp.async body pair their token tiles
-    (TILE_PAIR_F16: matmul.cl MM_TPAIR), a pair counted as one tile here."""
+    tile_split_k_* that reaches the count, K / S a multiple of 128, every body's stage), else its
+    tiles halve to 64 rows. f16 weights pair their token tiles (tile_pair_f16: matmul.cl
+    MM_TPAIR, a pair counted as one tile here) where the pairs alone give the groups: a matmul
+    that must split keeps unpaired tiles (pairs that split: H200 1B f16 o_proj + down_proj
+    2689 -> 3034 us with mma.sync, 2580 -> 4918 with wgmma, round 13)."""
     row_groups = _row_groups(epilogue, TILE_N_WIDE, n, a)
-    pairable = (TILE_PAIR_F16 and wt == "f16" and X_STAGED and k % 32 == 0 and m > TILE_M
-                and MMA_ASYNC_F16 in ("wide", "all"))
-    for pair in (True, False) if pairable else (False,):
-        groups = row_groups * math.ceil(m / (2 * TILE_M if pair else TILE_M))
-        if groups >= TILE_N_MIN_GROUPS:
-            return TILE_N_WIDE, 1, pair
-        if pair and not TILE_PAIR_SPLIT:   # a matmul that must split keeps unpaired tiles
-            continue
-        most = (TILE_SPLIT_K_PAIR if pair else TILE_SPLIT_K_F16) if wt == "f16" \
-            else TILE_SPLIT_K_QUANT if wt in QUANT_TYPES else 1
-        split = 1
-        while X_STAGED and groups * split < TILE_N_MIN_GROUPS and 2 * split <= most and k % (2 * split * 128) == 0:
-            split *= 2
-        if split > 1:
-            return TILE_N_WIDE, split, pair
-    return 64, 1, False
+    if (tuning.tile_pair_f16 and wt == "f16" and k % 32 == 0 and m > TILE_M
+            and row_groups * math.ceil(m / (2 * TILE_M)) >= tuning.tile_n_min_groups):
+        return TILE_N_WIDE, 1, True
+    groups = row_groups * math.ceil(m / TILE_M)
+    if groups >= tuning.tile_n_min_groups:
+        return TILE_N_WIDE, 1, False
+    most = tuning.tile_split_k_f16 if wt == "f16" else tuning.tile_split_k_quant if wt in QUANT_TYPES else 1
+    split = 1
+    while groups * split < tuning.tile_n_min_groups and 2 * split <= most and k % (2 * split * 128) == 0:
+        split *= 2
+    return (TILE_N_WIDE, split, False) if split > 1 else (64, 1, False)
 
 
 def _row_groups(epilogue: str | None, rw: int, n: int, a: dict[str, Any], rope_heads: bool = False) -> int:
@@ -321,6 +245,7 @@ def _row_groups(epilogue: str | None, rw: int, n: int, a: dict[str, Any], rope_h
 
 
 def _matmul(ctx: _Ctx, op: Op) -> None:
+    tuning = ctx.tuning
     a = op.attrs if op.kind == "fused_matmul" else {}
     x, w, extra = op.inputs[0], op.inputs[1], list(op.inputs[2:])
     m, k = ctx.shape(x)
@@ -364,57 +289,44 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     # kernel reads, in decode too
     tiled = (m > 1 or k % 8 != 0) and not rope_heads
     if rope_heads:
-        mv_wg, mv_rows, mv_split = (MV_WG_QUANT if quantized else MV_WG), heads[2], 1
+        mv_wg, mv_rows, mv_split = (tuning.mv_wg_quant if quantized else tuning.mv_wg), heads[2], 1
         options.append("-DROPE_HEADS")
     else:
-        mv_wg, mv_rows, mv_split = matvec_shape(k, n, quantized, epi, "-DKV_Q8_0" in options,
-                                                a.get("prologue") == "rms_norm")
-    tile_n, split, pair = tile_shape(m, k, n, wt, epi, a) if tiled else (0, 1, False)
+        mv_wg, mv_rows, mv_split = matvec_shape(tuning, k, n, quantized, epi, "-DKV_Q8_0" in options)
+    tile_n, split, pair = tile_shape(tuning, m, k, n, wt, epi, a) if tiled else (0, 1, False)
     if tiled:
         options.append(f"-DTN={tile_n}")
         if split > 1:
             options.append(f"-DMM_SPLIT={split}")
-        prefetch = MMA_PREFETCH_QUANT if wt in QUANT_TYPES else MMA_PREFETCH_F16
-        options += [f"-DMMA_PREFETCH_{part.upper()}" for part in prefetch]
     rw = tile_n if tiled else mv_rows
     row_groups = _row_groups(epi, rw, n, a, rope_heads)
-    # 64-token tiles (split-K's counters and partials), paired ones two by two
-    tiles = row_groups * (2 * math.ceil(m / (2 * TILE_M)) if pair else math.ceil(m / TILE_M))
+    tiles = row_groups * math.ceil(m / TILE_M)   # split-K's counters and partials (pairs never split)
     if pair:
-        options += ["-DMM_TPAIR", f"-DASYNC_K={MMA_ASYNC_PAIR_K}", f"-DASYNC_STAGES={MMA_ASYNC_PAIR_STAGES}"]
+        options += ["-DMM_TPAIR", f"-DASYNC_K={tuning.async_pair_k}", f"-DASYNC_STAGES={tuning.async_pair_stages}"]
     if not tiled:
-        _need(wt not in QUANT_TYPES or k <= MV_MAX_K, op, f"K = {k} is over {MV_MAX_K}, the "
+        _need(wt not in QUANT_TYPES or k <= tuning.mv_max_k, op, f"K = {k} is over {tuning.mv_max_k}, the "
               "longest row the decode matvec keeps in local memory; use --weights f16")
-        options += [f"-DMV_WG={mv_wg}", f"-DMV_ROWS={mv_rows}", f"-DMV_K={k}", f"-DMV_LOADS={MV_LOADS}",
+        options += [f"-DMV_WG={mv_wg}", f"-DMV_ROWS={mv_rows}", f"-DMV_K={k}", f"-DMV_LOADS={tuning.mv_loads}",
                     f"-DMV_SPLIT={mv_split}"]
-        if not (MV_EARLY_BATCH_QUANT if quantized else MV_EARLY_BATCH_FLOAT):
-            options.append("-DMV_NO_EARLY_BATCH")
-        if not MV_X_LANES:
-            options.append("-DMV_X_SERIAL")
-        if MV_RMS_LATE == 2 or (MV_RMS_LATE == 1 and (mv_split > 1 or a.get("norm_folded"))):
+        if _rms_late(mv_split, bool(a.get("norm_folded"))):
             options.append("-DMV_RMS_LATE")   # matvec.cl applies it to float weights' RMS prologue
     eps, ints = {"float": float(a.get("eps", 0.0))}, [{"int": h} for h in heads]
-    args = [_v(x), _v(w), nw, *e, _v(op.outputs[0]), {"int": m}, {"int": k}, {"int": n}, eps, *ints]
-    if not tiled and MV_TRIM_ARGS:   # matvec.cl's MV_HAS_*: only what the variant reads
+    if tiled:
+        args = [_v(x), _v(w), nw, *e, _v(op.outputs[0]), {"int": m}, {"int": k}, {"int": n}, eps, *ints]
+    else:   # only what the variant reads (matvec.cl's MV_HAS_*): a launch's host time on NVIDIA's
+        # driver grows ~0.08 us per argument (SmolLM2 decode, H100: 550 -> 643 tok/s, round 10)
         rms, kv = a.get("prologue") == "rms_norm", epi == "rope_kv_store"
         args = [_v(x), _v(w), *([nw] if rms else []), *([e[0]] if epi in ("add", "rope_kv_store") else []),
                 *(e[1:] if kv else []), _v(op.outputs[0]), {"int": m}, {"int": k}, {"int": n},
                 *([eps] if rms else []), *(ints if kv else [])]
-    elif not tiled:
-        options.append("-DMV_FULL_ARGS")
     if tiled:
         staged = _NONE
-        if X_STAGED and (quantized or wt == "f16") and k % 32 == 0:
+        if (quantized or wt == "f16") and k % 32 == 0:
             options.append("-DX_STAGED")
-            if not MMA_PAIRED:
-                options.append("-DMMA_UNPAIRED")
-            if not MMA_CONFLICT_FREE_STORES:
-                options.append("-DMMA_PLAIN_STORES")
-            if wt == "f16" and (MMA_ASYNC_F16 == "all" or (MMA_ASYNC_F16 == "wide" and tile_n == TILE_N_WIDE)):
-                options.append("-DMMA_ASYNC")
-                options += [f"-DWG_K={WGMMA_K}", f"-DWG_INFLIGHT={WGMMA_INFLIGHT}"]
-                if not WGMMA_SWIZZLE:
-                    options.append("-DWG_NO_SWIZZLE")
+            # f16 128-row tiles: the cp.async body (H200 1B prefill 8.30 -> 8.10 ms; on 64-row
+            # tiles too, o_proj + down_proj 3.00 -> 3.19 ms, round 11)
+            if wt == "f16" and tile_n == TILE_N_WIDE:
+                options += ["-DMMA_ASYNC", f"-DWG_K={tuning.wgmma_k}"]
             parts = split_parts_at(m, k, wt) + 4 * split * TILE_M * tile_n * tiles if split > 1 else 0
             staged = {"staging": max(staging_bytes(m, k, wt), parts)}
             ctx.launches.append(Launch(op.name, "matmul", "stage_x", options,
@@ -430,44 +342,43 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
 
 
 def _attention(ctx: _Ctx, op: Op) -> None:
+    tuning = ctx.tuning
     a = op.attrs
     q, k, v = op.inputs[:3]
     m = ctx.shape(q)[0]
     hd, h = a["head_dim"], a["n_heads"]
     kv = _kv_type(ctx, op, k)
     _need(ctx.dtype(v) == kv, op, "k and v caches must share one dtype")
-    _need(hd % 4 == 0 and hd <= 4 * ATT_WG, op, f"head_dim {hd}: the OpenCL attention kernels need a "
-          f"multiple of 4 (they read K/V rows 4 values at a time) of at most {4 * ATT_WG}")
+    _need(hd % 4 == 0 and hd <= 4 * tuning.att_wg, op, f"head_dim {hd}: the OpenCL attention kernels need a "
+          f"multiple of 4 (they read K/V rows 4 values at a time) of at most {4 * tuning.att_wg}")
     kvh = a["n_kv_heads"]
     _need(h % kvh == 0, op, f"n_heads {h} is not a multiple of n_kv_heads {kvh}")
     if len(op.inputs) == 5:
         _attention_scores(ctx, op, kv)
-    options = [f"-DHEAD_DIM={hd}", *_kv_options(kv), f"-DATT_WG={ATT_WG}"]
+    options = [f"-DHEAD_DIM={hd}", *_kv_options(kv), f"-DATT_WG={tuning.att_wg}"]
     args = [_v(q), _v(k), _v(v), _v(op.outputs[0])]
     scalars = [{"int": h}, {"int": a["n_kv_heads"]}, {"float": float(a["scale"])}, {"int": m}]
     if m > 1:
-        keys = min(32, _pow2_at_most(ATT_TILE_BYTES // (2 * 4 * hd)))
-        tile = [f"-DATT_BQ={ATT_BQ}"] + ([f"-DATT_BK={keys}"] if keys != 32 else [])
-        tile += [] if ATT_PREFILL_MMA else ["-DATT_NO_MMA"]
+        keys = min(32, _pow2_at_most(tuning.att_tile_bytes // (2 * 4 * hd)))
+        tile = [f"-DATT_BQ={tuning.att_bq}"] + ([f"-DATT_BK={keys}"] if keys != 32 else [])
         ctx.launches.append(Launch(op.name, "attention", "attention_tiled", options + tile,
                                    args + scalars,
-                                   local=ATT_BQ, groups=h, rows=m, row_tile=ATT_BQ))
-    elif ATT_DECODE == "warp" and hd % 32 == 0 and hd <= ATT_DEC_WG:
-        splits = max(1, min(ATT_DEC_MAX_SPLITS, math.ceil(ctx.shape(k)[0] / ATT_DEC_WG)))
+                                   local=tuning.att_bq, groups=h, rows=m, row_tile=tuning.att_bq))
+    elif hd % 32 == 0 and hd <= tuning.att_dec_wg:   # a key per lane (H200 170 -> 157 us a step, round 8)
+        splits = max(1, min(tuning.att_dec_max_splits, math.ceil(ctx.shape(k)[0] / tuning.att_dec_wg)))
         scratch = 4 * m * h + 4 * m * h * splits * (hd + 2)   # counters, then partials
         ctx.launches.append(Launch(op.name, "attention", "attention_decode",
-                                   [f"-DHEAD_DIM={hd}", *_kv_options(kv), f"-DATT_WG={ATT_DEC_WG}",
+                                   [f"-DHEAD_DIM={hd}", *_kv_options(kv), f"-DATT_WG={tuning.att_dec_wg}",
                                     f"-DATT_SPLITS={splits}", "-DATT_DECODE_WARP"],
                                    args + [{"scratch": scratch}] + scalars,
-                                   local=ATT_DEC_WG, groups=h * splits, rows=m))
+                                   local=tuning.att_dec_wg, groups=h * splits, rows=m))
     else:
-        splits = max(1, min(ATT_MAX_SPLITS, ctx.shape(k)[0] // ATT_KEYS_PER_SPLIT))
+        splits = max(1, min(tuning.att_max_splits, ctx.shape(k)[0] // tuning.att_keys_per_split))
         scratch = 4 * m * h + 4 * m * h * splits * (hd + 2)   # counters, then partials
-        group = h // kvh if ATT_SHARE_KV else 1
         ctx.launches.append(Launch(op.name, "attention", "attention_split",
-                                   options + [f"-DATT_SPLITS={splits}", f"-DATT_GROUP={group}"],
+                                   options + [f"-DATT_SPLITS={splits}"],
                                    args + [{"scratch": scratch}] + scalars,
-                                   local=ATT_WG, groups=h // group * splits, rows=m))
+                                   local=tuning.att_wg, groups=h * splits, rows=m))
 
 
 def _attention_scores(ctx: _Ctx, op: Op, kv: str) -> None:
@@ -477,12 +388,12 @@ def _attention_scores(ctx: _Ctx, op: Op, kv: str) -> None:
     q, k, _, scores, ctl = op.inputs
     m = ctx.shape(q)[0]
     ctx.launches.append(Launch(op.name, "attention_scores", "attention_scores",
-                               [f"-DHEAD_DIM={a['head_dim']}", *_kv_options(kv), f"-DSC_WG={SC_WG}",
+                               [f"-DHEAD_DIM={a['head_dim']}", *_kv_options(kv), f"-DSC_WG={ctx.tuning.sc_wg}",
                                 f"-DSC_GROUP={a['n_heads'] // a['n_kv_heads']}"],
                                [_v(q), _v(k), _v(scores), _v(ctl), {"int": a["n_heads"]},
                                 {"int": a["n_kv_heads"]}, {"float": float(a["scale"])},
                                 {"int": ctx.shape(scores)[1]}],
-                               local=SC_WG, groups=a["n_kv_heads"], rows=m, row_tile=m, scores=True))
+                               local=ctx.tuning.sc_wg, groups=a["n_kv_heads"], rows=m, row_tile=m, scores=True))
 
 
 def _unit(row_bytes: int) -> tuple[int, str]:
@@ -493,7 +404,7 @@ def _unit(row_bytes: int) -> tuple[int, str]:
     raise CodegenError(f"a KV row of {row_bytes} bytes has no 2-byte unit to compact by")
 
 
-def compactions(graph: Graph) -> list[dict[str, Any]]:
+def compactions(graph: Graph, tuning: OpenCLTuning) -> list[dict[str, Any]]:
     """How kv_compact.cl moves each state an eviction touches: the K and V caches and the
     scores of every attention op that writes scores."""
     out = []
@@ -512,9 +423,9 @@ def compactions(graph: Graph) -> list[dict[str, Any]]:
                 heads, rows = state.shape
                 row_bytes, unit, utype = 4, 4, "uint"
                 slot_stride, head_stride, zero_tail = 1, rows, True
-            out.append({"state": state.name, "local": COMPACT_WG,
+            out.append({"state": state.name, "local": tuning.compact_wg,
                         "options": [f"-DKV_UNIT={utype}", f"-DROW_UNITS={row_bytes // unit}",
-                                    f"-DCOMPACT_WG={COMPACT_WG}"],
+                                    f"-DCOMPACT_WG={tuning.compact_wg}"],
                         "heads": heads, "rows": rows, "unit": unit, "slot_stride": slot_stride,
                         "head_stride": head_stride, "zero_tail": zero_tail})
     return out
@@ -523,10 +434,10 @@ def compactions(graph: Graph) -> list[dict[str, Any]]:
 def _rms_norm(ctx: _Ctx, op: Op) -> None:
     x, w = op.inputs
     m, d = ctx.shape(x)
-    options = [f"-DNORM_T={_float_type(ctx, op, w, 'norm weight')}", f"-DNORM_WG={NORM_WG}"]
+    options = [f"-DNORM_T={_float_type(ctx, op, w, 'norm weight')}", f"-DNORM_WG={ctx.tuning.norm_wg}"]
     ctx.launches.append(Launch(op.name, "norm", "rms_norm", options,
                                [_v(x), _v(w), _v(op.outputs[0]), {"int": d}, {"float": float(op.attrs["eps"])}],
-                               local=NORM_WG, groups=1, rows=m))
+                               local=ctx.tuning.norm_wg, groups=1, rows=m))
 
 
 def _rope(ctx: _Ctx, op: Op) -> None:
@@ -538,7 +449,7 @@ def _rope(ctx: _Ctx, op: Op) -> None:
     ctx.launches.append(Launch(op.name, "rope", "rope", ["-DKV_T=f32"],
                                [_v(op.inputs[0]), _v(op.inputs[1]), _v(op.outputs[0]),
                                 {"int": a["n_heads"]}, {"int": a["head_dim"]}],
-                               local=ELT_WG, groups=math.ceil(pairs / ELT_WG), rows=m))
+                               local=ctx.tuning.elt_wg, groups=math.ceil(pairs / ctx.tuning.elt_wg), rows=m))
 
 
 def _kv_store(ctx: _Ctx, op: Op) -> None:
@@ -548,7 +459,7 @@ def _kv_store(ctx: _Ctx, op: Op) -> None:
     threads = width // 32 if kv == "q8_0" else width    # q8_0: one thread per 32-value block
     ctx.launches.append(Launch(op.name, "rope", "kv_store", _kv_options(kv),
                                [_v(src), _v(cache), {"int": width}],
-                               local=ELT_WG, groups=math.ceil(threads / ELT_WG), rows=m))
+                               local=ctx.tuning.elt_wg, groups=math.ceil(threads / ctx.tuning.elt_wg), rows=m))
 
 
 def _embedding(ctx: _Ctx, op: Op) -> None:
@@ -559,7 +470,8 @@ def _embedding(ctx: _Ctx, op: Op) -> None:
     ctx.launches.append(Launch(op.name, "embedding", "embedding", [f"-DTABLE_T={tt}", f"-DTABLE_{tt.upper()}"],
                                [_v(table), _v(tokens), _v(op.outputs[0]), {"int": d},
                                 {"int": ctx.shape(table)[0]}],
-                               local=ELT_WG, groups=math.ceil(d / ELT_WG), rows=ctx.shape(tokens)[0]))
+                               local=ctx.tuning.elt_wg, groups=math.ceil(d / ctx.tuning.elt_wg),
+                               rows=ctx.shape(tokens)[0]))
 
 
 def _elementwise(ctx: _Ctx, op: Op) -> None:
@@ -571,21 +483,21 @@ def _elementwise(ctx: _Ctx, op: Op) -> None:
     else:
         kernel, args = op.kind, [_v(op.inputs[0]), _v(op.inputs[1]), _v(op.outputs[0]), {"int": d}]
     ctx.launches.append(Launch(op.name, "elementwise", kernel, [], args,
-                               local=ELT_WG, groups=math.ceil(d / ELT_WG), rows=m))
+                               local=ctx.tuning.elt_wg, groups=math.ceil(d / ctx.tuning.elt_wg), rows=m))
 
 
 def _slice(ctx: _Ctx, op: Op) -> None:
     d = ctx.shape(op.inputs[0])[1]
     ctx.launches.append(Launch(op.name, "elementwise", "last_row", [],
                                [_v(op.inputs[0]), _v(op.outputs[0]), {"int": d}],
-                               local=ELT_WG, groups=math.ceil(d / ELT_WG), rows=1))
+                               local=ctx.tuning.elt_wg, groups=math.ceil(d / ctx.tuning.elt_wg), rows=1))
 
 
 def _reduce(ctx: _Ctx, op: Op) -> None:
     m, d = ctx.shape(op.inputs[0])
-    ctx.launches.append(Launch(op.name, "reduce", op.kind, [f"-DRED_WG={RED_WG}"],
+    ctx.launches.append(Launch(op.name, "reduce", op.kind, [f"-DRED_WG={ctx.tuning.red_wg}"],
                                [_v(op.inputs[0]), _v(op.outputs[0]), {"int": d}],
-                               local=RED_WG, groups=1, rows=m))
+                               local=ctx.tuning.red_wg, groups=1, rows=m))
 
 
 LOWER = {
@@ -596,9 +508,9 @@ LOWER = {
 }
 
 
-def lower_graph(graph: Graph) -> list[Launch]:
+def lower_graph(graph: Graph, tuning: OpenCLTuning = OpenCLTuning()) -> list[Launch]:
     """One launch per op, in the graph's (scheduled) order."""
-    ctx = _Ctx(graph)
+    ctx = _Ctx(graph, tuning)
     for op in graph.ops:
         if op.kind not in LOWER:
             raise CodegenError(f"op {op.name}: kind {op.kind!r} has no OpenCL kernel")
@@ -606,7 +518,7 @@ def lower_graph(graph: Graph) -> list[Launch]:
     return ctx.launches
 
 
-def greedy_launch(graph: Graph) -> Launch | None:
+def greedy_launch(graph: Graph, tuning: OpenCLTuning) -> Launch | None:
     """Device-side argmax of the graph's output logits f32 [rows, V] into the result buffer,
     so greedy decoding reads back 4 bytes per row instead of the logits."""
     if not graph.outputs:
@@ -615,22 +527,26 @@ def greedy_launch(graph: Graph) -> Launch | None:
     if out.dtype != "f32" or len(out.shape) != 2:
         return None
     rows, vocab = out.shape
-    groups = max(1, min(ARG_MAX_GROUPS, vocab // (RED_WG * ARG_VALUES_PER_THREAD)))
+    wg = tuning.red_wg
+    groups = max(1, min(tuning.arg_max_groups, vocab // (wg * tuning.arg_values_per_thread)))
     scratch = 4 * rows + 8 * rows * groups       # counters, then (value, index) per group
     return Launch(f"{graph.name}.greedy", "reduce", "argmax_split",
-                  [f"-DRED_WG={RED_WG}", f"-DARG_GROUPS={groups}"],
+                  [f"-DRED_WG={wg}", f"-DARG_GROUPS={groups}"],
                   [_v(out.name), {"result": 4 * rows}, {"scratch": scratch}, {"int": vocab}, {"int": rows}],
-                  local=RED_WG, groups=groups, rows=rows)
+                  local=wg, groups=groups, rows=rows)
 
 
-def generate(graphs: dict[str, Graph] | list[Graph] | tuple[Graph, ...]) -> dict[str, Any]:
+def generate(graphs: dict[str, Graph] | list[Graph] | tuple[Graph, ...],
+             tuning: OpenCLTuning = OpenCLTuning()) -> dict[str, Any]:
     """The plan's "opencl" section: template sources, each graph's launch table and its
-    greedy (device argmax) launch."""
+    greedy (device argmax) launch, shaped by `tuning` (opencl_tuning.py: the H100 / H200
+    values unless told otherwise)."""
     if not isinstance(graphs, dict):
         graphs = {g.name: g for g in graphs}
-    tables = {name: [asdict(launch) for launch in lower_graph(g)] for name, g in graphs.items()}
-    greedy = {name: asdict(launch) for name, g in graphs.items() if (launch := greedy_launch(g)) is not None}
-    compact = compactions(graphs["decode"] if "decode" in graphs else next(iter(graphs.values())))
+    tables = {name: [asdict(launch) for launch in lower_graph(g, tuning)] for name, g in graphs.items()}
+    greedy = {name: asdict(launch) for name, g in graphs.items()
+              if (launch := greedy_launch(g, tuning)) is not None}
+    compact = compactions(graphs["decode"] if "decode" in graphs else next(iter(graphs.values())), tuning)
     used = sorted({launch["family"] for table in tables.values() for launch in table}
                   | {launch["family"] for launch in greedy.values()} | ({"kv_compact"} if compact else set()))
     return {"format": FORMAT, "sources": {f: template_source(f) for f in used}, "graphs": tables,

@@ -27,57 +27,45 @@ inline float4 ld_kv4(gin p, size_t i) { return (float4)(LD_KV(p, i), LD_KV(p, i 
 #endif
 
 // Decode (any step whose query rows see n_past + t + 1 slots), split-K as flash-decoding, one
-// group per (ATT_GROUP query heads of one KV head, split): it scores slots [s * span,
-// (s + 1) * span) for all of those heads, so with ATT_GROUP = n_heads / n_kv_heads (GQA) each
-// K and V row is read once, not once per query head. Each head keeps an online softmax; the group writes per head its partial (max m, sum
-// l, o[hd] unnormalised) to scratch and takes a ticket; the last of the ATT_SPLITS groups of
-// (t, KV head) merges the partials, writes o and puts the ticket counter back to 0 for the next
-// launch. One group per head alone leaves most of a large GPU idle.
-//   -DATT_GROUP=<query heads per group: 1 or a divisor of n_heads / n_kv_heads>
-//   scratch  int counters [M, H / ATT_GROUP], then f32 partials [M, H, ATT_SPLITS, hd + 2]
+// group per (query head, split): it scores slots [s * span, (s + 1) * span) with an online
+// softmax, writes its partial (max m, sum l, o[hd] unnormalised) to scratch and takes a ticket;
+// the last of the ATT_SPLITS groups of (t, head) merges the partials, writes o and puts the
+// ticket counter back to 0 for the next launch. One group per head alone leaves most of a large
+// GPU idle. (A group for all query heads of a KV head, each K and V row read once: H200 167 ->
+// 185 us a step, round 2.)
+//   scratch  int counters [M, H], then f32 partials [M, H, ATT_SPLITS, hd + 2]
 // Threads: scores one key each; the V sum as (part, 4 dims): ATT_WG * 4 / hd parts of the keys
 // (rounded down: where hd / 4 does not divide ATT_WG, the threads left over take no part).
-// Grid: (H / ATT_GROUP * ATT_SPLITS * ATT_WG, rows).
-#ifndef ATT_GROUP
-#define ATT_GROUP 1
-#endif
+// Grid: (H * ATT_SPLITS * ATT_WG, rows).
 #define ATT_D4 (HEAD_DIM / 4)
 #define ATT_VPARTS (ATT_WG / ATT_D4)
 
-// v[j] <- the group's max (is_max) or sum of v[j], for every head j at once (one pair of
-// barriers for all of them); red holds ATT_GROUP * ATT_WG floats
-inline void group_reduce_heads(float* v, __local float* red, bool is_max) {
+// the group's max (is_max) or sum of v; red holds ATT_WG floats
+inline float group_reduce(float v, __local float* red, bool is_max) {
     int lid = get_local_id(0);
     barrier(CLK_LOCAL_MEM_FENCE);
 #ifdef USE_NV_PTX
     int lane = lid & 31, warp = lid >> 5;
-#pragma unroll
-    for (int j = 0; j < ATT_GROUP; j++) {
-        float r = is_max ? warp_max(v[j]) : warp_sum(v[j]);
-        if (lane == 0) red[j * (ATT_WG / 32) + warp] = r;
-    }
+    float r = is_max ? warp_max(v) : warp_sum(v);
+    if (lane == 0) red[warp] = r;
     barrier(CLK_LOCAL_MEM_FENCE);
-#pragma unroll
-    for (int j = 0; j < ATT_GROUP; j++) {
-        float r = red[j * (ATT_WG / 32)];
-        for (int w = 1; w < ATT_WG / 32; w++) {
-            float x = red[j * (ATT_WG / 32) + w];
-            r = is_max ? fmax(r, x) : r + x;
-        }
-        v[j] = r;
+    r = red[0];
+    for (int w = 1; w < ATT_WG / 32; w++) {
+        float x = red[w];
+        r = is_max ? fmax(r, x) : r + x;
     }
+    return r;
 #else
-    for (int j = 0; j < ATT_GROUP; j++) red[j * ATT_WG + lid] = v[j];
+    red[lid] = v;
     barrier(CLK_LOCAL_MEM_FENCE);
     for (int s = ATT_WG / 2; s > 0; s >>= 1) {
-        if (lid < s)
-            for (int j = 0; j < ATT_GROUP; j++) {
-                float a = red[j * ATT_WG + lid], b = red[j * ATT_WG + lid + s];
-                red[j * ATT_WG + lid] = is_max ? fmax(a, b) : a + b;
-            }
+        if (lid < s) {
+            float a = red[lid], b = red[lid + s];
+            red[lid] = is_max ? fmax(a, b) : a + b;
+        }
         barrier(CLK_LOCAL_MEM_FENCE);
     }
-    for (int j = 0; j < ATT_GROUP; j++) v[j] = red[j * ATT_WG];
+    return red[0];
 #endif
 }
 
@@ -86,9 +74,8 @@ void attention_split(__global const int* step, gin qb, ulong q_off, gin kb, ulon
                      gin vb, ulong v_off, gout ob, ulong o_off, gout sb, ulong s_off,
                      int n_heads, int n_kv_heads, float scale, int M) {
     int lid = get_local_id(0), t = get_group_id(1);
-    int hg = get_group_id(0) / ATT_SPLITS, split = get_group_id(0) % ATT_SPLITS;
-    int h0 = hg * ATT_GROUP;                        // first query head of this group's heads
-    int kvh = h0 / (n_heads / n_kv_heads);
+    int h = get_group_id(0) / ATT_SPLITS, split = get_group_id(0) % ATT_SPLITS;
+    int kvh = h / (n_heads / n_kv_heads);
     int length = STEP_N_PAST(step) + t + 1;
     int span = (length + ATT_SPLITS - 1) / ATT_SPLITS;
     int begin = min(length, split * span), end = min(length, begin + span);
@@ -96,142 +83,102 @@ void attention_split(__global const int* step, gin qb, ulong q_off, gin kb, ulon
     gin k = kb + k_off;
     gin v = vb + v_off;
     size_t head_at = (size_t)kvh * HEAD_DIM;       // element index of this head in a cache row
-    __local float4 qs[ATT_GROUP * ATT_D4];          // q of the group's heads: [G][hd/4]
-    __local float sc[ATT_GROUP * ATT_CHUNK];        // scores, then p: [G][ATT_CHUNK]; at the
-                                                    // end the V parts [VPARTS][G][hd]
+    __local float4 qs[ATT_D4];                      // q of the head [hd/4]
+    __local float sc[ATT_CHUNK];                    // scores, then p; at the end the V parts
+                                                    // [VPARTS][hd]
 #ifdef USE_NV_PTX
-    __local float red[ATT_GROUP * (ATT_WG / 32)];
+    __local float red[ATT_WG / 32];
 #else
-    __local float red[ATT_GROUP * ATT_WG];
+    __local float red[ATT_WG];
 #endif
     __local int last;
-    __global const float4* q = (__global const float4*)(qb + q_off) + ((size_t)t * n_heads + h0) * ATT_D4;
-    for (int e = lid; e < ATT_GROUP * ATT_D4; e += ATT_WG) qs[e] = q[e];
+    __global const float4* q = (__global const float4*)(qb + q_off) + ((size_t)t * n_heads + h) * ATT_D4;
+    for (int e = lid; e < ATT_D4; e += ATT_WG) qs[e] = q[e];
     barrier(CLK_LOCAL_MEM_FENCE);
 
     int d4 = lid % ATT_D4, part = lid / ATT_D4;
 #if ATT_WG % ATT_D4
     if (part >= ATT_VPARTS) part = ATT_CHUNK;       // left over: past every chunk's keys
 #endif
-    float m_run[ATT_GROUP], l_run[ATT_GROUP];
-    float4 o[ATT_GROUP];
-#pragma unroll
-    for (int j = 0; j < ATT_GROUP; j++) {
-        m_run[j] = -INFINITY;
-        l_run[j] = 0.0f;
-        o[j] = (float4)(0.0f);
-    }
+    float m_run = -INFINITY, l_run = 0.0f;
+    float4 o = (float4)(0.0f);
     for (int c0 = begin; c0 < end; c0 += ATT_CHUNK) {
         int n = min(ATT_CHUNK, end - c0);
-        float mx[ATT_GROUP], ls[ATT_GROUP];
-#pragma unroll
-        for (int j = 0; j < ATT_GROUP; j++) mx[j] = -INFINITY;
+        float mx = -INFINITY;
         for (int i = lid; i < n; i += ATT_WG) {
             size_t base = (size_t)(c0 + i) * kv_stride + head_at;
-            float s[ATT_GROUP];
-#pragma unroll
-            for (int j = 0; j < ATT_GROUP; j++) s[j] = 0.0f;
-            for (int e = 0; e < ATT_D4; e++) {
-                float4 kk = ld_kv4(k, base + 4 * e);
-#pragma unroll
-                for (int j = 0; j < ATT_GROUP; j++) s[j] += dot(qs[j * ATT_D4 + e], kk);
-            }
-#pragma unroll
-            for (int j = 0; j < ATT_GROUP; j++) {
-                sc[j * ATT_CHUNK + i] = s[j] * scale;
-                mx[j] = fmax(mx[j], s[j] * scale);
-            }
+            float s = 0.0f;
+            for (int e = 0; e < ATT_D4; e++) s += dot(qs[e], ld_kv4(k, base + 4 * e));
+            sc[i] = s * scale;
+            mx = fmax(mx, s * scale);
         }
-        group_reduce_heads(mx, red, true);
-        float alpha[ATT_GROUP];
-#pragma unroll
-        for (int j = 0; j < ATT_GROUP; j++) {
-            mx[j] = fmax(m_run[j], mx[j]);
-            alpha[j] = exp(m_run[j] - mx[j]);
-            ls[j] = 0.0f;
+        mx = fmax(m_run, group_reduce(mx, red, true));
+        float alpha = exp(m_run - mx), ls = 0.0f;
+        for (int i = lid; i < n; i += ATT_WG) {
+            float p = exp(sc[i] - mx);
+            sc[i] = p;
+            ls += p;
         }
-        for (int i = lid; i < n; i += ATT_WG)
-#pragma unroll
-            for (int j = 0; j < ATT_GROUP; j++) {
-                float p = exp(sc[j * ATT_CHUNK + i] - mx[j]);
-                sc[j * ATT_CHUNK + i] = p;
-                ls[j] += p;
-            }
-        group_reduce_heads(ls, red, false);          // its barriers publish sc
-#pragma unroll
-        for (int j = 0; j < ATT_GROUP; j++) {
-            l_run[j] = l_run[j] * alpha[j] + ls[j];
-            o[j] *= alpha[j];
-            m_run[j] = mx[j];
-        }
-        for (int i = part; i < n; i += ATT_VPARTS) {
-            float4 vv = ld_kv4(v, (size_t)(c0 + i) * kv_stride + head_at + 4 * d4);
-#pragma unroll
-            for (int j = 0; j < ATT_GROUP; j++) o[j] += sc[j * ATT_CHUNK + i] * vv;
-        }
+        ls = group_reduce(ls, red, false);          // its barriers publish sc
+        l_run = l_run * alpha + ls;
+        o *= alpha;
+        m_run = mx;
+        for (int i = part; i < n; i += ATT_VPARTS)
+            o += sc[i] * ld_kv4(v, (size_t)(c0 + i) * kv_stride + head_at + 4 * d4);
         barrier(CLK_LOCAL_MEM_FENCE);
     }
     barrier(CLK_LOCAL_MEM_FENCE);
-    __local float4* vparts = (__local float4*)sc;   // [VPARTS][G][hd/4]
+    __local float4* vparts = (__local float4*)sc;   // [VPARTS][hd/4]
 #if ATT_WG % ATT_D4
     if (part < ATT_VPARTS)
 #endif
-#pragma unroll
-    for (int j = 0; j < ATT_GROUP; j++) vparts[(part * ATT_GROUP + j) * ATT_D4 + d4] = o[j];
+    vparts[part * ATT_D4 + d4] = o;
     barrier(CLK_LOCAL_MEM_FENCE);
 
-    __global volatile int* count = (__global volatile int*)(sb + s_off) + (size_t)t * (n_heads / ATT_GROUP) + hg;
+    __global volatile int* count = (__global volatile int*)(sb + s_off) + (size_t)t * n_heads + h;
     __global volatile float* parts = (__global volatile float*)(sb + s_off + (size_t)M * n_heads * 4);
-    for (int e = lid; e < ATT_GROUP * ATT_D4; e += ATT_WG) {   // e = (head j, 4 dims)
-        int j = e / ATT_D4, dd = e % ATT_D4;
+    __global volatile float* mine = parts + (((size_t)t * n_heads + h) * ATT_SPLITS + split) * (HEAD_DIM + 2);
+    for (int dd = lid; dd < ATT_D4; dd += ATT_WG) {
         float4 total = (float4)(0.0f);
-        for (int p = 0; p < ATT_VPARTS; p++) total += vparts[(p * ATT_GROUP + j) * ATT_D4 + dd];
-        __global volatile float* mine = parts + (((size_t)t * n_heads + h0 + j) * ATT_SPLITS + split) * (HEAD_DIM + 2);
+        for (int p = 0; p < ATT_VPARTS; p++) total += vparts[p * ATT_D4 + dd];
         mine[2 + 4 * dd] = total.x;
         mine[3 + 4 * dd] = total.y;
         mine[4 + 4 * dd] = total.z;
         mine[5 + 4 * dd] = total.w;
     }
-#pragma unroll
-    for (int j = 0; j < ATT_GROUP; j++)
-        if (lid == j) {
-            __global volatile float* mine = parts + (((size_t)t * n_heads + h0 + j) * ATT_SPLITS + split) * (HEAD_DIM + 2);
-            mine[0] = m_run[j];
-            mine[1] = l_run[j];
-        }
+    if (lid == 0) {
+        mine[0] = m_run;
+        mine[1] = l_run;
+    }
     mem_fence(CLK_GLOBAL_MEM_FENCE);   // partials reach memory before the ticket
     barrier(CLK_GLOBAL_MEM_FENCE | CLK_LOCAL_MEM_FENCE);
     if (lid == 0) last = atomic_inc(count) == ATT_SPLITS - 1;
     barrier(CLK_LOCAL_MEM_FENCE);
     if (!last) return;
     mem_fence(CLK_GLOBAL_MEM_FENCE);
-    // each split's (m, l) once into local memory, then its weight exp(m_s - m) per head
-    __local float wm[ATT_GROUP * ATT_SPLITS], wl[ATT_GROUP * ATT_SPLITS], lsum[ATT_GROUP];
-    for (int e = lid; e < ATT_GROUP * ATT_SPLITS; e += ATT_WG) {
-        __global volatile float* ps = parts + ((size_t)t * n_heads + h0) * ATT_SPLITS * (HEAD_DIM + 2)
-                                      + (size_t)e * (HEAD_DIM + 2);   // e = head j * SPLITS + split
-        wm[e] = ps[0];
-        wl[e] = ps[1];
+    // each split's (m, l) once into local memory, then its weight exp(m_s - m)
+    __local float wm[ATT_SPLITS], wl[ATT_SPLITS], lsum;
+    __global volatile float* all = parts + ((size_t)t * n_heads + h) * ATT_SPLITS * (HEAD_DIM + 2);
+    for (int sp = lid; sp < ATT_SPLITS; sp += ATT_WG) {
+        wm[sp] = all[sp * (HEAD_DIM + 2)];
+        wl[sp] = all[sp * (HEAD_DIM + 2) + 1];
     }
     barrier(CLK_LOCAL_MEM_FENCE);
-    if (lid < ATT_GROUP) {
+    if (lid == 0) {
         float m = -INFINITY, l = 0.0f;
-        for (int sp = 0; sp < ATT_SPLITS; sp++) m = fmax(m, wm[lid * ATT_SPLITS + sp]);
+        for (int sp = 0; sp < ATT_SPLITS; sp++) m = fmax(m, wm[sp]);
         for (int sp = 0; sp < ATT_SPLITS; sp++) {
-            int e = lid * ATT_SPLITS + sp;
-            float wgt = wl[e] == 0.0f ? 0.0f : exp(wm[e] - m);   // empty splits carry m = -inf
-            l += wl[e] * wgt;
-            wm[e] = wgt;
+            float wgt = wl[sp] == 0.0f ? 0.0f : exp(wm[sp] - m);   // empty splits carry m = -inf
+            l += wl[sp] * wgt;
+            wm[sp] = wgt;
         }
-        lsum[lid] = l;
+        lsum = l;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
-    for (int e = lid; e < ATT_GROUP * HEAD_DIM; e += ATT_WG) {
-        int j = e / HEAD_DIM, dd = e % HEAD_DIM;
-        __global volatile float* all = parts + ((size_t)t * n_heads + h0 + j) * ATT_SPLITS * (HEAD_DIM + 2);
+    for (int dd = lid; dd < HEAD_DIM; dd += ATT_WG) {
         float acc = 0.0f;
-        for (int sp = 0; sp < ATT_SPLITS; sp++) acc += all[sp * (HEAD_DIM + 2) + 2 + dd] * wm[j * ATT_SPLITS + sp];
-        ((__global float*)(ob + o_off))[((size_t)t * n_heads + h0 + j) * HEAD_DIM + dd] = acc / lsum[j];
+        for (int sp = 0; sp < ATT_SPLITS; sp++) acc += all[sp * (HEAD_DIM + 2) + 2 + dd] * wm[sp];
+        ((__global float*)(ob + o_off))[((size_t)t * n_heads + h) * HEAD_DIM + dd] = acc / lsum;
     }
     if (lid == 0) *count = 0;
 }
@@ -413,13 +360,13 @@ void attention_decode(__global const int* step, gin qb, ulong q_off, gin kb, ulo
 #endif                         // tiles stay within 32 KB of local memory)
 
 // Two bodies of attention_tiled with one signature and grid: the tensor-core body below
-// (NVIDIA sm_80+, f16 caches; -DATT_NO_MMA keeps the fp32 body, codegen's ATT_PREFILL_MMA) and
-// the portable fp32 body, one thread per query row, for everything else. -DEMU_MMA (common.cl)
+// (NVIDIA sm_80+, f16 caches; H100 1B prefill attention 2.29 -> 0.53 ms, round 10) and the
+// portable fp32 body, one thread per query row, for everything else. -DEMU_MMA (common.cl)
 // runs the tensor-core body anywhere, its mma.sync and shuffles emulated through local memory
 // (tests: PoCL checks the body's tiling, masking and softmax; only the fragment layouts, which
 // the emulation decodes as the PTX ISA defines them, are left to the hardware).
 #if defined(USE_NV_MMA) && (defined(USE_NV_PTX) || defined(EMU_MMA)) && defined(KV_F16) && \
-    HEAD_DIM % 16 == 0 && HEAD_DIM <= 128 && ATT_BQ == 128 && !defined(ATT_NO_MMA)
+    HEAD_DIM % 16 == 0 && HEAD_DIM <= 128 && ATT_BQ == 128
 #define ATT_MMA_BODY 1
 #endif
 

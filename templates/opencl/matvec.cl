@@ -11,7 +11,7 @@
 // extra launch or scratch is needed. Two phases:
 //   1. the group prepares x once: the RMS prologue's sum of squares, then (quantized weights)
 //      x's Q8_0 blocks (q4_1: Q8_1) into local memory, one block per thread (NVIDIA: 8 lanes
-//      a block, quantize_x_lanes); float weights may issue their first weight batch before it;
+//      a block, quantize_x_lanes); float weights issue their first weight batch before it;
 //   2. each warp walks its rows along K: lane l reads blocks (units) l, l + 32, ... so a warp
 //      reads 512 consecutive bytes of one row per load; MV_UNROLL passes of all MV_RPW rows
 //      issue their loads before any is used, so DRAM latency is paid once per batch. Each
@@ -94,12 +94,12 @@ inline void quantize_x(__global const float4* x4, int b, __local int4* xq, __loc
     xs[b] = X_SUM(d, sum);
 }
 
-#if defined(USE_NV_PTX) && !defined(MV_X_SERIAL)
+#ifdef USE_NV_PTX
 #define MV_X_LANES 1
 // The same Q8_0 blocks, 8 lanes to a block (a float4 each): the block's amax and code sum meet by
 // butterfly shuffles within the 8 lanes, so every thread of the group works on x, not one in 8
-// (-DMV_X_SERIAL: quantize_x, one thread a block). Integer code sums are exact in any order, so
-// the bytes equal quantize_x's. Whole warps loop (the shuffles need all 32 lanes); K / 4 is a
+// as in quantize_x (H200 1B q4_0 decode 1322 -> 1500 tok/s, round 12). Integer code sums are
+// exact in any order, so the bytes equal quantize_x's. Whole warps loop (the shuffles need all 32 lanes); K / 4 is a
 // multiple of 8, so a block's 8 lanes are all in or all out.
 inline float oct_max(float v) {
     for (int o = 4; o > 0; o >>= 1) v = fmax(v, shfl_xor_f(v, o));
@@ -143,14 +143,13 @@ inline void quantize_x_lanes(__global const float4* x4, __local int* xq, __local
 
 // Only the arguments the variant reads (codegen binds the same list): on NVIDIA's driver a
 // launch's host time grows with its argument count, and a decode step is launch-bound there.
-// -DMV_FULL_ARGS keeps the whole list (codegen's MV_TRIM_ARGS = False, for comparisons).
-#if defined(MV_FULL_ARGS) || defined(PROLOGUE_RMS)
+#ifdef PROLOGUE_RMS
 #define MV_HAS_NW 1                          // nw, eps
 #endif
-#if defined(MV_FULL_ARGS) || defined(EPI_ADD) || defined(EPI_ROPE_KV)
+#if defined(EPI_ADD) || defined(EPI_ROPE_KV)
 #define MV_HAS_E0 1                          // e0
 #endif
-#if defined(MV_FULL_ARGS) || defined(EPI_ROPE_KV)
+#ifdef EPI_ROPE_KV
 #define MV_HAS_KV 1                          // e1, e2, n_heads, n_kv_heads, hd
 #endif
 __kernel __attribute__((reqd_work_group_size(MV_WG, 1, 1)))
@@ -244,12 +243,14 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
         for (int i = 0; i < MV_RPW; i++) wu[u][i] = wunit_load(w, (size_t)rows[i] * MV_UNITS + un); \
     }
 #endif
-#ifdef MV_NO_EARLY_BATCH
+#ifdef W_QUANT
+    // quantized weights load their first batch after quantize_x: the batch's registers, held
+    // across it, cost more than the overlap (H200 1B q4_0 decode 1348 -> 1165 tok/s, round 12)
 #define MV_NEXT_BATCH(p0) MV_LOAD_BATCH(p0)
 #else
-    // the first batch's DRAM reads fly while the group prepares x (the RMS sum, the Q8_0 copy):
-    // they need nothing from x, and that preparation would otherwise come before any weight
-    // byte is asked for (-DMV_NO_EARLY_BATCH: the old order, for comparisons)
+    // the first batch's DRAM reads fly while the group prepares x (the RMS sum): they need
+    // nothing from x, and that preparation would otherwise come before any weight byte is asked
+    // for (H200 1B f16 decode 979 -> 998 tok/s, round 12)
     MV_LOAD_BATCH(0)
 #define MV_NEXT_BATCH(p0) if ((p0) > 0) { MV_LOAD_BATCH(p0) }
 #endif

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from llmrs.compiler import quant
+from llmrs.compiler.codegen.opencl import generate, matvec_shape, tile_shape
+from llmrs.compiler.codegen.opencl_tuning import OpenCLTuning
 from llmrs.compiler.interpret import OPS, Interpreter, Step
 from llmrs.compiler.ir import Graph, LazyTensor
 from llmrs.compiler.rope import rope_inv_freq
@@ -34,6 +37,7 @@ QUANT_DTYPES = ("q4_0", "q4_1", "q8_0")
 # a few seconds on a cold cache. q4_1 is among them: its blocks add a term (the minimum times
 # the activations' sum) in every K loop the epilogues follow.
 EPILOGUE_DTYPES = ("q4_0", "f16", "q8_0", "q4_1")
+TUNING = OpenCLTuning()   # a case that needs other shapes passes replace(TUNING, field=value)
 
 
 def _storage(arr: np.ndarray, dtype: str) -> np.ndarray:
@@ -71,17 +75,21 @@ class OneOp:
         return self.g.add_value(name, shape, dtype, alias=alias)
 
     def run(self, kind: str, inputs: list[str], outputs: list[str], n_tokens: int, n_past: int = 0,
-            start_pos: int | None = None, again: bool = False, **attrs) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """(opencl outputs, interpreter outputs), each trimmed to the step's rows. again: the step
-        runs twice, and the second run's outputs must equal the first's bit for bit (state a
-        kernel leaves for the next launch, such as ticket counters, is put back)."""
+            start_pos: int | None = None, again: bool = False, tuning: OpenCLTuning = TUNING,
+            **attrs) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """(opencl outputs, interpreter outputs), each trimmed to the step's rows, the kernels
+        generated with `tuning`; self.launches: the launch table. again: the step runs twice, and
+        the second run's outputs must equal the first's bit for bit (state a kernel leaves for the
+        next launch, such as ticket counters, is put back)."""
         g = self.g
         op = g.add_op(kind, inputs, outputs, **attrs)
         g.inputs = []   # acts are written below; enqueue() then writes no tokens
         g.outputs = list(outputs)
         g.verify()
         start_pos = n_past if start_pos is None else start_pos
-        be = OpenCLBackend.from_graphs({g.name: g})
+        program = generate({g.name: g}, tuning)
+        self.launches = program["graphs"][g.name]
+        be = OpenCLBackend.from_graphs({g.name: g}, program)
         self.kernels = [b.kernel.function_name for b in be.launches[g.name]]
         self.build_options = be.build_options
         for name, arr in self.data.items():
@@ -147,16 +155,14 @@ def _tol(dtype: str) -> float:
 ATT_MMA_TOL = 2e-3
 
 
-def _attention_mma(kv_dtype: str, hd: int, graph_rows: int) -> bool:
+def _attention_mma(kv_dtype: str, hd: int, graph_rows: int, bq: int = TUNING.att_bq) -> bool:
     """Whether the test device runs this attention's prefill on tensor cores (attention.cl's
     ATT_MMA_BODY: NVIDIA sm_80+, f16 caches, head_dim % 16 == 0 and <= 128, 128-row groups)."""
-    from llmrs.compiler.codegen import opencl as codegen
-    return (graph_rows > 1 and kv_dtype == "f16" and hd % 16 == 0 and hd <= 128 and codegen.ATT_BQ == 128
-            and codegen.ATT_PREFILL_MMA and _tensor_core_prefill())
+    return graph_rows > 1 and kv_dtype == "f16" and hd % 16 == 0 and hd <= 128 and bq == 128 and _tensor_core_prefill()
 
 
-def _att_tol(kv_dtype: str, hd: int, graph_rows: int) -> float:
-    return ATT_MMA_TOL if _attention_mma(kv_dtype, hd, graph_rows) else 1e-4
+def _att_tol(kv_dtype: str, hd: int, graph_rows: int, bq: int = TUNING.att_bq) -> float:
+    return ATT_MMA_TOL if _attention_mma(kv_dtype, hd, graph_rows, bq) else 1e-4
 
 
 @pytest.mark.parametrize("wdt", WEIGHT_DTYPES)
@@ -205,9 +211,7 @@ def test_fused_rms_silu_mul_matches_interpreter(wdt, rows, n_tokens):
 
 
 @pytest.mark.parametrize("wdt", ["q4_0", "q4_1", "f16"])
-def test_prefill_matmul_with_wide_row_tiles_matches_interpreter(wdt, monkeypatch):
-    from llmrs.compiler.codegen import opencl as codegen
-    monkeypatch.setattr(codegen, "TILE_N_MIN_GROUPS", 0)   # 128-row tiles whatever N
+def test_prefill_matmul_with_wide_row_tiles_matches_interpreter(wdt):
     rng = np.random.default_rng(15)
     k, f = 64, 136
     b = OneOp(70)
@@ -215,18 +219,16 @@ def test_prefill_matmul_with_wide_row_tiles_matches_interpreter(wdt, monkeypatch
     w = b.param("w", _rand(rng, 2 * f, k), wdt)
     nw = b.param("nw", _rand(rng, k), "f32")
     y = b.out("y", (70, f))
-    got, want = b.run("fused_matmul", [x, w, nw], [y], 67, prologue="rms_norm", epilogue="silu_mul", eps=1e-5)
+    got, want = b.run("fused_matmul", [x, w, nw], [y], 67, prologue="rms_norm", epilogue="silu_mul", eps=1e-5,
+                      tuning=replace(TUNING, tile_n_min_groups=0))   # 128-row tiles whatever N
     _close(got[0], want[0], _tol(wdt))
 
 
 @pytest.mark.parametrize("wdt", ["q4_0", "q4_1", "q8_0", "f16"])
 @pytest.mark.parametrize("wide", [False, True])
-def test_prefill_matmul_over_several_k_stages_and_token_tiles_matches_interpreter(wdt, wide, monkeypatch):
+def test_prefill_matmul_over_several_k_stages_and_token_tiles_matches_interpreter(wdt, wide):
     # K = 352 is 11 blocks: 2 full tensor-core stages of 4 blocks and a partial one (f16: 5.5
     # stages of 64); 130 of 131 rows is three 64-token tiles, the last of 2 tokens
-    from llmrs.compiler.codegen import opencl as codegen
-    if wide:
-        monkeypatch.setattr(codegen, "TILE_N_MIN_GROUPS", 0)
     rng = np.random.default_rng(16)
     k, n = 352, 200
     b = OneOp(131)
@@ -234,22 +236,19 @@ def test_prefill_matmul_over_several_k_stages_and_token_tiles_matches_interprete
     w = b.param("w", _rand(rng, n, k), wdt)
     nw = b.param("nw", _rand(rng, k), "f16")
     y = b.out("y", (131, n))
-    got, want = b.run("fused_matmul", [x, w, nw], [y], 130, prologue="rms_norm", eps=1e-5)
+    got, want = b.run("fused_matmul", [x, w, nw], [y], 130, prologue="rms_norm", eps=1e-5,
+                      tuning=replace(TUNING, tile_n_min_groups=0) if wide else TUNING)
     _close(got[0], want[0], _tol(wdt))
 
 
 @pytest.mark.parametrize("wdt", ["q4_0", "q4_1", "q8_0", "f16"])
-@pytest.mark.parametrize("staged", [True, False])
 @pytest.mark.parametrize("prologue", ["rms_norm", None])
-def test_prefill_matmul_with_activations_staged_once_or_per_tile_matches_interpreter(wdt, staged, prologue,
-                                                                                     monkeypatch):
+def test_prefill_matmul_with_activations_staged_once_matches_interpreter(wdt, prologue):
     # stage_x quantizes x once per matmul (RMS prologue included) and the tiled kernel reads its
     # codes; K = 352 (11 blocks: a partial last tensor-core stage), 130 of 131 rows (3 token
     # tiles, rows past 130 of the staging buffer never read); stage_x's 256 threads take 88
     # float4 of a row with K = 352, 2.5 passes of them with K = 2560. f16 weights: only the tensor-core body reads
     # the staged f16 x; the fp32 body's stage_x does nothing
-    from llmrs.compiler.codegen import opencl as codegen
-    monkeypatch.setattr(codegen, "X_STAGED", staged)
     rng = np.random.default_rng(26)
     for k, n in [(352, 200), (2560, 72)]:
         b = OneOp(131)
@@ -261,21 +260,19 @@ def test_prefill_matmul_with_activations_staged_once_or_per_tile_matches_interpr
             got, want = b.run("fused_matmul", [x, w, nw], [y], 130, prologue="rms_norm", eps=1e-5)
         else:
             got, want = b.run("matmul", [x, w], [y], 130)
-        assert b.kernels == (["stage_x", "matmul_tiled"] if staged else ["matmul_tiled"])
+        assert b.kernels == ["stage_x", "matmul_tiled"]
         _close(got[0], want[0], _tol(wdt))
 
 
-def _record_launches(monkeypatch) -> list[tuple[str, list[str], dict]]:
-    """(kernel, options, keyword arguments) of every launch codegen makes from here on."""
-    from llmrs.compiler.codegen import opencl as codegen
-    launched = []
-    real_launch = codegen.Launch
-    monkeypatch.setattr(codegen, "Launch", lambda *a, **kw: launched.append((a[2], a[3], kw)) or real_launch(*a, **kw))
-    return launched
+def _tiled_launch(b: OneOp) -> dict:
+    """The op's matmul_tiled launch (its stage_x launch aside)."""
+    launch, = [entry for entry in b.launches if entry["kernel"] == "matmul_tiled"]
+    return launch
 
 
 def _prefill_rms_matmul(wdt: str, epilogue: str | None, rows: int, k: int, n: int, seed: int,
-                        again: bool = False) -> tuple[OneOp, list[np.ndarray], list[np.ndarray]]:
+                        again: bool = False, tuning: OpenCLTuning = TUNING,
+                        ) -> tuple[OneOp, list[np.ndarray], list[np.ndarray]]:
     """A prefill fused_matmul with the RMS prologue and `epilogue` over rows - 1 of `rows` tokens
     (the last token tile partial), on random data: the op, its opencl and interpreter outputs."""
     rng = np.random.default_rng(seed)
@@ -285,8 +282,8 @@ def _prefill_rms_matmul(wdt: str, epilogue: str | None, rows: int, k: int, n: in
     nw = b.param("nw", _rand(rng, k), "f16")
     ins = [x, w, nw] + ([b.act("res", _rand(rng, rows, n))] if epilogue == "add" else [])
     y = b.out("y", (rows, n // 2 if epilogue == "silu_mul" else n))
-    got, want = b.run("fused_matmul", ins, [y], rows - 1, again=again, prologue="rms_norm", epilogue=epilogue,
-                      eps=1e-5)
+    got, want = b.run("fused_matmul", ins, [y], rows - 1, again=again, tuning=tuning, prologue="rms_norm",
+                      epilogue=epilogue, eps=1e-5)
     return b, got, want
 
 
@@ -304,30 +301,22 @@ def test_prefill_matmul_split_over_k_matches_interpreter(wdt, split, epilogue, b
     # split), 69 of 70 rows: two token tiles x three 128-row tiles, each with its counter; the
     # step runs twice, so counters left at anything but 0 would show. Both bodies: the tensor-core
     # one (emulated off NVIDIA; f16: the cp.async one) and the portable fp32 one.
-    from llmrs.compiler.codegen import opencl as codegen
     if body == "mma":
         _emulate_mma(monkeypatch)
     else:
         monkeypatch.setenv("LLMRS_OPENCL_NO_MMA", "1")   # NVIDIA too: the fp32 body
-    monkeypatch.setattr(codegen, "TILE_SPLIT_K_F16", split)
-    monkeypatch.setattr(codegen, "TILE_SPLIT_K_QUANT", split)
-    monkeypatch.setattr(codegen, "TILE_PAIR_F16", False)   # paired tiles: test_prefill_matmul_token_pairs_*
-    monkeypatch.setattr(codegen, "TILE_N_MIN_GROUPS", 10 ** 6)   # always too few tiles: split
-    launched = _record_launches(monkeypatch)
-    b, got, want = _prefill_rms_matmul(wdt, epilogue, 70, 512, 272, seed=29, again=True)
-    (kern, options, kw), = [entry for entry in launched if entry[0] == "matmul_tiled"]
-    assert f"-DMM_SPLIT={split}" in options and "-DTN=128" in options
-    assert kw["groups"] == split * 3   # 272 rows (silu_mul: 136 pairs, 64 a group)
+    tuning = replace(TUNING, tile_split_k_f16=split, tile_split_k_quant=split,
+                     tile_n_min_groups=10 ** 6)   # always too few tiles: split (and no pairs)
+    b, got, want = _prefill_rms_matmul(wdt, epilogue, 70, 512, 272, seed=29, again=True, tuning=tuning)
+    launch = _tiled_launch(b)
+    assert f"-DMM_SPLIT={split}" in launch["options"] and "-DTN=128" in launch["options"]
+    assert launch["groups"] == split * 3   # 272 rows (silu_mul: 136 pairs, 64 a group)
     assert ("-DUSE_NV_MMA" in b.build_options) == (body == "mma")
     _close(got[0], want[0], 1e-3 if wdt == "f16" else _tol(wdt))
 
 
-# the f16-only variants (the cp.async body's switches) run for f16 weights alone
 TENSOR_CORE_CASES = [(w, e, v) for w in ("q4_0", "q4_1", "q8_0", "f16")
-                     for e, v in [(None, "default"), ("silu_mul", "default"), ("add", "default"),
-                                  (None, "unpaired"), (None, "prefetch"), (None, "plain_stores"),
-                                  (None, "wide"), (None, "wide_register_staged"), (None, "async_all")]
-                     if w == "f16" or v not in ("wide_register_staged", "async_all")]
+                     for e, v in [(None, "default"), ("silu_mul", "default"), ("add", "default"), (None, "wide")]]
 
 
 @pytest.mark.parametrize("wdt,epilogue,variant", TENSOR_CORE_CASES,
@@ -336,33 +325,15 @@ def test_tensor_core_prefill_body_matches_interpreter(wdt, epilogue, variant, mo
     # The tensor-core body (USE_NV_MMA) with mma.sync emulated in C (common.cl EMU_MMA) where the
     # device has no tensor cores, on them where it has: its fragment layouts, staging and
     # epilogues checked on any device. K = 352: a partial last
-    # stage (f16: 5.5 stages of 64); 130 of 131 rows: three token tiles, the last of 2.
-    # Variants: the unpaired local layout; both operands fetched a stage ahead; stage stores in
-    # the plain order (bank conflicts; default: odd rows rotated, f16 weight halves swapped by
-    # shuffles); 128-row tiles, whose f16 stages come by cp.async and ldmatrix (emulated), or
-    # through registers; f16 64-row tiles by cp.async too (4 stages; default: registers)
-    from llmrs.compiler.codegen import opencl as codegen
+    # stage (f16: 5.5 stages of 64); 130 of 131 rows: three token tiles, the last of 2, taken
+    # one at a time (paired tiles: test_prefill_matmul_token_pairs_*). Variant wide: 128-row
+    # tiles, whose f16 stages come by cp.async and ldmatrix (emulated; 3 stages)
     _emulate_mma(monkeypatch)
-    monkeypatch.setattr(codegen, "TILE_PAIR_F16", False)   # paired tiles: test_prefill_matmul_token_pairs_*
-    if variant == "unpaired":
-        monkeypatch.setattr(codegen, "MMA_PAIRED", False)
-    if variant.startswith("wide"):   # 128-row tiles (f16: cp.async / ldmatrix, 3 stages)
-        monkeypatch.setattr(codegen, "TILE_N_MIN_GROUPS", 1)
-    if variant == "wide_register_staged":   # f16: the body before cp.async / ldmatrix
-        monkeypatch.setattr(codegen, "MMA_ASYNC_F16", "off")
-    if variant == "async_all":   # f16: cp.async / ldmatrix on 64-row tiles too (4 stages)
-        monkeypatch.setattr(codegen, "MMA_ASYNC_F16", "all")
-    if variant == "plain_stores":
-        monkeypatch.setattr(codegen, "MMA_CONFLICT_FREE_STORES", False)
-    launched = _record_launches(monkeypatch)
-    if variant == "prefetch":
-        monkeypatch.setattr(codegen, "MMA_PREFETCH_QUANT", "xw")
-        monkeypatch.setattr(codegen, "MMA_PREFETCH_F16", "xw")
-    b, got, want = _prefill_rms_matmul(wdt, epilogue, 131, 352, 272, seed=27)
+    tuning = replace(TUNING, tile_pair_f16=False, tile_n_min_groups=1 if variant == "wide" else TUNING.tile_n_min_groups)
+    b, got, want = _prefill_rms_matmul(wdt, epilogue, 131, 352, 272, seed=27, tuning=tuning)
     # a device with tensor cores runs these cases on them (its real mma.sync, cp.async, ldmatrix)
     assert "-DUSE_NV_MMA" in b.build_options and b.kernels == ["stage_x", "matmul_tiled"]
-    assert any("-DMMA_ASYNC" in o for kern, o, _ in launched if kern == "matmul_tiled") == \
-        (wdt == "f16" and variant in ("wide", "async_all"))
+    assert ("-DMMA_ASYNC" in _tiled_launch(b)["options"]) == (wdt == "f16" and variant == "wide")
     _close(got[0], want[0], 1e-3 if wdt == "f16" else _tol(wdt))   # f16: x rounded to f16
 
 
@@ -370,103 +341,73 @@ def test_prefill_tile_shapes_of_a_1b_layer():
     # codegen's tile policy on Llama-3.2-1B's matmuls at prefill 512 (H200 round 13): f16 gate_up
     # has groups to spare and pairs its token tiles; qkv / o / down must split K and keep
     # unpaired tiles (pairs that split were slower); q4_0 never pairs, and halves narrow tiles
-    from llmrs.compiler.codegen import opencl as codegen
     a = {"n_heads": 32, "n_kv_heads": 8, "head_dim": 64}
     shapes = {"qkv": (2048, 3072, "rope_kv_store"), "o": (2048, 2048, "add"),
               "gate_up": (2048, 16384, "silu_mul"), "down": (8192, 2048, "add")}
-    got = {(name, wt): codegen.tile_shape(512, k, n, wt, epi, a) for name, (k, n, epi) in shapes.items()
+    got = {(name, wt): tile_shape(TUNING, 512, k, n, wt, epi, a) for name, (k, n, epi) in shapes.items()
            for wt in ("f16", "q4_0")}
     assert got == {("qkv", "f16"): (128, 2, False), ("o", "f16"): (128, 2, False),
                    ("gate_up", "f16"): (128, 1, True), ("down", "f16"): (128, 2, False),
                    ("qkv", "q4_0"): (64, 1, False), ("o", "q4_0"): (64, 1, False),
                    ("gate_up", "q4_0"): (128, 1, False), ("down", "q4_0"): (64, 1, False)}
-    assert codegen.tile_shape(64, 2048, 16384, "f16", "silu_mul", a)[2] is False   # one token tile: no pair
+    assert tile_shape(TUNING, 64, 2048, 16384, "f16", "silu_mul", a)[2] is False   # one token tile: no pair
 
 
-# (body, epilogue, cp.async stage K, ring depth, split-K groups): the cp.async body (emulated off
-# NVIDIA) at both stage shapes, and the portable fp32 body, which takes the two tiles one after
-# the other; unsplit and split over K
-TOKEN_PAIR_CASES = [("mma", None, 32, 2, 1), ("mma", "silu_mul", 16, 3, 1), ("mma", "add", 32, 3, 1),
-                    ("fp32", "silu_mul", 32, 2, 1), ("mma", "add", 32, 2, 4), ("mma", "silu_mul", 16, 3, 2),
-                    ("fp32", None, 32, 2, 2)]
+# (body, epilogue, cp.async stage K, ring depth): the cp.async body (emulated off NVIDIA) at both
+# stage shapes, and the portable fp32 body, which takes the two tiles one after the other
+TOKEN_PAIR_CASES = [("mma", None, 32, 2), ("mma", "silu_mul", 16, 3), ("mma", "add", 32, 3),
+                    ("fp32", "silu_mul", 32, 2)]
 
 
-@pytest.mark.parametrize("body,epilogue,stage_k,stages,split", TOKEN_PAIR_CASES,
-                         ids=[f"{b}-{e}-k{k}x{s}-s{sp}" for b, e, k, s, sp in TOKEN_PAIR_CASES])
-def test_prefill_matmul_token_pairs_match_interpreter(body, epilogue, stage_k, stages, split, monkeypatch):
+@pytest.mark.parametrize("body,epilogue,stage_k,stages", TOKEN_PAIR_CASES,
+                         ids=[f"{b}-{e}-k{k}x{s}" for b, e, k, s in TOKEN_PAIR_CASES])
+def test_prefill_matmul_token_pairs_match_interpreter(body, epilogue, stage_k, stages, monkeypatch):
     # MM_TPAIR: a group takes two 64-token tiles. 130 of 131 rows: two pairs, the second holding
     # a partial tile and an empty one; f16 weights, 128-row tiles, the RMS prologue through
-    # stage_x. Unsplit: K = 352 (11 stages of 32, 22 of 16). Split: K = 512 over `split` groups,
-    # each token tile of a pair merged on its own counter; the step runs twice, so a counter left
-    # at anything but 0 would show.
-    from llmrs.compiler.codegen import opencl as codegen
+    # stage_x; K = 352 (11 stages of 32, 22 of 16).
     if body == "mma":
         _emulate_mma(monkeypatch)
         monkeypatch.setenv("LLMRS_OPENCL_NO_WGMMA", "1")   # Hopper: mma.sync, not wgmma
     else:
         monkeypatch.setenv("LLMRS_OPENCL_NO_MMA", "1")
-    monkeypatch.setattr(codegen, "TILE_N_MIN_GROUPS", 1 if split == 1 else 10 ** 6)
-    monkeypatch.setattr(codegen, "TILE_PAIR_SPLIT", split > 1)
-    monkeypatch.setattr(codegen, "TILE_SPLIT_K_PAIR", split)
-    monkeypatch.setattr(codegen, "MMA_ASYNC_PAIR_K", stage_k)
-    monkeypatch.setattr(codegen, "MMA_ASYNC_PAIR_STAGES", stages)
-    launched = _record_launches(monkeypatch)
-    b, got, want = _prefill_rms_matmul("f16", epilogue, 131, 352 if split == 1 else 512, 272, seed=31,
-                                       again=split > 1)
-    (kern, options, kw), = [entry for entry in launched if entry[0] == "matmul_tiled"]
-    assert "-DMM_TPAIR" in options and "-DTN=128" in options and kw["row_tile"] == 128
-    assert (f"-DMM_SPLIT={split}" in options) == (split > 1) and kw["groups"] == 3 * split
+    tuning = replace(TUNING, tile_n_min_groups=1, async_pair_k=stage_k, async_pair_stages=stages)
+    b, got, want = _prefill_rms_matmul("f16", epilogue, 131, 352, 272, seed=31, tuning=tuning)
+    launch = _tiled_launch(b)
+    assert "-DMM_TPAIR" in launch["options"] and "-DTN=128" in launch["options"] and launch["row_tile"] == 128
+    assert not any(o.startswith("-DMM_SPLIT") for o in launch["options"]) and launch["groups"] == 3
     assert ("-DUSE_NV_MMA" in b.build_options) == (body == "mma")
     _close(got[0], want[0], 1e-3)
 
 
-# (token tiles paired, split-K groups, weight rows per tile, epilogue, wgmma stage K, MMA stages
-# in flight, swizzled): each wgmma N (128 paired, 64 and 32 unpaired), merged splits, both stage
-# sizes and layouts, with and without a stage's MMAs running behind the next
-WGMMA_CASES = [(True, 1, 128, "silu_mul", 16, 1, True), (True, 2, 128, "add", 16, 1, True),
-               (False, 2, 128, None, 16, 1, True), (False, 1, 64, "add", 16, 1, True),
-               (True, 1, 128, None, 32, 0, True), (False, 2, 128, "add", 32, 1, False),
-               (True, 1, 128, "add", 16, 0, False)]
+# (token tiles paired, split-K groups, epilogue, wgmma stage K): each wgmma N (128 paired, 64
+# unpaired), merged splits, both stage sizes
+WGMMA_CASES = [(True, 1, "silu_mul", 16), (False, 2, None, 16), (True, 1, None, 32), (False, 2, "add", 32)]
 
 
-@pytest.mark.parametrize("pair,split,tn,epilogue,wg_k,inflight,swizzle", WGMMA_CASES,
-                         ids=[f"{'pair' if p else 'single'}-s{s}-tn{t}-{e}-k{k}-i{i}-{'swz' if z else 'plain'}"
-                              for p, s, t, e, k, i, z in WGMMA_CASES])
-def test_prefill_matmul_wgmma_matches_interpreter(pair, split, tn, epilogue, wg_k, inflight, swizzle, monkeypatch):
+@pytest.mark.parametrize("pair,split,epilogue,wg_k", WGMMA_CASES,
+                         ids=[f"{'pair' if p else 'single'}-s{s}-{e}-k{k}" for p, s, e, k in WGMMA_CASES])
+def test_prefill_matmul_wgmma_matches_interpreter(pair, split, epilogue, wg_k, monkeypatch):
     # USE_NV_WGMMA: the f16 cp.async body multiplied by Hopper's warpgroup MMA from descriptors of
     # its stage layouts; on the card its real wgmma (the PTX patched to sm_90a), elsewhere
     # emulated in C from the same local memory. 130 of 131 rows, K = 512 (split: each group's
     # share a whole number of stages); the step runs twice (split counters back at 0).
-    from llmrs.compiler.codegen import opencl as codegen
     from llmrs.runtime.backends.opencl import device_options, pick_device
     device = device_options(pick_device())
     if "-DUSE_NV_MMA" in device and "-DUSE_NV_WGMMA" not in device:
         pytest.skip("tensor cores without wgmma (compute capability 8.x or 10+)")
     monkeypatch.setenv("LLMRS_OPENCL_EMULATE_WGMMA", "1")
-    monkeypatch.setattr(codegen, "TILE_PAIR_F16", pair)
-    monkeypatch.setattr(codegen, "TILE_PAIR_SPLIT", pair and split > 1)
-    monkeypatch.setattr(codegen, "TILE_SPLIT_K_PAIR", split)
-    monkeypatch.setattr(codegen, "TILE_SPLIT_K_F16", split)
-    monkeypatch.setattr(codegen, "TILE_N_MIN_GROUPS", 1 if split == 1 and tn == 128 else 10 ** 6)
-    monkeypatch.setattr(codegen, "MMA_ASYNC_F16", "all" if tn == 64 else "wide")
-    monkeypatch.setattr(codegen, "WGMMA_K", wg_k)
-    monkeypatch.setattr(codegen, "WGMMA_INFLIGHT", inflight)
-    monkeypatch.setattr(codegen, "WGMMA_SWIZZLE", swizzle)
-    launched = _record_launches(monkeypatch)
-    b, got, want = _prefill_rms_matmul("f16", epilogue, 131, 512, 272, seed=37, again=True)
-    (kern, options, kw), = [entry for entry in launched if entry[0] == "matmul_tiled"]
-    assert f"-DTN={tn}" in options and "-DMMA_ASYNC" in options and ("-DMM_TPAIR" in options) == pair
+    tuning = replace(TUNING, tile_pair_f16=pair, tile_split_k_f16=split, wgmma_k=wg_k,
+                     tile_n_min_groups=1 if split == 1 else 10 ** 6)
+    b, got, want = _prefill_rms_matmul("f16", epilogue, 131, 512, 272, seed=37, again=True, tuning=tuning)
+    options = _tiled_launch(b)["options"]
+    assert "-DTN=128" in options and "-DMMA_ASYNC" in options and ("-DMM_TPAIR" in options) == pair
     assert (f"-DMM_SPLIT={split}" in options) == (split > 1)
     assert "-DUSE_NV_WGMMA" in b.build_options
     _close(got[0], want[0], 1e-3)
 
 
-@pytest.mark.parametrize("trim", [True, False])
-def test_decode_matvec_binds_only_the_arguments_its_variant_reads(trim, monkeypatch):
-    # MV_TRIM_ARGS: a plain matvec binds x, w, y and 3 ints; the RMS prologue adds nw and eps,
-    # the residual add e0; -DMV_FULL_ARGS (False) keeps all 14. Same outputs either way.
-    from llmrs.compiler.codegen import opencl as codegen
-    monkeypatch.setattr(codegen, "MV_TRIM_ARGS", trim)
+def test_decode_matvec_binds_only_the_arguments_its_variant_reads():
+    # a plain matvec binds x, w, y and 3 ints; the RMS prologue adds nw and eps, the residual add e0
     rng = np.random.default_rng(28)
     k, n = 128, 96
     for prologue, epilogue, want_args in [(None, None, 6), ("rms_norm", None, 8), (None, "add", 7),
@@ -478,8 +419,8 @@ def test_decode_matvec_binds_only_the_arguments_its_variant_reads(trim, monkeypa
         ins += [b.act("res", _rand(rng, 1, n))] if epilogue == "add" else []
         y = b.out("y", (1, n // 2 if epilogue == "silu_mul" else n))
         got, want = b.run("fused_matmul", ins, [y], 1, prologue=prologue, epilogue=epilogue, eps=1e-5)
-        launch, = codegen.lower_graph(b.g)
-        assert len(launch.args) == (want_args if trim else 14)
+        launch, = b.launches
+        assert len(launch["args"]) == want_args
         _close(got[0], want[0], _tol("q4_0"))
 
 
@@ -536,15 +477,10 @@ def test_float_matmul_with_k_not_a_multiple_of_32_matches_interpreter(wdt, k, ro
 
 
 @pytest.mark.parametrize("wdt,k", [("q4_0", 8256), ("q4_1", 8256), ("q8_0", 8256), ("f16", 2304), ("f32", 2304)])
-@pytest.mark.parametrize("early", [True, False])
-def test_decode_matvec_with_k_longer_than_one_pass_of_its_threads_matches_interpreter(wdt, k, early, monkeypatch):
-    # several batches of weight loads per warp; the first issued before x is prepared (the RMS
-    # prologue's sum, the Q8_0 copy) or, -DMV_NO_EARLY_BATCH, after. On NVIDIA the second case
-    # also quantizes x one thread a block (-DMV_X_SERIAL), the first 8 lanes a block (shuffles)
-    from llmrs.compiler.codegen import opencl as codegen
-    monkeypatch.setattr(codegen, "MV_EARLY_BATCH_FLOAT", early)
-    monkeypatch.setattr(codegen, "MV_EARLY_BATCH_QUANT", early)
-    monkeypatch.setattr(codegen, "MV_X_LANES", early)
+def test_decode_matvec_with_k_longer_than_one_pass_of_its_threads_matches_interpreter(wdt, k):
+    # several batches of weight loads per warp; float weights issue the first before x is
+    # prepared (the RMS prologue's sum), quantized ones after the Q8_0 copy (on NVIDIA quantized
+    # 8 lanes a block, by shuffles; elsewhere a thread a block)
     rng = np.random.default_rng(11)
     b = OneOp(1)
     x = b.act("x", _rand(rng, 1, k))
@@ -555,26 +491,19 @@ def test_decode_matvec_with_k_longer_than_one_pass_of_its_threads_matches_interp
     _close(got[0], want[0], _tol(wdt))
 
 
-def _matvec_splits(g: Graph) -> set[int]:
-    from llmrs.compiler.codegen.opencl import lower_graph
-    return {int(o.split("=")[1]) for launch in lower_graph(g) for o in launch.options
-            if o.startswith("-DMV_SPLIT=")}
+def _matvec_splits(b: OneOp) -> set[int]:
+    return {int(o.split("=")[1]) for launch in b.launches for o in launch["options"] if o.startswith("-DMV_SPLIT=")}
 
 
-# Split-K decode matvec: K long enough for 4 warps per row, with a last slice that only some
-# lanes of one warp reach (q: 97 blocks; f16: 132 16-byte units, 2 passes of 4 x 32).
-SPLIT_K = {"q4_0": 3104, "q4_1": 3104, "q8_0": 3104, "f16": 1056}
-
-
-@pytest.mark.parametrize("wdt", ["q4_0", "q4_1", "q8_0", "f16"])
+# Split-K decode matvec (float weights: quantized ones prepare x's Q8_0 copy, which every split
+# group would repeat): K long enough for 4 warps per row, with a last slice that only some lanes
+# of one warp reach (132 16-byte units, 2 passes of 4 x 32).
 @pytest.mark.parametrize("epilogue", [None, "add", "silu_mul", "rope_kv_store"])
 @pytest.mark.parametrize("max_split", [2, 4])
-def test_split_k_decode_matvec_with_each_epilogue_matches_interpreter(wdt, epilogue, max_split, monkeypatch):
-    from llmrs.compiler.codegen import opencl as codegen
-    monkeypatch.setattr(codegen, "MV_MAX_SPLIT", max_split)
-    monkeypatch.setattr(codegen, "MV_SPLIT_PREPARED_X", True)   # the kernel splits any matvec
+def test_split_k_decode_matvec_with_each_epilogue_matches_interpreter(epilogue, max_split):
+    tuning = replace(TUNING, mv_max_split=max_split)
+    wdt, k = "f16", 1056
     rng = np.random.default_rng(17)
-    k = SPLIT_K[wdt]
     b = OneOp(1)
     x = b.act("x", _rand(rng, 1, k, scale=2.0))
     nw = b.param("nw", _rand(rng, k), "f16")
@@ -586,59 +515,59 @@ def test_split_k_decode_matvec_with_each_epilogue_matches_interpreter(wdt, epilo
         vc = b.state("vc", _rand(rng, s, kvh, hd), "f32")
         outs = [b.out("q", (1, h * hd)), b.out("kc2", (s, kvh, hd), "f32", alias="kc"),
                 b.out("vc2", (s, kvh, hd), "f32", alias="vc")]
-        got, want = b.run("fused_matmul", [x, w, nw, inv, kc, vc], outs, 1, 5, 11, prologue="rms_norm",
-                          epilogue=epilogue, eps=1e-5, n_heads=h, n_kv_heads=kvh, head_dim=hd,
-                          theta=10000.0, scaling=None)
+        got, want = b.run("fused_matmul", [x, w, nw, inv, kc, vc], outs, 1, 5, 11, tuning=tuning,
+                          prologue="rms_norm", epilogue=epilogue, eps=1e-5, n_heads=h, n_kv_heads=kvh,
+                          head_dim=hd, theta=10000.0, scaling=None)
     elif epilogue == "silu_mul":
         f = 45                                  # 23 groups of 2 + 2 rows, the last half empty
         w = b.param("w", _rand(rng, 2 * f, k, scale=0.05), wdt)
-        got, want = b.run("fused_matmul", [x, w, nw], [b.out("y", (1, f))], 1, prologue="rms_norm",
-                          epilogue=epilogue, eps=1e-5)
+        got, want = b.run("fused_matmul", [x, w, nw], [b.out("y", (1, f))], 1, tuning=tuning,
+                          prologue="rms_norm", epilogue=epilogue, eps=1e-5)
     elif epilogue == "add":
         n = 70
         w = b.param("w", _rand(rng, n, k, scale=0.05), wdt)
         res = b.act("res", _rand(rng, 1, n))
-        got, want = b.run("fused_matmul", [x, w, res], [b.out("y", (1, n))], 1, prologue=None, epilogue="add")
+        got, want = b.run("fused_matmul", [x, w, res], [b.out("y", (1, n))], 1, tuning=tuning, prologue=None,
+                          epilogue="add")
     else:
         w = b.param("w", _rand(rng, 70, k, scale=0.05), wdt)
-        got, want = b.run("matmul", [x, w], [b.out("y", (1, 70))], 1)
-    assert _matvec_splits(b.g) == {max_split}
+        got, want = b.run("matmul", [x, w], [b.out("y", (1, 70))], 1, tuning=tuning)
+    assert _matvec_splits(b) == {max_split}
     for gt, wt in zip(got, want):
         _close(gt.astype(np.float32), wt.astype(np.float32), _tol(wdt))
 
 
-def test_split_k_is_chosen_only_for_narrow_matrices_whose_groups_prepare_nothing_from_x(monkeypatch):
-    from llmrs.compiler.codegen import opencl as codegen
-    from llmrs.compiler.codegen.opencl import MV_MAX_SPLIT, MV_WG, MV_WG_QUANT, matvec_shape
-    assert matvec_shape(8192, 2048, False, "add", False) == (MV_WG, MV_WG // 32 // MV_MAX_SPLIT, MV_MAX_SPLIT)
-    assert matvec_shape(2048, 2048, False, "add", False)[2] == MV_MAX_SPLIT
-    assert matvec_shape(8192, 2048, True, "add", False)[2] == 1        # quantized: x's Q8_0 copy
-    assert matvec_shape(8192, 2048, True, "add", False)[0] == MV_WG_QUANT
-    # float weights' RMS prologue rides in the K loop (MV_RMS_LATE): nothing prepared, so split
-    assert matvec_shape(2048, 3072, False, "rope_kv_store", False, rms_prologue=True)[2] > 1
-    monkeypatch.setattr(codegen, "MV_RMS_LATE", 0)
-    assert matvec_shape(2048, 3072, False, "rope_kv_store", False, rms_prologue=True)[2] == 1
-    assert matvec_shape(2048, 128256, False, None, False)[2] == 1      # wide: more rows per warp
-    assert matvec_shape(2048, 3072, False, "rope_kv_store", True) == (MV_WG, 64, 1)   # q8_0 blocks
-    assert matvec_shape(128, 40, False, None, False)[2] == 1           # 16 units: nothing to split
+def test_split_k_is_chosen_only_for_narrow_matrices_whose_groups_prepare_nothing_from_x():
+    t = TUNING
+    assert matvec_shape(t, 8192, 2048, False, "add", False) == (t.mv_wg, t.mv_wg // 32 // t.mv_max_split,
+                                                                  t.mv_max_split)
+    assert matvec_shape(t, 2048, 2048, False, "add", False)[2] == t.mv_max_split
+    assert matvec_shape(t, 8192, 2048, True, "add", False)[2] == 1        # quantized: x's Q8_0 copy
+    assert matvec_shape(t, 8192, 2048, True, "add", False)[0] == t.mv_wg_quant
+    # float weights' RMS prologue rides in the K loop where K splits: nothing prepared, so split
+    assert matvec_shape(t, 2048, 3072, False, "rope_kv_store", False)[2] > 1
+    assert matvec_shape(t, 2048, 128256, False, None, False)[2] == 1      # wide: more rows per warp
+    assert matvec_shape(t, 2048, 3072, False, "rope_kv_store", True) == (t.mv_wg, 64, 1)   # q8_0 blocks
+    assert matvec_shape(t, 128, 40, False, None, False)[2] == 1           # 16 units: nothing to split
 
 
 @pytest.mark.parametrize("wdt", ["q4_0", "q4_1", "f16", "f32"])
-@pytest.mark.parametrize("rms_late", [0, 2])
+@pytest.mark.parametrize("max_split", [1, 2])
 @pytest.mark.parametrize("wg_quant", [256, 512])
-def test_decode_rms_prologue_late_or_prepared_and_each_group_size_matches_interpreter(wdt, rms_late, wg_quant,
-                                                                                     monkeypatch):
-    from llmrs.compiler.codegen import opencl as codegen
-    monkeypatch.setattr(codegen, "MV_RMS_LATE", rms_late)
-    monkeypatch.setattr(codegen, "MV_WG_QUANT", wg_quant)
+def test_decode_rms_prologue_late_or_prepared_and_each_group_size_matches_interpreter(wdt, max_split, wg_quant):
+    # float weights: unsplit, the group sums x's squares first (prepared); split 2 ways, each warp
+    # sums them in its K loop and scales its dot products at the end (-DMV_RMS_LATE)
+    tuning = replace(TUNING, mv_max_split=max_split, mv_wg_quant=wg_quant)
     rng = np.random.default_rng(23)
     k, f = 2080 if wdt in QUANT_DTYPES else 1056, 40   # f16: 132 units, over 4 passes of 32 lanes
     b = OneOp(1)
     x = b.act("x", _rand(rng, 1, k, scale=3.0))
     w = b.param("w", _rand(rng, 2 * f, k, scale=0.05), wdt)
     nw = b.param("nw", _rand(rng, k), "f16")
-    got, want = b.run("fused_matmul", [x, w, nw], [b.out("y", (1, f))], 1, prologue="rms_norm",
+    got, want = b.run("fused_matmul", [x, w, nw], [b.out("y", (1, f))], 1, tuning=tuning, prologue="rms_norm",
                       epilogue="silu_mul", eps=1e-5)
+    late = any("-DMV_RMS_LATE" in launch["options"] for launch in b.launches)
+    assert late == (wdt not in QUANT_DTYPES and max_split > 1)
     _close(got[0], want[0], _tol(wdt))
 
 
@@ -657,21 +586,10 @@ def test_rms_prologue_with_a_folded_norm_weight_matches_interpreter(wdt, rows):
     _close(got[0], want[0], _tol(wdt))
 
 
-def test_split_k_of_prepared_x_stops_at_a_rows_passes(monkeypatch):
-    from llmrs.compiler.codegen import opencl as codegen
-    monkeypatch.setattr(codegen, "MV_SPLIT_PREPARED_X", True)
-    assert codegen.matvec_shape(2048, 2048, True, "add", False)[2] == 2     # 64 blocks: 2 passes of 32
-    assert codegen.matvec_shape(8192, 2048, True, "add", False, rms_prologue=True)[2] == codegen.MV_MAX_SPLIT
-
-
 @pytest.mark.parametrize("wdt", ["q4_0", "q4_1", "f16"])
 @pytest.mark.parametrize("rows,n_tokens,n_past,start_pos,wide", [(1, 1, 5, 9, False), (9, 7, 3, 3, False),
                                                                 (9, 7, 3, 3, True)])
-def test_fused_qkv_rope_into_q8_0_kv_cache_matches_interpreter(wdt, rows, n_tokens, n_past, start_pos, wide,
-                                                               monkeypatch):
-    from llmrs.compiler.codegen import opencl as codegen
-    if wide:
-        monkeypatch.setattr(codegen, "TILE_N_MIN_GROUPS", 0)
+def test_fused_qkv_rope_into_q8_0_kv_cache_matches_interpreter(wdt, rows, n_tokens, n_past, start_pos, wide):
     rng = np.random.default_rng(12)
     h, kvh, hd, d, s = 2, 1, 64, 64, 16
     b = OneOp(rows)
@@ -685,6 +603,7 @@ def test_fused_qkv_rope_into_q8_0_kv_cache_matches_interpreter(wdt, rows, n_toke
     kc2 = b.out("kc2", (s, kvh, hd), "q8_0", alias="kc")
     vc2 = b.out("vc2", (s, kvh, hd), "q8_0", alias="vc")
     got, want = b.run("fused_matmul", [x, w, nw, inv, kc, vc], [q, kc2, vc2], n_tokens, n_past, start_pos,
+                      tuning=replace(TUNING, tile_n_min_groups=0) if wide else TUNING,
                       prologue="rms_norm", epilogue="rope_kv_store", eps=1e-5, n_heads=h, n_kv_heads=kvh,
                       head_dim=hd, theta=500000.0, scaling=None)
     _close(got[0], want[0], _tol(wdt))
@@ -755,12 +674,10 @@ def test_attention_for_any_head_dim_and_group_matches_interpreter(h, kvh, hd, kv
     _close(got[0], want[0], _att_tol(kv_dtype, hd, rows))
 
 
-@pytest.mark.parametrize("h,kvh,share", [(4, 4, True), (8, 1, True), (8, 2, False)])
-def test_decode_attention_shares_kv_heads_across_any_gqa_group_size(h, kvh, share, monkeypatch):
-    from llmrs.compiler.codegen import opencl as codegen
-    monkeypatch.setattr(codegen, "ATT_SHARE_KV", share)
+def test_split_decode_attention_over_a_gqa_group_matches_interpreter():
+    # head_dim 16 (no multiple of 32): attention_split, a group per query head and split
     rng = np.random.default_rng(13)
-    hd, s = 16, 96
+    h, kvh, hd, s = 8, 2, 16, 96
     b = OneOp(1)
     q = b.act("q", _rand(rng, 1, h * hd))
     kc = b.state("kc", _rand(rng, s, kvh, hd), "f16")
@@ -768,13 +685,12 @@ def test_decode_attention_shares_kv_heads_across_any_gqa_group_size(h, kvh, shar
     o = b.out("o", (1, h * hd))
     got, want = b.run("attention", [q, kc, vc], [o], 1, 70, n_heads=h, n_kv_heads=kvh,
                       head_dim=hd, scale=1.0 / math.sqrt(hd))
+    assert b.kernels == ["attention_split"]
     _close(got[0], want[0], 1e-4)
 
 
 @pytest.mark.parametrize("bq", [64, 128])
-def test_prefill_attention_with_more_query_rows_per_group_matches_interpreter(bq, monkeypatch):
-    from llmrs.compiler.codegen import opencl as codegen
-    monkeypatch.setattr(codegen, "ATT_BQ", bq)
+def test_prefill_attention_with_more_query_rows_per_group_matches_interpreter(bq):
     rng = np.random.default_rng(17)
     h, kvh, hd, s, rows = 4, 2, 64, 320, 150
     b = OneOp(rows, name="prefill")
@@ -782,9 +698,9 @@ def test_prefill_attention_with_more_query_rows_per_group_matches_interpreter(bq
     kc = b.state("kc", _rand(rng, s, kvh, hd), "f16")
     vc = b.state("vc", _rand(rng, s, kvh, hd), "f16")
     o = b.out("o", (rows, h * hd))
-    got, want = b.run("attention", [q, kc, vc], [o], 141, 30, n_heads=h, n_kv_heads=kvh,
-                      head_dim=hd, scale=1.0 / math.sqrt(hd))
-    _close(got[0], want[0], _att_tol("f16", hd, rows))
+    got, want = b.run("attention", [q, kc, vc], [o], 141, 30, tuning=replace(TUNING, att_bq=bq), n_heads=h,
+                      n_kv_heads=kvh, head_dim=hd, scale=1.0 / math.sqrt(hd))
+    _close(got[0], want[0], _att_tol("f16", hd, rows, bq))
 
 
 # f16 caches through attention_tiled: the tensor-core body's shapes (head_dim 64: two 16-row
@@ -837,38 +753,6 @@ def test_prefill_attention_f16_cache_matches_interpreter(case, emulate, monkeypa
         assert _err(got, want) > 1e-6, "Q and P rounded to f16 leave no trace: the fp32 body ran"
 
 
-def test_prefill_attention_without_mma_takes_the_fp32_body(monkeypatch):
-    from llmrs.compiler.codegen import opencl as codegen
-    plain, want = _prefill_f16(4, 1, 64, 141, 137, 70)
-    _emulate_mma(monkeypatch)
-    monkeypatch.setattr(codegen, "ATT_PREFILL_MMA", False)   # -DATT_NO_MMA beats the emulation too
-    got, _ = _prefill_f16(4, 1, 64, 141, 137, 70)
-    if _tensor_core_prefill():
-        _close(got, want, 1e-4)
-    else:
-        np.testing.assert_array_equal(got, plain)
-
-
-def test_att_prefill_mma_switch_adds_att_no_mma_to_prefill_attention_only(monkeypatch):
-    from llmrs.compiler.codegen import opencl as codegen
-
-    def options(rows: int) -> dict[str, list[str]]:
-        rng = np.random.default_rng(0)
-        b = OneOp(rows, name="prefill" if rows > 1 else "decode")
-        q = b.act("q", _rand(rng, rows, 4 * 64))
-        kc = b.state("kc", _rand(rng, 256, 1, 64), "f16")
-        vc = b.state("vc", _rand(rng, 256, 1, 64), "f16")
-        o = b.out("o", (rows, 4 * 64))
-        b.g.add_op("attention", [q, kc, vc], [o], n_heads=4, n_kv_heads=1, head_dim=64, scale=0.125)
-        return {launch.kernel: launch.options for launch in codegen.lower_graph(b.g)}
-
-    assert codegen.ATT_PREFILL_MMA is True
-    assert "-DATT_NO_MMA" not in options(141)["attention_tiled"]
-    monkeypatch.setattr(codegen, "ATT_PREFILL_MMA", False)
-    assert "-DATT_NO_MMA" in options(141)["attention_tiled"]
-    assert all("-DATT_NO_MMA" not in opts for opts in options(1).values())   # decode: other kernels
-
-
 @pytest.mark.parametrize("kv_dtype,hd", [("f16", 64), ("f32", 32), ("q8_0", 64), ("f16", 128)])
 @pytest.mark.parametrize("n_past", [0, 70, 127, 128, 600])
 def test_decode_attention_key_per_lane_matches_interpreter(kv_dtype, hd, n_past):
@@ -886,9 +770,7 @@ def test_decode_attention_key_per_lane_matches_interpreter(kv_dtype, hd, n_past)
     _close(got[0], want[0], 1e-4)
 
 
-def test_decode_attention_key_per_lane_over_several_passes_matches_interpreter(monkeypatch):
-    from llmrs.compiler.codegen import opencl as codegen
-    monkeypatch.setattr(codegen, "ATT_DEC_MAX_SPLITS", 2)   # 3 passes of 128 keys per split
+def test_decode_attention_key_per_lane_over_several_passes_matches_interpreter():
     rng = np.random.default_rng(16)
     h, kvh, hd, s = 2, 1, 64, 768
     b = OneOp(1)
@@ -897,7 +779,8 @@ def test_decode_attention_key_per_lane_over_several_passes_matches_interpreter(m
     vc = b.state("vc", _rand(rng, s, kvh, hd), "f16")
     o = b.out("o", (1, h * hd))
     got, want = b.run("attention", [q, kc, vc], [o], 1, 700, n_heads=h, n_kv_heads=kvh,
-                      head_dim=hd, scale=1.0 / math.sqrt(hd))
+                      head_dim=hd, scale=1.0 / math.sqrt(hd),
+                      tuning=replace(TUNING, att_dec_max_splits=2))   # 3 passes of 128 keys per split
     _close(got[0], want[0], 1e-4)
 
 

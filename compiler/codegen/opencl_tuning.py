@@ -1,0 +1,115 @@
+"""The OpenCL kernels' tuning as a value: work-group sizes, tile shapes and split counts that
+codegen (opencl.py) turns into launch shapes and -D options.
+
+OpenCLTuning() holds the values measured on NVIDIA H100 / H200 (BENCHMARKS.md, GPU rounds 1-13),
+the tuning of a plan compiled without a device in mind; tuning_for(kind) adapts it to a device
+kind's properties. Variants that lost their measurement were deleted rather than kept as
+switches; BENCHMARKS.md keeps their figures. A measurement run overrides fields with
+dataclasses.replace(tuning, FIELD=value) (tools/bench_opencl.py --variants).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class OpenCLTuning:
+    # -- decode matvec (matvec.cl) ------------------------------------------------------------
+    mv_wg: int = 256                 # threads per group, float weights
+    mv_wg_quant: int = 512           # and quantized weights: 16 warps share one Q8_0 copy of x,
+                                     # so half the groups prepare it (H200 q4_0 956 -> 997 tok/s,
+                                     # round 5; 256 again in round 12: 1501 -> 1374)
+    mv_max_rpw: int = 8              # weight rows per warp at most
+    mv_target_warps: int = 4096      # rows per warp grow while a launch keeps about this many
+                                     # warps (an H200: 132 SMs x 32), so every core's loads stay in
+                                     # flight (8192: 0.80 ms a q4_0 step against 0.75, round 9)
+    mv_loads: int = 16               # 16-byte weight loads a lane keeps in flight (registers
+                                     # allowing; 8: the same, rounds 5 and 9)
+    mv_split_target_warps: int = 8192   # narrow matrices (N under mv_target_warps) split K over
+    mv_max_split: int = 2            # up to this many warps per row until a launch has about this
+                                     # many warps (an H200 holds 132 x 64); a group keeps >= 2 rows
+                                     # (pair epilogues). H200 f16 decode, same run: 2 gave 866.7
+                                     # tok/s, 4 852.8 (down_proj 232 vs 247 us per step; round 12:
+                                     # 4 splits and 16384 warps 991 -> 956)
+    mv_max_k: int = 32768            # longest K of a quantized decode matvec: x's Q8_0 copy (1.25
+                                     # bytes a value) sits in local memory (40 KB of NVIDIA's 48)
+    # -- prefill matmul (matmul*.cl) ----------------------------------------------------------
+    tile_n_min_groups: int = 256     # 128-row weight tiles where they give this many groups
+                                     # (about two per SM of an H100 / H200), else 64-row tiles or
+                                     # split-K. 1B prefill 512, q4_0: 9.02 ms with 128 here, 8.48
+                                     # with 256 (H100; H200 9.09 / 8.72); f16 even; f16 with 384:
+                                     # 7.47 ms against 7.40 (wgmma, round 13)
+    tile_split_k_f16: int = 2        # a staged matmul with fewer 128-row tiles than that splits K
+    tile_split_k_quant: int = 1      # over up to this many groups per tile (matmul.cl MM_SPLIT),
+                                     # 128-row tiles kept, instead of halving the tiles; 1: never.
+                                     # H200 1B prefill: f16 8.06 -> 7.79 ms with 2 (4 and 512
+                                     # groups: 8.65), q4_0 8.11 -> 8.40 with 2 (round 12)
+    tile_pair_f16: bool = True       # f16 weights, cp.async body, more than one token tile and no
+                                     # split: a group takes two token tiles (matmul.cl MM_TPAIR;
+                                     # row_tile 128), one 128-token tile of 32 x 64 warp tiles (H200
+                                     # 1B f16 prefill 512: gate_up 3172 -> 2996 us, 8.03 -> 7.87 ms
+                                     # with mma.sync; wgmma 7.66 -> 7.39). The other bodies take
+                                     # the two tiles one after the other
+    async_pair_k: int = 32           # paired tiles' cp.async stage (K values) and ring depth: 256
+    async_pair_stages: int = 2       # local rows of 80 bytes a stage (40 KB; K 16 x 3 stages, 36
+                                     # KB: 7.94 -> 8.02 ms, round 13)
+    wgmma_k: int = 32                # the wgmma body's stage (K values; the ring holds as many as
+                                     # 40 KB allow). H200 1B f16 prefill 512: K 32 7.39 ms, K 16
+                                     # (5 stages) 7.94 (round 13)
+    # -- attention (attention.cl) -------------------------------------------------------------
+    att_wg: int = 128                # attention_split threads
+    att_bq: int = 128                # attention_tiled query rows per group (H200 q4_0 prefill 512:
+                                     # attention 4.0 ms with 32, 3.5 with 128); the tensor-core
+                                     # body needs 128
+    att_tile_bytes: int = 32 << 10   # attention_tiled: local memory for a tile of K and V rows
+                                     # (f32): 32 keys of head_dim 128, fewer keys for wider heads
+    att_keys_per_split: int = 64     # attention_split: splits = S / 64, at most att_max_splits
+    att_max_splits: int = 32         # (32 keys a split: 169 -> 238 us per step, round 6)
+    att_dec_wg: int = 128            # attention_decode: keys per split and pass (64: neutral,
+                                     # round 12; 256 and 512 threads slower, rounds 8-9)
+    att_dec_max_splits: int = 64     # and splits at most
+    # -- the small kernels (not measured against other sizes) ---------------------------------
+    norm_wg: int = 64                # rms_norm threads per row
+    red_wg: int = 256                # softmax / argmax threads per row
+    elt_wg: int = 64                 # elementwise, rope, kv_store, embedding threads per group
+    sc_wg: int = 128                 # attention_scores: threads per KV head
+    compact_wg: int = 64             # kv_compact: rows moved per pass of a group
+    arg_values_per_thread: int = 16  # greedy argmax: groups per row = V / (red_wg * this),
+    arg_max_groups: int = 64         # at most this many
+
+
+@dataclass(frozen=True)
+class DeviceKind:
+    """What tuning_for reads of an OpenCL device: the properties the runtime's choice of kernel
+    bodies (runtime/backends/opencl.py device_options) and the kernels' local arrays depend on."""
+    nvidia_cc: tuple[int, int] = (0, 0)   # NVIDIA compute capability; (0, 0): another vendor
+    local_mem_bytes: int = 48 << 10       # CL_DEVICE_LOCAL_MEM_SIZE
+    max_work_group_size: int = 1024
+
+    @property
+    def tensor_cores(self) -> bool:
+        """Whether the prefill matmul runs a tensor-core body here (mma.sync: sm_80 on)."""
+        return self.nvidia_cc >= (8, 0)
+
+
+# the kinds the codegen's tests and checks model; an H100 / H200 is the measured one
+DEVICE_KINDS = {
+    "nvidia-sm90": DeviceKind((9, 0)),              # Hopper: wgmma, cp.async, mma.sync bodies
+    "nvidia-sm80": DeviceKind((8, 0)),              # Ampere / Ada: cp.async and mma.sync bodies
+    "nvidia-sm75": DeviceKind((7, 5)),              # older NVIDIA: warp shuffles, fp32 bodies
+    "pocl-cpu": DeviceKind((0, 0), 1 << 20, 4096),  # Debian's PoCL: the portable bodies
+}
+
+_MV_RESERVED_LOCAL = 8 << 10   # the matvec's other local arrays (sums, outputs) stay under this
+
+
+def tuning_for(device: DeviceKind) -> OpenCLTuning:
+    """The tuning for a device kind: the H100 / H200 values, with what follows from the device's
+    properties. Without tensor cores no body computes two token tiles at once (they take a pair
+    one tile after the other: half the groups, the same work), so tiles stay unpaired; the
+    longest quantized decode row follows local memory; 512-thread matvec groups need a device
+    that takes them."""
+    tuning = OpenCLTuning()
+    mv_max_k = (device.local_mem_bytes - _MV_RESERVED_LOCAL) * 4 // 5 // 32 * 32
+    return replace(tuning, tile_pair_f16=tuning.tile_pair_f16 and device.tensor_cores,
+                   mv_max_k=mv_max_k, mv_wg_quant=min(tuning.mv_wg_quant, device.max_work_group_size))

@@ -1,0 +1,56 @@
+"""The OpenCL tuning value: what tuning_for picks per device kind, and that codegen reads the
+value it is given (no module state)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from llmrs.compiler.codegen.opencl import generate
+from llmrs.compiler.codegen.opencl_tuning import DEVICE_KINDS, DeviceKind, OpenCLTuning, tuning_for
+from llmrs.compiler.pipeline import CompileOptions, compile_graphs
+
+from ..conftest import DATA
+
+
+def test_hopper_and_ampere_take_the_values_measured_on_h100_and_h200():
+    assert tuning_for(DEVICE_KINDS["nvidia-sm90"]) == OpenCLTuning()
+    assert tuning_for(DEVICE_KINDS["nvidia-sm80"]) == OpenCLTuning()
+
+
+def test_devices_without_tensor_cores_keep_token_tiles_unpaired():
+    for kind in ("nvidia-sm75", "pocl-cpu"):
+        tuning = tuning_for(DEVICE_KINDS[kind])
+        assert tuning.tile_pair_f16 is False
+        assert dataclasses.replace(tuning, tile_pair_f16=True, mv_max_k=32768, mv_wg_quant=512) == OpenCLTuning()
+
+
+def test_longest_quantized_decode_row_and_matvec_group_follow_the_device():
+    assert tuning_for(DeviceKind((9, 0), local_mem_bytes=48 << 10)).mv_max_k == 32768
+    assert tuning_for(DeviceKind((0, 0), local_mem_bytes=32 << 10)).mv_max_k == 19648   # (32 - 8) KB / 1.25
+    assert tuning_for(DEVICE_KINDS["pocl-cpu"]).mv_max_k == 832288
+    assert tuning_for(DeviceKind((0, 0), max_work_group_size=256)).mv_wg_quant == 256
+
+
+def test_tuning_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        OpenCLTuning().mv_loads = 8
+
+
+def _launches(program: dict, kernel: str) -> list[dict]:
+    return [entry for table in program["graphs"].values() for entry in table if entry["kernel"] == kernel]
+
+
+def test_generate_shapes_launches_by_the_tuning_it_is_given():
+    # golden-b (hidden 96, q4_0): decode matvecs of 512 threads by default, 256 when told; the
+    # prefill attention's query rows per group follow att_bq; the default is untouched after
+    p, d = compile_graphs(DATA / "golden-b", CompileOptions(weights="q4_0", kv_type="f16", prefill_chunk=8,
+                                                             max_seq_len=32))
+    graphs = {"prefill": p, "decode": d}
+    default = generate(graphs)
+    small = generate(graphs, dataclasses.replace(OpenCLTuning(), mv_wg_quant=256, att_bq=64))
+    assert {e["local"] for e in _launches(default, "matvec")} == {512}
+    assert {e["local"] for e in _launches(small, "matvec")} == {256}
+    assert {e["row_tile"] for e in _launches(default, "attention_tiled")} == {128}
+    assert {e["row_tile"] for e in _launches(small, "attention_tiled")} == {64}
+    assert generate(graphs) == default
