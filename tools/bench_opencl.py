@@ -41,7 +41,7 @@ from llmrs.runtime.backends.opencl import OpenCLBackend, pick_device
 from llmrs.runtime.plan import Plan
 
 def launch_cost_us(be: OpenCLBackend, n: int = 2000, pyopencl: bool = False) -> float:
-    """One empty launch as the runtime launches (llmrs-bench's probe, runtime/ceilings.py)."""
+    """One empty launch as the runtime launches (llmrs-bench's probe, measure/ceilings.py)."""
     return launch_us(be, n, pyopencl)
 
 
