@@ -9,12 +9,12 @@ import time
 from pathlib import Path
 
 from ..models.config import ModelError
-from ..models.llama import load_model
+from ..models.llama import input_files, load_model
 from .ir import IRError
 from .passes.quantize import NATIVE_FALLBACK, Conversion
 from .pipeline import RULES, CompileOptions, compile_graphs
 from .plan import PlanWriteError, write_graph_plan
-from .cliutil import OneLineParser, Progress, check_output_file
+from .cliutil import OneLineParser, Progress, check_output_dir, check_output_file
 from .summary import summarize
 
 WEIGHT_TYPES = ("q4_0", "q4_1", "q8_0", "f16", "f32", "native")
@@ -166,7 +166,7 @@ def compile_model(args: argparse.Namespace, argv: list[str]) -> str:
     n_tensors = len({n for g in graphs.values() for n in g.by_kind("param") + g.by_kind("const")})
     bar = Progress("weights", n_tensors, enabled=None if not args.quiet else False)
     info = write_graph_plan(args.output, graphs, manifest, sections,
-                            progress=lambda name, i, n: bar.update(i + 1, name))
+                            progress=lambda name, i, n: bar.update(i + 1, name), reads=input_files(args.model_dir))
     bar.close()
     for line in _conversion_notices(conversions):
         print(f"llmrs-compile: notice: {line}", file=sys.stderr)
@@ -179,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.max_seq_len < 1 or args.prefill_chunk < 1:
             raise ValueError("--max-seq-len and --prefill-chunk must be positive")
-        check_output_file(args.output, "-o")   # before minutes of compiling, not after
+        check_output_file(args.output, "-o", input_files(args.model_dir))   # before minutes of compiling
+        if args.dump_ir:
+            check_output_dir(args.dump_ir, "--dump-ir")
         print(compile_model(args, argv))
     except (ModelError, IRError, PlanWriteError, ValueError, OSError) as e:
         print(f"llmrs-compile: error: {e}", file=sys.stderr)

@@ -3,6 +3,7 @@ modeling_llama.py; parameters keep their safetensors names."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +104,25 @@ def load_gguf(path: Path) -> LlamaModel:
     cfg = dataclasses.replace(cfg, bos_token_id=vocab.bos_id, eos_token_ids=vocab.stop_ids)
     return LlamaModel(path, cfg, tensors, vocab.tokenizer_json, vocab.chat_template,
                       vocab.bos_token, vocab.eos_token, vocab.notices)
+
+
+# what load_hf_folder reads besides the safetensors files
+FOLDER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "chat_template.jinja", "model.safetensors.index.json")
+
+
+def input_files(model: str | Path) -> list[Path]:
+    """Every file load_model(model) reads, so that a writer can refuse to replace one of them."""
+    model = Path(model)
+    if not model.is_dir():
+        return [model]
+    files = [model / n for n in FOLDER_FILES] + sorted(model.glob("*.safetensors"))
+    try:   # shards named by an index may sit in sub-folders
+        shards = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"].values()
+        files += [model / str(s) for s in set(shards)]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return files
 
 
 def load_model(model: str | Path) -> LlamaModel:

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..compiler.cliutil import OneLineParser, check_output_file
+from ..compiler.cliutil import OneLineParser, check_output_file, write_output
 from ..compiler.summary import decode_weight_bytes
 from . import ceilings
 from .backends.cpu import physical_cores
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         if not a.plan.is_file():
             raise BenchError(f"plan {a.plan}: no such file")
         if a.json:
-            check_output_file(a.json, "--json")
+            check_output_file(a.json, "--json", [p for p in (a.plan, a.gguf, a.llama_bench) if p])
         result = bench(a)
     except (BenchError, PlanError, ValueError, OSError, RuntimeError) as e:
         print(f"llmrs-bench: error: {' '.join(str(e).split())}", file=sys.stderr)
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     print(report(result))
     if a.json:
-        a.json.write_text(json.dumps(result, indent=1) + "\n")
+        write_output(a.json, json.dumps(result, indent=1) + "\n", "--json", [a.plan])
     return 0
 
 

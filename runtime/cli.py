@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..compiler.cliutil import OneLineParser, check_output_file
+from ..compiler.cliutil import OneLineParser, check_output_file, output_file
 from .engine import Engine, EngineError
 from .kv.options import add_eviction_args, cache_manager
 from .backends.hybrid import add_hybrid_args, check_flags, hybrid_options
@@ -155,9 +155,9 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None and args.threads < 1:
         raise EngineError(f"--threads must be at least 1, got {args.threads}")
     if args.dump_logits:   # before the run, not after it
-        check_output_file(args.dump_logits, "--dump-logits")
+        check_output_file(args.dump_logits, "--dump-logits", [args.plan] if args.plan else [])
     if args.profile:
-        check_output_file(args.profile, "--profile")
+        check_output_file(args.profile, "--profile", [args.plan] if args.plan else [])
         if args.backend not in ("cpu", "opencl"):   # before the plan loads
             raise EngineError(f"--profile times kernels on --backend cpu or opencl, not {args.backend}")
     text = prompt_text(args.prompt)
@@ -191,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
     gen.stats.load_s = load_s
     if args.dump_logits:
         logits = np.stack(gen.logits) if gen.logits else np.zeros((0, m["model"]["vocab_size"]), np.float32)
-        np.savez(args.dump_logits, tokens=np.array(prompt + gen.tokens, np.int32), logits=logits.astype(np.float32))
+        with output_file(args.dump_logits, "--dump-logits", [plan.path]) as f:   # the exact name: savez adds no .npz
+            np.savez(f, tokens=np.array(prompt + gen.tokens, np.int32), logits=logits.astype(np.float32))
     if args.profile:
         n_slices = backend.write(args.profile)
         print(f"llmrs-run: profile: {backend.trace.steps} steps, {n_slices} kernel slices in {args.profile} "

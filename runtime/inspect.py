@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.plot:
-            check_output_file(args.plot, "--plot")
+            check_output_file(args.plot, "--plot", [args.plan])
             pyplot()    # before any output: a missing matplotlib is the one line said
         plan = Plan.open(args.plan, verify=args.verify)
     except (PlanError, PlotError, ValueError) as e:

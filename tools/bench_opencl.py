@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llmrs.compiler.cliutil import write_output
 from llmrs.compiler.codegen import opencl as codegen
 from llmrs.compiler.codegen.opencl import generate
 from llmrs.compiler.passes.quantize import WEIGHT_DTYPES
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                 results += bench(args.model, w, args.prefill, args.steps, args.max_seq_len, kv, Path(tmp),
                                  variants)
                 if args.out:   # after each run, so a later failure keeps what was measured
-                    args.out.write_text(json.dumps(results, indent=1) + "\n")
+                    write_output(args.out, json.dumps(results, indent=1) + "\n", "--out")
     return 0
 
 
