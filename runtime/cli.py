@@ -163,12 +163,10 @@ def run(args: argparse.Namespace) -> int:
     text = prompt_text(args.prompt)
     sampler = Sampler(SamplerConfig(args.temperature, args.top_k, args.top_p, args.repetition_penalty,
                                     args.repetition_window, args.seed))
-    from tokenizers import Tokenizer
-
     t0 = time.perf_counter()
     plan = Plan.open(args.plan or default_plan())
     m = plan.manifest
-    tokenizer = Tokenizer.from_str(bytes(plan.section("tokenizer.json")).decode())
+    tokenizer = plan.tokenizer()
     if args.profile:
         from .profile import profiling_backend
         backend = profiling_backend(args.backend, plan, args.threads, args.device)

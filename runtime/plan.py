@@ -32,6 +32,7 @@ from ..compiler.serialize import graph_from_json
 VERIFY_MODES = ("auto", "always", "never")
 _CHUNK = 8 << 20  # bytes per read while checksumming
 _MAX_HEADER = 4096  # any format version's header; more means a damaged length field
+TOKENIZER = "tokenizer.json"   # the section holding the Hugging Face tokenizer
 
 
 class PlanError(ValueError):
@@ -196,9 +197,24 @@ class Plan:
             return f"no {label} code: {why}; the plan runs on {runs_on}"
         return f"no {label} code (compiled without --target {backend}); recompile with it"
 
+    def tokenizer(self) -> Any:
+        """The plan's tokenizer (a `tokenizers.Tokenizer`); a PlanError if it has none or its
+        section cannot be read as one (a plan from a compiler that did not check it)."""
+        from tokenizers import Tokenizer
+
+        raw = self.section(TOKENIZER)
+        try:
+            return Tokenizer.from_str(bytes(raw).decode("utf-8"))
+        except Exception as e:   # tokenizers raises its own exception types
+            detail = " ".join(str(e).split())[:120]
+            raise PlanError(f"{self.path}: its tokenizer cannot be read ({detail}); compile the plan again") from None
+
     def section(self, name: str) -> memoryview:
         """A section's bytes, read-only (e.g. "opencl" source, "llvm.<triple>" objects)."""
         sec = self.sections.get(name)
+        if sec is None and name == TOKENIZER:
+            raise PlanError(f"{self.path}: the plan holds no tokenizer (its model had no tokenizer.json), so text "
+                            "cannot become tokens; compile it again from a folder with the model's tokenizer.json")
         if sec is None:
             raise PlanError(f"{self.path}: no section {name!r} in the plan (it has "
                             f"{', '.join(sorted(self.sections))}); recompile with that backend enabled")
