@@ -126,6 +126,18 @@ class Metadata:
         return value
 
 
+class _StrictReader(gguf.GGUFReader):
+    """gguf's reader, except that a read past the end of the file fails. gguf's own returns fewer
+    items than asked, and an array of scalars whose count was damaged then loops without moving
+    forward: a hang, not an error."""
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+        arr = super()._get(offset, dtype, count, override_order)
+        if len(arr) != int(count):
+            raise ValueError(f"a read of {int(count)} x {np.dtype(dtype).name} at byte {offset} runs past the end")
+        return arr
+
+
 def open_reader(path: Path) -> Any:
     """gguf.GGUFReader over the file, its failures (bad magic, truncation, garbage) as one line."""
     if not path.is_file():
@@ -136,7 +148,7 @@ def open_reader(path: Path) -> Any:
         raise ModelError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
                          "give a .gguf file or a Hugging Face model folder")
     try:
-        reader = gguf.GGUFReader(path)
+        reader = _StrictReader(path)
     except (ValueError, KeyError, IndexError, OverflowError, TypeError, UnicodeDecodeError, MemoryError) as e:
         detail = " ".join(str(e).split())[:120]
         raise ModelError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {detail}); "

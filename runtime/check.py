@@ -457,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads < 1:
             raise ValueError(f"--threads {args.threads}: need at least 1")
         plan = Plan.open(args.plan, verify=args.verify)
+        plan.verification   # noqa: B018  (waits for the weights' checksum: damage is the error line)
         kernels = plan_kernels(plan.graphs())
     except (PlanError, ValueError) as e:
         print(f"llmrs-check: error: {e}", file=sys.stderr)
