@@ -24,6 +24,7 @@ import gguf
 from gguf import GGMLQuantizationType as GT
 
 from .config import LlamaConfig, ModelError, check_float, check_ranges
+from .finite import all_finite
 from .rope import rope_inv_freq
 
 NATIVE = {GT.F32: "f32", GT.F16: "f16", GT.BF16: "bf16", GT.Q4_0: "q4_0", GT.Q4_1: "q4_1", GT.Q8_0: "q8_0"}
@@ -74,6 +75,7 @@ class GGUFTensor:
     shape: tuple[int, ...]      # [out, in] as Hugging Face has it (GGUF lists dimensions innermost first)
     data: np.ndarray            # the mapped bytes as gguf's reader exposes them
     n_heads: int = 0            # Q / K: heads whose rows llama.cpp interleaved; 0 for other tensors
+    path: str = ""              # the file, for messages
 
     @property
     def source_format(self) -> str | None:
@@ -81,12 +83,20 @@ class GGUFTensor:
         return None if GT[self.ggml_type] in NATIVE else self.ggml_type
 
     def load(self) -> np.ndarray:
+        """The tensor's values in its storage layout; a ModelError if one is not a finite number
+        (a damaged file, or a type field that no longer says how its bytes are laid out)."""
         raw = unpermute_rows(self.data, self.n_heads) if self.n_heads else self.data
         if self.source_format:
-            return np.asarray(gguf.quants.dequantize(raw, GT[self.ggml_type]), dtype=np.float32).reshape(self.shape)
-        if self.dtype == "bf16":  # the reader exposes BF16 as bytes
-            return raw.view(np.uint16)
-        return raw
+            with np.errstate(all="ignore"):   # damaged scales: all_finite below names the tensor
+                out = np.asarray(gguf.quants.dequantize(raw, GT[self.ggml_type]), np.float32).reshape(self.shape)
+        elif self.dtype == "bf16":  # the reader exposes BF16 as bytes
+            out = raw.view(np.uint16)
+        else:
+            out = raw
+        if not all_finite(out, "f32" if self.source_format else self.dtype):
+            raise ModelError(f"{self.path}: tensor {self.name!r} holds values that are not finite numbers (NaN or infinity), "
+                             f"read as {self.ggml_type}: the file is damaged; download or convert it again")
+        return out
 
 
 class Metadata:
@@ -148,7 +158,8 @@ def open_reader(path: Path) -> Any:
         raise ModelError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
                          "give a .gguf file or a Hugging Face model folder")
     try:
-        reader = _StrictReader(path)
+        with np.errstate(all="ignore"):   # a damaged offset overflows inside gguf: the error below says so
+            reader = _StrictReader(path)
     except (ValueError, KeyError, IndexError, OverflowError, TypeError, UnicodeDecodeError, MemoryError) as e:
         detail = " ".join(str(e).split())[:120]
         raise ModelError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {detail}); "
@@ -340,5 +351,5 @@ def read_tensors(cfg: LlamaConfig, reader: Any, path: Path) -> dict[str, GGUFTen
                                  "(gguf cannot dequantize it); re-quantize the model to Q8_0, Q4_0 or F16") from None
         heads = cfg.num_attention_heads if name.endswith("q_proj.weight") else \
             cfg.num_key_value_heads if name.endswith("k_proj.weight") else 0
-        out[name] = GGUFTensor(g, kind.name, NATIVE.get(kind, "f32"), shape, t.data, heads)
+        out[name] = GGUFTensor(g, kind.name, NATIVE.get(kind, "f32"), shape, t.data, heads, str(path))
     return out

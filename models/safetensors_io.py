@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelError
+from .finite import all_finite
 
 _DTYPES = {"F32": ("f32", np.float32), "F16": ("f16", np.float16), "BF16": ("bf16", np.uint16)}
 _NAMES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
@@ -28,8 +29,13 @@ class TensorRef:
     offset: int                 # absolute byte offset in the file
 
     def load(self) -> np.ndarray:
+        """The mapped tensor; a ModelError if a value is NaN or infinite (every logit would be)."""
         np_dtype = _DTYPES[_NAMES[self.dtype]][1]
-        return np.memmap(self.path, dtype=np_dtype, mode="r", offset=self.offset, shape=self.shape)
+        out = np.memmap(self.path, dtype=np_dtype, mode="r", offset=self.offset, shape=self.shape)
+        if not all_finite(out, self.dtype):
+            raise ModelError(f"{self.path}: tensor {self.name!r} holds values that are not finite numbers "
+                             "(NaN or infinity): the file is damaged; download or copy it again")
+        return out
 
 
 def read_header(path: Path) -> dict[str, TensorRef]:

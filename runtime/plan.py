@@ -398,12 +398,16 @@ def _check_layout(phase: str, g: Graph, fail) -> None:
 
 
 def _check_run_keys(m: dict[str, Any], graphs: dict[str, Graph], fail) -> None:
-    """The keys llmrs-run reads next to the graphs, where present, typed and agreeing with them."""
+    """The keys llmrs-run reads next to the graphs, typed and agreeing with them; in a plan that
+    llmrs-compile wrote (it has a compile command) or that names a chunk, all of them and both graphs."""
     prefill, decode = graphs.get("prefill"), graphs.get("decode")
     want = {"prefill_chunk": prefill.T if prefill else None, "max_seq_len": decode.kv_slots if decode else None}
-    for key, value in want.items():
-        if key in m and not (_is_int(m[key]) and m[key] > 0 and m[key] == (value or m[key])):
-            raise fail(f"manifest {key} {m[key]!r} does not match the graphs ({value}); recompile the plan")
+    if any(k in m for k in ("compile_command", *want)):
+        if prefill is None or decode is None:
+            raise fail("the plan lacks its prefill or decode graph; recompile the plan")
+        for key, value in want.items():
+            if not (_is_int(m.get(key)) and m[key] == value):
+                raise fail(f"manifest {key} {m.get(key)!r} does not match the graphs ({value}); recompile the plan")
     vocab = decode.values[decode.outputs[0]].shape[-1] if decode and decode.outputs else None
     model = m.get("model", {})
     if not isinstance(model, dict) or "vocab_size" in model and not (

@@ -104,17 +104,20 @@ class Slot:
     label: str         # the field or tensor, and which part
 
 
-def slots(path: Path) -> tuple[list[Slot], int]:
-    """Every part of every metadata field and tensor-table entry, as gguf's reader splits them;
-    and where the tensor data starts."""
+def slots(path: Path) -> tuple[list[list[Slot]], int]:
+    """Every part of every metadata field and tensor-table entry as gguf's reader splits them,
+    grouped by field (so that a 64-token list is picked as often as one hyper-parameter); and where
+    the tensor data starts."""
     r = gguf.GGUFReader(path)
     base = r.data.ctypes.data
     parts = ["key length", "key", "type"]
     out = []
     for name, field in list(r.fields.items()) + [(t.name, t.field) for t in r.tensors]:
+        group = []
         for i, p in enumerate(field.parts):
             label = f"{name}: {parts[i] if i < 3 and name in r.fields and not name.startswith('GGUF.') else f'part {i}'}"
-            out.append(Slot(p.ctypes.data - base, p.dtype, p.size, label))
+            group.append(Slot(p.ctypes.data - base, p.dtype, p.size, label))
+        out.append(group)
     data_offset = r.data_offset
     del r
     return out, data_offset
@@ -147,13 +150,13 @@ def _set_value(raw: bytearray, slot: Slot, rng: random.Random) -> str:
     return f"{slot.label}[{k}] {old!r} -> {new!r}"
 
 
-def _mutant(good: bytes, all_slots: list[Slot], data_offset: int, seed: int) -> tuple[bytes, str]:
+def _mutant(good: bytes, all_slots: list[list[Slot]], data_offset: int, seed: int) -> tuple[bytes, str]:
     """One mutated file and what was done to it, from the seed alone."""
     rng = random.Random(seed)
     raw = bytearray(good)
     kind = rng.choices(["value", "values", "flip", "truncate", "splice"], weights=[50, 10, 20, 10, 10])[0]
     if kind in ("value", "values"):
-        what = "; ".join(_set_value(raw, rng.choice(all_slots), rng) for _ in range(1 + (kind == "values")))
+        what = "; ".join(_set_value(raw, rng.choice(rng.choice(all_slots)), rng) for _ in range(1 + (kind == "values")))
         return bytes(raw), what
     if kind == "flip":
         where = [rng.randrange(data_offset) for _ in range(rng.randint(1, 3))]
@@ -245,7 +248,7 @@ def test_mutants_decode_to_their_mutation(tmp_path):
     good_path = tiny_gguf(tmp_path / "good.gguf")
     good = good_path.read_bytes()
     all_slots, data_offset = slots(good_path)
-    theta = next(s for s in all_slots if s.label.startswith("llama.rope.freq_base") and s.dtype == np.float32)
+    theta = next(s for g in all_slots for s in g if s.label.startswith("llama.rope.freq_base") and s.dtype == np.float32)
     assert np.frombuffer(good, np.float32, 1, theta.at)[0] == 10000.0
     assert _mutant(good, all_slots, data_offset, 5) == _mutant(good, all_slots, data_offset, 5)
     assert len({_mutant(good, all_slots, data_offset, s)[0] for s in range(50)}) > 40

@@ -208,7 +208,8 @@ def test_writer_refuses_reserved_keys_sections_and_wrong_sized_data(tmp_path):
 
 def test_graph_plan_stores_each_shared_weight_once(tmp_path):
     prefill, decode = _graphs("golden-b")
-    info = write_graph_plan(tmp_path / "p.bin", {"prefill": prefill, "decode": decode}, {"compile_command": "c"})
+    info = write_graph_plan(tmp_path / "p.bin", {"prefill": prefill, "decode": decode},
+                            {"compile_command": "c", "prefill_chunk": prefill.T, "max_seq_len": decode.kv_slots})
     assert info.n_tensors == len(prefill.weights) == len(decode.weights)
     plan = Plan.open(tmp_path / "p.bin")
     assert set(plan.manifest["graphs"]) == {"prefill", "decode"}

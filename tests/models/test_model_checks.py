@@ -7,6 +7,7 @@ import shutil
 import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from llmrs.compiler.cli import main as compile_main
@@ -184,3 +185,48 @@ def test_a_folder_without_tokenizer_compiles_with_a_notice_and_the_run_says_why(
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "the plan holds no tokenizer (its model had no tokenizer.json)" in err
     assert "backend" not in err
+
+
+def test_a_weight_that_is_not_a_number_is_refused_naming_the_tensor(tmp_path, capsys):
+    """Every logit would be NaN: refused while compiling, naming the file and the tensor."""
+    def nan_norm(meta, tensors):
+        data, kind = tensors["blk.1.ffn_norm.weight"]
+        data = data.copy()
+        data[5] = math.nan
+        tensors["blk.1.ffn_norm.weight"] = (data, kind)
+
+    bad = hf_to_gguf(DATA / "golden-a", tmp_path / "nan.gguf", edit=nan_norm)
+    out = tmp_path / "nan.plan.bin"
+    assert compile_main([str(bad), "-o", str(out), "--target", "cpu", "-q"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"{bad}: tensor 'blk.1.ffn_norm.weight' holds values that are not finite" in err
+    assert not out.exists()
+
+
+def test_a_quantized_block_with_an_infinite_scale_is_refused(tmp_path):
+    from gguf import GGMLQuantizationType as GT
+
+    def inf_scale(meta, tensors):
+        data, kind = tensors["blk.0.attn_v.weight"]
+        data = data.copy()
+        data[3, 34:36] = np.array([np.inf], np.float16).view(np.uint8)   # the second block's f16 scale
+        tensors["blk.0.attn_v.weight"] = (data, kind)
+
+    bad = hf_to_gguf(DATA / "golden-a", tmp_path / "inf.gguf", lambda n, s: GT.Q8_0, edit=inf_scale)
+    model = load_model(bad)
+    with pytest.raises(ModelError, match=r"tensor 'blk.0.attn_v.weight' holds values that are not finite .* Q8_0"):
+        model.tensors["model.layers.0.self_attn.v_proj.weight"].load()
+
+
+def test_a_safetensors_weight_that_is_not_a_number_is_refused(tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(DATA / "golden-a", model)
+    ref = load_model(model).tensors["model.layers.0.mlp.up_proj.weight"]
+    raw = bytearray((model / "model.safetensors").read_bytes())
+    width = {"f32": 4, "f16": 2, "bf16": 2}[ref.dtype]
+    nan = {"f32": np.array([np.nan], np.float32), "f16": np.array([np.nan], np.float16),
+           "bf16": np.array([0x7FC0], np.uint16)}[ref.dtype].tobytes()
+    raw[ref.offset + 7 * width:ref.offset + 8 * width] = nan
+    (model / "model.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(ModelError, match="tensor 'model.layers.0.mlp.up_proj.weight' holds values that are not finite"):
+        load_model(model).tensors["model.layers.0.mlp.up_proj.weight"].load()

@@ -35,7 +35,8 @@ def make_plan(path: Path, name: str = "golden-a", layout: bool = False) -> Path:
             g.meta["layout"] = {"alignment": 64, "arena_bytes": off, "arena": arena, "kv_bytes": kv_off,
                                 "kv": kv, "naive_bytes": off, "lower_bound_bytes": off // 4}
     tokenizer = (DATA / name / "tokenizer.json").read_text()
-    manifest = {"compile_command": "llmrs-compile m -o p.bin", "model": model.config.to_json()}
+    manifest = {"compile_command": "llmrs-compile m -o p.bin", "model": model.config.to_json(),
+                "prefill_chunk": 4, "max_seq_len": 16}
     write_graph_plan(path, {"prefill": prefill, "decode": decode}, manifest,
                      {"opencl": OPENCL, "tokenizer.json": tokenizer})
     return path
