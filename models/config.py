@@ -96,12 +96,17 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _is_whole(v: Any) -> bool:
+    """An int, or a float with no fraction (JSON writers give 2048.0): not a bool, NaN or string."""
+    return _is_number(v) and (isinstance(v, int) or math.isfinite(v) and v.is_integer())
+
+
 def _raw_int(raw: dict[str, Any], key: str, default: Any, where: str) -> Any:
     """raw[key] as an int (2048 or 2048.0, not "2048", true or 2048.5); default when absent or null."""
     v = raw.get(key)
     if v is None:
         return default
-    if not (_is_number(v) and math.isfinite(v) and float(v).is_integer()):
+    if not _is_whole(v):
         raise ModelError(f"{where}: {key} is {json.dumps(v)[:40]}; it must be a whole number")
     return int(v)
 
@@ -112,7 +117,15 @@ def _raw_float(raw: dict[str, Any], key: str, default: float, where: str) -> flo
         return default
     if not _is_number(v):
         raise ModelError(f"{where}: {key} is {json.dumps(v)[:40]}; it must be a number")
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:     # an int past any float: the range check names it
+        return math.inf if v > 0 else -math.inf
+
+
+def _shown(v: float) -> str:
+    text = f"{v:g}" if isinstance(v, float) else str(v)
+    return text if len(text) <= 24 else f"{text[:12]}... ({len(text)} digits)"
 
 
 def _ids(v: Any, key: str = "eos_token_id", where: str = "config.json") -> tuple[int, ...]:
@@ -120,7 +133,7 @@ def _ids(v: Any, key: str = "eos_token_id", where: str = "config.json") -> tuple
         return ()
     out = []
     for x in (v if isinstance(v, list) else [v]):
-        if not (_is_number(x) and float(x).is_integer() and x >= 0):
+        if not (_is_whole(x) and x >= 0):
             raise ModelError(f"{where}: {key} holds {json.dumps(x)[:40]}; token ids are whole numbers from 0")
         out.append(int(x))
     return tuple(out)
@@ -143,14 +156,14 @@ def check_ranges(cfg: LlamaConfig, where: str, keys: dict[str, str] | None = Non
     for name, (lo, hi) in INT_LIMITS.items():
         v = getattr(cfg, name)
         if not lo <= v <= hi:
-            raise ModelError(f"{where}: {keys.get(name, name)} is {v}; a Llama's is {lo} to {hi} "
+            raise ModelError(f"{where}: {keys.get(name, name)} is {_shown(v)}; a Llama's is {lo} to {hi} "
                              "(the file is damaged, or not a Llama's)")
     for name in FLOAT_LIMITS:
         check_float(name, getattr(cfg, name), where, keys.get(name, name))
     for name, v in (cfg.rope_scaling or {}).items():
         lo, hi = SCALING_LIMITS[name]
-        if not (math.isfinite(v) and lo <= v <= hi and v > 0):
-            raise ModelError(f"{where}: {keys.get('rope_scaling', 'rope_scaling')} {name} is {v:g}; it must be "
+        if not (lo <= v <= hi and v > 0):    # NaN fails every comparison
+            raise ModelError(f"{where}: {keys.get('rope_scaling', 'rope_scaling')} {name} is {_shown(v)}; it must be "
                              f"positive and between {lo:g} and {hi:g}")
     if cfg.rope_scaling and not cfg.rope_scaling["low_freq_factor"] < cfg.rope_scaling["high_freq_factor"]:
         raise ModelError(f"{where}: {keys.get('rope_scaling', 'rope_scaling')} low_freq_factor "
@@ -160,7 +173,7 @@ def check_ranges(cfg: LlamaConfig, where: str, keys: dict[str, str] | None = Non
                       ("eos_token_id", cfg.eos_token_ids)):
         bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
         if bad:
-            raise ModelError(f"{where}: {keys.get(name, name)} {bad[0]} is outside the {cfg.vocab_size}-token "
+            raise ModelError(f"{where}: {keys.get(name, name)} {_shown(bad[0])} is outside the {cfg.vocab_size}-token "
                              "vocabulary")
     return cfg
 

@@ -99,14 +99,17 @@ class Plan:
         self._mm = mm                       # uint8[file_bytes], read-only
         self._graphs: dict[str, Graph] = {}
 
+    def check_weights(self) -> None:
+        """Wait for the weights section's checksum (verify="auto" runs it in the background) and
+        raise its PlanError if the weights are damaged; at once with verify="never"."""
+        if self._check is not None:
+            self._check.wait()
+
     @property
     def verification(self) -> str:
-        """The weights section's checksum: "checked" (waiting for it if it is still running), or
-        "skipped" (verify="never"); a PlanError if the weights are damaged."""
-        if self._check is None:
-            return "skipped"
-        self._check.wait()
-        return "checked"
+        """The weights section's checksum: "checked" (once it is done) or "skipped" (verify="never")."""
+        self.check_weights()
+        return "skipped" if self._check is None else "checked"
 
     # -- opening ------------------------------------------------------------------------------
     @classmethod
@@ -177,7 +180,7 @@ class Plan:
 
     def weights_region(self) -> np.memmap:
         """The whole weights section: uint8[size], read-only; tensor offsets are relative to it."""
-        self.verification   # noqa: B018  (waits for the checksum; damaged weights raise here)
+        self.check_weights()   # no kernel reads bytes that were not checked
         sec = self.sections[WEIGHTS]
         return self._mm[sec.offset:sec.offset + sec.size]
 
@@ -186,7 +189,7 @@ class Plan:
         t = self.tensors.get(name)
         if t is None:
             raise PlanError(f"{self.path}: no tensor {name!r} in the plan")
-        self.verification   # noqa: B018  (waits for the checksum; damaged weights raise here)
+        self.check_weights()   # no kernel reads bytes that were not checked
         sshape, np_dtype = storage_shape(t.shape, t.dtype)
         base = self.sections[WEIGHTS].offset + t.offset
         return self._mm[base:base + t.nbytes].view(np_dtype).reshape(sshape)

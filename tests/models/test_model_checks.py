@@ -9,9 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llmrs.compiler.cli import main as compile_main
-from llmrs.models.config import ModelError, parse_config
+from llmrs.models.config import ModelError, check_ranges, parse_config
 from llmrs.models.llama import load_model
 from llmrs.models.tiny import make_config
 
@@ -230,3 +232,20 @@ def test_a_safetensors_weight_that_is_not_a_number_is_refused(tmp_path):
     (model / "model.safetensors").write_bytes(bytes(raw))
     with pytest.raises(ModelError, match="tensor 'model.layers.0.mlp.up_proj.weight' holds values that are not finite"):
         load_model(model).tensors["model.layers.0.mlp.up_proj.weight"].load()
+
+
+_JSON_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 70), 1 << 70), st.integers(-3, 5000),
+                         st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=6),
+                         st.lists(st.integers(-5, 200000), max_size=3), st.dictionaries(st.text(max_size=4),
+                                                                                         st.integers(), max_size=2))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(sorted(_V4) + ["rope_parameters"]), _JSON_VALUES, min_size=1, max_size=3))
+def test_any_config_json_values_give_a_checked_config_or_one_line(change):
+    try:
+        cfg = parse_config({**_V4, **change})
+    except ModelError as e:
+        assert "\n" not in str(e) and str(e).startswith("config.json: ")
+        return
+    assert check_ranges(cfg, "config.json") is cfg and cfg.head_dim % 2 == 0
