@@ -57,6 +57,61 @@ def base_plan(path: Path) -> Path:
     return path
 
 
+def code_plan(path: Path) -> Path:
+    """base_plan's model with this host's CPU object code (no LLVM IR text): what the CPU back end
+    runs, for mutants of the manifest that compiled kernels then read."""
+    from llmrs.compiler.codegen import llvm
+    from llmrs.compiler.codegen.llvm_target import host_target
+
+    model = load_model(DATA / "golden-a")
+    prefill, decode = compile_graphs(model, CompileOptions(weights="q8_0", kv_type="f32", max_seq_len=16,
+                                                           prefill_chunk=4))
+    graphs = {"prefill": prefill, "decode": decode}
+    target = host_target()
+    _, obj = llvm.generate(graphs, target)
+    manifest = {**manifest_of(base_plan(path).read_bytes()), "compile_options": {"targets": ["cpu"]}}
+    for key in ("sections", "tensors", "graphs"):
+        del manifest[key]
+    write_graph_plan(path, graphs, manifest, {f"llvm.{target.triple}": obj, "tokenizer.json": model.tokenizer_json})
+    return path
+
+
+# llmrs-run's path on the CPU back end, in a child: a kernel that writes outside its buffer kills
+# the child, not the test run
+_CPU_RUN = r"""
+import sys
+import numpy as np
+from llmrs.runtime.backends.cpu import CpuBackend
+from llmrs.runtime.engine import Engine, EngineError
+from llmrs.runtime.plan import Plan, PlanError
+from llmrs.runtime.sampler import Sampler, SamplerConfig
+try:
+    plan = Plan.open(sys.argv[1], verify="always")
+    m = plan.manifest
+    backend = CpuBackend(plan, threads=1)
+    engine = Engine(backend, m["prefill_chunk"], m["max_seq_len"], tuple(m.get("stop_ids", ())))
+    gen = engine.generate(plan.tokenizer().encode("Once upon a time").ids, 3, Sampler(SamplerConfig()),
+                          keep_logits=True)
+except (PlanError, EngineError) as e:
+    assert "\n" not in str(e)
+    print("refused")
+else:
+    print("finite" if all(np.isfinite(r).all() for r in gen.logits) else "NOT FINITE")
+"""
+
+
+def _cpu_run_in_child(path: Path, where: str) -> str:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _CPU_RUN, str(path)], capture_output=True, text=True,
+                          timeout=RUN_SECONDS)
+    out = done.stdout.strip()
+    assert done.returncode == 0 and out in ("finite", "refused"), \
+        f"{where}: the CPU back end's run ended with code {done.returncode}: {out} {done.stderr[-800:]}"
+    return out
+
+
 def leaves(value: Any, path: tuple = ()) -> list[tuple]:
     """The path of every JSON value inside `value` (containers too, so they can be emptied)."""
     out = [path] if path else []
@@ -202,14 +257,16 @@ def _short_run(plan: Plan) -> None:
     assert gen.logits and all(np.isfinite(row).all() for row in gen.logits), "non-finite logits"
 
 
-def fuzz(tmp: Path, cases: int, runs: int) -> dict[str, int]:
-    """`cases` mutants; the first `runs` distinct ones that open are run."""
-    raw = base_plan(tmp / "good.plan.bin").read_bytes()
+def fuzz(tmp: Path, cases: int, runs: int, cpu_runs: int = 0) -> dict[str, int]:
+    """`cases` mutants; the first `runs` distinct ones that open are run on the reference back
+    end. With cpu_runs, the mutants are of a plan with CPU code, and that many of those that open
+    also run on the CPU back end (in a child process)."""
+    raw = (code_plan if cpu_runs else base_plan)(tmp / "good.plan.bin").read_bytes()
     manifest = manifest_of(raw)
     by_region = _regions(manifest)
     path = tmp / "mutant.plan.bin"
     seen: set[bytes] = set()
-    counts = {"refused": 0, "opened": 0, "run": 0, "run refused": 0}
+    counts = {"refused": 0, "opened": 0, "run": 0, "run refused": 0, "cpu run": 0}
     for case in range(cases):
         data, what, sealed = _mutant(raw, copy.deepcopy(manifest), by_region, SEED + case)
         where = f"case {case} (seed {SEED + case}): {what}"
@@ -239,6 +296,9 @@ def fuzz(tmp: Path, cases: int, runs: int) -> dict[str, int]:
             counts["run refused"] += 1
         except Exception as e:   # noqa: BLE001
             pytest.fail(f"{where}: opened, then {type(e).__name__}: {e}", pytrace=True)
+        if counts["cpu run"] < cpu_runs and data != raw:
+            _cpu_run_in_child(path, where)
+            counts["cpu run"] += 1
     return counts
 
 
@@ -271,3 +331,9 @@ def test_300_mutated_plans_are_refused_in_one_line_or_run_finite(tmp_path):
 def test_10000_mutated_plans_are_refused_in_one_line_or_run_finite(tmp_path):
     counts = fuzz(tmp_path, 10_000, runs=40)
     assert counts["refused"] + counts["opened"] == 10_000 and counts["run"] >= 20
+
+
+@pytest.mark.slow
+def test_mutated_plans_with_cpu_code_are_refused_or_run_finite_on_the_cpu_back_end(tmp_path):
+    counts = fuzz(tmp_path, 600, runs=10, cpu_runs=6)
+    assert counts["cpu run"] == 6
