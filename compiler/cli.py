@@ -3,19 +3,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
 from pathlib import Path
 
-from ..models.config import ModelError
-from ..models.llama import load_model
+from ..models.config import LlamaConfig, ModelError
+from ..models.llama import input_files, load_model
 from .ir import IRError
 from .passes.quantize import NATIVE_FALLBACK, Conversion
 from .pipeline import RULES, CompileOptions, compile_graphs
 from .plan import PlanWriteError, write_graph_plan
-from .cliutil import OneLineParser, Progress, check_output_file
-from .summary import summarize
+from .cliutil import OneLineParser, Progress, check_output_dir, check_output_file
+from .summary import fmt_bytes, summarize
 
 WEIGHT_TYPES = ("q4_0", "q4_1", "q8_0", "f16", "f32", "native")
 TARGETS = ("cpu", "opencl")
@@ -130,9 +131,34 @@ def _conversion_notices(conversions: dict[str, Conversion]) -> list[str]:
     return lines
 
 
+MAX_POSITIONS = (1 << 31) - 1   # token positions are int32 in every kernel
+
+
+def physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):   # not every system says
+        return None
+
+
+def check_kv_memory(cfg: LlamaConfig, max_seq_len: int, kv_type: str) -> None:
+    """Refuse a KV cache larger than this machine's memory, before compiling: its run would only
+    end in an allocation error."""
+    from .ir import nbytes
+
+    per_token = cfg.num_hidden_layers * (2 * nbytes((1, cfg.num_key_value_heads, cfg.head_dim), kv_type)
+                                         + 4 * cfg.num_key_value_heads)   # K, V, eviction scores
+    memory = physical_memory()
+    if memory and per_token * max_seq_len > memory:
+        raise ValueError(f"--max-seq-len {max_seq_len}: the KV cache would take {fmt_bytes(per_token * max_seq_len)}, "
+                         f"more than this machine's {fmt_bytes(memory)} of memory; at most {memory // per_token} "
+                         "tokens fit (give a smaller --max-seq-len)")
+
+
 def compile_model(args: argparse.Namespace, argv: list[str]) -> str:
     t0 = time.perf_counter()
     model = load_model(args.model_dir)
+    check_kv_memory(model.config, args.max_seq_len, args.kv_type)
     for note in model.notices:
         print(f"llmrs-compile: notice: {note}", file=sys.stderr)
     conversions: dict[str, Conversion] = {}
@@ -166,7 +192,7 @@ def compile_model(args: argparse.Namespace, argv: list[str]) -> str:
     n_tensors = len({n for g in graphs.values() for n in g.by_kind("param") + g.by_kind("const")})
     bar = Progress("weights", n_tensors, enabled=None if not args.quiet else False)
     info = write_graph_plan(args.output, graphs, manifest, sections,
-                            progress=lambda name, i, n: bar.update(i + 1, name))
+                            progress=lambda name, i, n: bar.update(i + 1, name), reads=input_files(args.model_dir))
     bar.close()
     for line in _conversion_notices(conversions):
         print(f"llmrs-compile: notice: {line}", file=sys.stderr)
@@ -179,7 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.max_seq_len < 1 or args.prefill_chunk < 1:
             raise ValueError("--max-seq-len and --prefill-chunk must be positive")
-        check_output_file(args.output, "-o")   # before minutes of compiling, not after
+        if args.max_seq_len > MAX_POSITIONS or args.prefill_chunk > MAX_POSITIONS:
+            raise ValueError(f"--max-seq-len and --prefill-chunk must be at most {MAX_POSITIONS} (positions are 32-bit)")
+        check_output_file(args.output, "-o", input_files(args.model_dir))   # before minutes of compiling
+        if args.dump_ir:
+            check_output_dir(args.dump_ir, "--dump-ir")
         print(compile_model(args, argv))
     except (ModelError, IRError, PlanWriteError, ValueError, OSError) as e:
         print(f"llmrs-compile: error: {e}", file=sys.stderr)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..models.llama import LlamaModel, build_graphs, load_model
+from .cliutil import write_output
 from .ir import QK, Graph, IRError
 from .passes.fold import fold
 from .passes.fuse import RULE_NAMES, check_rule_names, fuse
@@ -68,7 +69,7 @@ def _dump(opts: CompileOptions, g: Graph, step: int, label: str) -> None:
     if opts.dump_ir_dir is not None:
         path = Path(opts.dump_ir_dir)
         path.mkdir(parents=True, exist_ok=True)
-        (path / f"{g.name}.{step:02d}-{label}.txt").write_text(str(g) + "\n")
+        write_output(path / f"{g.name}.{step:02d}-{label}.txt", str(g) + "\n", "--dump-ir")
 
 
 def run_passes(g: Graph, opts: CompileOptions) -> Graph:

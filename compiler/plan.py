@@ -22,10 +22,11 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from .cliutil import replace_refusal
 from .ir import Graph, LazyTensor, nbytes
 from .serialize import graph_to_json
 
@@ -156,10 +157,17 @@ def _write_weights(f, base: int, weights: dict[str, LazyTensor], tensors: dict[s
 
 def write_plan(path: str | os.PathLike, manifest: dict[str, Any], sections: dict[str, bytes | str],
                weights: dict[str, LazyTensor],
-               progress: Callable[[str, int, int], None] | None = None) -> PlanInfo:
-    """Write a plan file atomically; progress(tensor_name, index, count) is called per tensor."""
+               progress: Callable[[str, int, int], None] | None = None,
+               reads: Iterable[str | os.PathLike] = ()) -> PlanInfo:
+    """Write a plan file atomically; progress(tensor_name, index, count) is called per tensor.
+    An existing `path` is replaced only if it is a regular file and none of `reads` (the model's
+    files): never a device, and never the model being compiled."""
     t0 = time.perf_counter()
     path = Path(path)
+    reads = tuple(reads)
+    why = replace_refusal(path, "plan", reads)
+    if why:
+        raise PlanWriteError(why)
     for key in RESERVED_KEYS:
         if key in manifest:
             raise PlanWriteError(f"manifest key {key!r} is filled in by write_plan; leave it out")
@@ -171,7 +179,8 @@ def write_plan(path: str | os.PathLike, manifest: dict[str, Any], sections: dict
     full, text = _layout(manifest, sizes, tensors)
     table = full["sections"]
 
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    target = Path(os.path.realpath(path))   # a symlink stays, its target gets the plan
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
             f.write(bytes(HEADER.size))
@@ -191,7 +200,10 @@ def write_plan(path: str | os.PathLike, manifest: dict[str, Any], sections: dict
             f.write(Header(FORMAT_VERSION, file_bytes, HEADER.size, len(final), zlib.crc32(final)).pack())
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        why = replace_refusal(path, "plan", reads)   # again: minutes may have passed
+        if why:
+            raise PlanWriteError(why)
+        os.replace(tmp, target)
     except OSError as e:   # named for the plan asked for, not the temporary file beside it
         tmp.unlink(missing_ok=True)
         raise PlanWriteError(f"{path}: cannot write the plan ({e.strerror or e})") from None
@@ -221,10 +233,11 @@ def graph_weights(graphs: dict[str, Graph]) -> dict[str, LazyTensor]:
 
 def write_graph_plan(path: str | os.PathLike, graphs: dict[str, Graph], manifest: dict[str, Any] | None = None,
                      sections: dict[str, bytes | str] | None = None,
-                     progress: Callable[[str, int, int], None] | None = None) -> PlanInfo:
+                     progress: Callable[[str, int, int], None] | None = None,
+                     reads: Iterable[str | os.PathLike] = ()) -> PlanInfo:
     """write_plan for compiled graphs: serializes them into manifest["graphs"], stores their weights."""
     manifest = dict(manifest or {})
     if "graphs" in manifest:
         raise PlanWriteError("manifest key 'graphs' is filled in by write_graph_plan; pass the graphs instead")
     manifest["graphs"] = {phase: graph_to_json(g) for phase, g in graphs.items()}
-    return write_plan(path, manifest, sections or {}, graph_weights(graphs), progress)
+    return write_plan(path, manifest, sections or {}, graph_weights(graphs), progress, reads)

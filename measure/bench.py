@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..compiler.cliutil import OneLineParser, check_output_file
+from ..compiler.cliutil import OneLineParser, check_output_file, write_output
 from ..compiler.summary import decode_weight_bytes
 from . import ceilings
 from .ceilings import sig
@@ -41,7 +41,7 @@ ceilings, measured before and after the speeds (the best of both counts):
 decode is also shown as weight bytes per token x tok/s against the bandwidth (read GB/s on cpu,
 device copy on opencl); prefill as 2 x matmul params x tok/s against numpy's GEMM.
 
---kernels times every distinct kernel of the plan alone (runtime/bench_kernels.py) with GB/s and
+--kernels times every distinct kernel of the plan alone (measure/bench_kernels.py) with GB/s and
 GFLOP/s against those ceilings. --llama-bench runs llama.cpp's llama-bench on --gguf (the same
 weights) between the probes and adds its tok/s and the ratios llmrs / llama.cpp.
 
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         if not a.plan.is_file():
             raise BenchError(f"plan {a.plan}: no such file")
         if a.json:
-            check_output_file(a.json, "--json")
+            check_output_file(a.json, "--json", [p for p in (a.plan, a.gguf, a.llama_bench) if p])
         result = bench(a)
     except (BenchError, PlanError, ValueError, OSError, RuntimeError) as e:
         print(f"llmrs-bench: error: {' '.join(str(e).split())}", file=sys.stderr)
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     print(report(result))
     if a.json:
-        a.json.write_text(json.dumps(result, indent=1) + "\n")
+        write_output(a.json, json.dumps(result, indent=1) + "\n", "--json", [a.plan])
     return 0
 
 

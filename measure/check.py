@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads < 1:
             raise ValueError(f"--threads {args.threads}: need at least 1")
         plan = Plan.open(args.plan, verify=args.verify)
+        plan.check_weights()   # damaged weights are this one error line, not a traceback later
         kernels = plan_kernels(plan.graphs())
     except (PlanError, ValueError) as e:
         print(f"llmrs-check: error: {e}", file=sys.stderr)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..compiler.cliutil import output_file
 from ..compiler.ir import Graph
 from ..compiler.passes.plan_memory import live_intervals
 
@@ -29,6 +30,19 @@ def pyplot() -> Any:
     matplotlib.use("Agg")    # files only, no display
     import matplotlib.pyplot as plt
     return plt
+
+
+def save_figure(fig: Any, path: str | Path, flag: str = "--plot") -> None:
+    """fig as the file `path` names, exactly (no suffix added), written whole or not at all; the
+    format from the suffix, png without one."""
+    fmt = Path(path).suffix.lstrip(".").lower() or "png"
+    if fmt not in fig.canvas.get_supported_filetypes():
+        raise PlotError(f"{flag} {path}: matplotlib cannot write .{fmt} files; use .png, .pdf or .svg")
+    try:
+        with output_file(path, flag) as f:
+            fig.savefig(f, dpi=110, format=fmt)
+    except ValueError as e:    # the path became something that must not be replaced
+        raise PlotError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -89,6 +103,8 @@ def plot_arena(graphs: dict[str, Graph], path: Path) -> dict[str, list[Rect]]:
                      f"{_fmt(lay['naive_bytes'], div, unit)}", fontsize=10)
         ax.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure(fig, path)
+    finally:
+        plt.close(fig)
     return drawn

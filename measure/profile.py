@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ..compiler.cliutil import write_output
 from ..compiler.ir import Op
 from ..runtime.backends.base import Backend
 
@@ -83,8 +84,8 @@ class Trace:
         head = [{"name": "process_name", "ph": "M", "pid": 1, "tid": 1, "args": {"name": "llmrs-run"}},
                 {"name": "thread_name", "ph": "M", "pid": 1, "tid": 1,
                  "args": {"name": f"{self.meta.get('backend', '')} steps"}}]
-        Path(path).write_text(json.dumps({"traceEvents": head + self.events, "displayTimeUnit": "ms",
-                                          "otherData": self.meta}) + "\n")
+        write_output(path, json.dumps({"traceEvents": head + self.events, "displayTimeUnit": "ms",
+                                       "otherData": self.meta}) + "\n", "--profile")
 
 
 def _op_args(op: Op) -> dict[str, Any]:

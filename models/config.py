@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,39 +50,140 @@ class LlamaConfig:
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
+# The range each hyper-parameter of a Llama takes (inclusive; rms_norm_eps and rope_theta exclude
+# their lower end). Far past any published model, so a value outside is a damaged or foreign file,
+# never a real one: caught here, it cannot become a graph of absurd size or a NaN in every logit.
+INT_LIMITS = {
+    "vocab_size": (1, 1 << 24), "hidden_size": (1, 1 << 17), "intermediate_size": (1, 1 << 19),
+    "num_hidden_layers": (1, 4096), "num_attention_heads": (1, 4096), "num_key_value_heads": (1, 4096),
+    "head_dim": (2, 4096), "max_position_embeddings": (1, (1 << 31) - 1),
+}
+FLOAT_LIMITS = {"rms_norm_eps": (0.0, 0.5), "rope_theta": (1.0, 1e12)}
+SCALING_LIMITS = {"factor": (1.0, 1e6), "low_freq_factor": (0.0, 1e6), "high_freq_factor": (0.0, 1e6),
+                  "original_max_position_embeddings": (1, (1 << 31) - 1)}
+
+
+# where the 5.x layout keeps what check_ranges names
+_ROPE_KEYS = {"rope_theta": "rope_parameters.rope_theta", "rope_scaling": "rope_parameters"}
+
 
 def _rope(raw: dict[str, Any], where: str) -> tuple[float, dict[str, Any] | None]:
     """(theta, llama3 scaling or None) from either config layout."""
     params = raw.get("rope_parameters")
     if isinstance(params, dict):                 # transformers 5.x
-        theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-        scaling = params
+        theta = _raw_float(params, "rope_theta", _raw_float(raw, "rope_theta", 10000.0, where), where)
+        scaling, name = params, "rope_parameters"
     else:                                        # transformers 4.x
-        theta = raw.get("rope_theta", 10000.0)
-        scaling = raw.get("rope_scaling")
+        theta = _raw_float(raw, "rope_theta", 10000.0, where)
+        scaling, name = raw.get("rope_scaling"), "rope_scaling"
     if not scaling:
-        return float(theta), None
+        return theta, None
+    if not isinstance(scaling, dict):
+        raise ModelError(f"{where}: {name} is {json.dumps(scaling)[:40]}; it must be an object or null")
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
-        return float(theta), None
+        return theta, None
     if rope_type != "llama3":
         raise ModelError(f"{where}: rope_scaling type {rope_type!r} is not supported (llmrs runs 'llama3' and none)")
     missing = [k for k in _LLAMA3_KEYS if k not in scaling]
     if missing:
         raise ModelError(f"{where}: llama3 rope_scaling lacks {', '.join(missing)}")
-    return float(theta), {k: float(scaling[k]) if k != "original_max_position_embeddings"
-                          else int(scaling[k]) for k in _LLAMA3_KEYS}
+    return theta, {k: _raw_float(scaling, k, 0.0, f"{where}: {name}") if k != "original_max_position_embeddings"
+                   else _raw_int(scaling, k, 0, f"{where}: {name}") for k in _LLAMA3_KEYS}
 
 
-def _ids(v: Any) -> tuple[int, ...]:
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_whole(v: Any) -> bool:
+    """An int, or a float with no fraction (JSON writers give 2048.0): not a bool, NaN or string."""
+    return _is_number(v) and (isinstance(v, int) or math.isfinite(v) and v.is_integer())
+
+
+def _raw_int(raw: dict[str, Any], key: str, default: Any, where: str) -> Any:
+    """raw[key] as an int (2048 or 2048.0, not "2048", true or 2048.5); default when absent or null."""
+    v = raw.get(key)
+    if v is None:
+        return default
+    if not _is_whole(v):
+        raise ModelError(f"{where}: {key} is {json.dumps(v)[:40]}; it must be a whole number")
+    return int(v)
+
+
+def _raw_float(raw: dict[str, Any], key: str, default: float, where: str) -> float:
+    v = raw.get(key)
+    if v is None:
+        return default
+    if not _is_number(v):
+        raise ModelError(f"{where}: {key} is {json.dumps(v)[:40]}; it must be a number")
+    try:
+        return float(v)
+    except OverflowError:     # an int past any float: the range check names it
+        return math.inf if v > 0 else -math.inf
+
+
+def _shown(v: float) -> str:
+    text = f"{v:g}" if isinstance(v, float) else str(v)
+    return text if len(text) <= 24 else f"{text[:12]}... ({len(text)} digits)"
+
+
+def _ids(v: Any, key: str = "eos_token_id", where: str = "config.json") -> tuple[int, ...]:
     if v is None:
         return ()
-    return tuple(int(x) for x in (v if isinstance(v, list) else [v]))
+    out = []
+    for x in (v if isinstance(v, list) else [v]):
+        if not (_is_whole(x) and x >= 0):
+            raise ModelError(f"{where}: {key} holds {json.dumps(x)[:40]}; token ids are whole numbers from 0")
+        out.append(int(x))
+    return tuple(out)
+
+
+def check_float(field: str, value: float, where: str, key: str) -> float:
+    """value, if finite and inside FLOAT_LIMITS[field]; else a ModelError naming `key`."""
+    lo, hi = FLOAT_LIMITS[field]
+    if not (math.isfinite(value) and lo < value <= hi):
+        raise ModelError(f"{where}: {key} is {value:g}; it must be above {lo:g} and at most {hi:g} "
+                         "(the file is damaged, or not a Llama's)")
+    return value
+
+
+def check_ranges(cfg: LlamaConfig, where: str, keys: dict[str, str] | None = None) -> LlamaConfig:
+    """cfg, if every hyper-parameter is in its range (INT_LIMITS, FLOAT_LIMITS: finite, positive,
+    not absurd) and every special token id inside the vocabulary; else a ModelError naming the
+    key as the file spells it (keys: field -> key; config.json's names by default)."""
+    keys = keys or {}
+    for name, (lo, hi) in INT_LIMITS.items():
+        v = getattr(cfg, name)
+        if not lo <= v <= hi:
+            raise ModelError(f"{where}: {keys.get(name, name)} is {_shown(v)}; a Llama's is {lo} to {hi} "
+                             "(the file is damaged, or not a Llama's)")
+    for name in FLOAT_LIMITS:
+        check_float(name, getattr(cfg, name), where, keys.get(name, name))
+    for name, v in (cfg.rope_scaling or {}).items():
+        lo, hi = SCALING_LIMITS[name]
+        if not (lo <= v <= hi and v > 0):    # NaN fails every comparison
+            raise ModelError(f"{where}: {keys.get('rope_scaling', 'rope_scaling')} {name} is {_shown(v)}; it must be "
+                             f"positive and between {lo:g} and {hi:g}")
+    if cfg.rope_scaling and not cfg.rope_scaling["low_freq_factor"] < cfg.rope_scaling["high_freq_factor"]:
+        raise ModelError(f"{where}: {keys.get('rope_scaling', 'rope_scaling')} low_freq_factor "
+                         f"{cfg.rope_scaling['low_freq_factor']:g} is not below high_freq_factor "
+                         f"{cfg.rope_scaling['high_freq_factor']:g}")
+    for name, ids in (("bos_token_id", [cfg.bos_token_id] if cfg.bos_token_id is not None else []),
+                      ("eos_token_id", cfg.eos_token_ids)):
+        bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+        if bad:
+            raise ModelError(f"{where}: {keys.get(name, name)} {_shown(bad[0])} is outside the {cfg.vocab_size}-token "
+                             "vocabulary")
+    return cfg
 
 
 def parse_config(raw: dict[str, Any], where: str = "config.json") -> LlamaConfig:
+    if not isinstance(raw, dict):
+        raise ModelError(f"{where}: not a JSON object")
     archs = raw.get("architectures")
     if archs:
+        archs = [str(a) for a in archs] if isinstance(archs, list) else [str(archs)]
         if "LlamaForCausalLM" not in archs:
             raise ModelError(f"{where}: architecture {', '.join(archs)} is not supported (llmrs runs LlamaForCausalLM)")
     elif raw.get("model_type") != "llama":
@@ -93,41 +195,54 @@ def parse_config(raw: dict[str, Any], where: str = "config.json") -> LlamaConfig
     if act != "silu":
         raise ModelError(f"{where}: hidden_act {act!r} is not supported (llmrs runs 'silu')")
     need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-    missing = [k for k in need if k not in raw]
+    missing = [k for k in need if raw.get(k) is None]
     if missing:
         raise ModelError(f"{where}: missing {', '.join(missing)}")
     theta, scaling = _rope(raw, where)
-    heads = int(raw["num_attention_heads"])
-    kv_heads = int(raw.get("num_key_value_heads") or heads)
-    head_dim = int(raw.get("head_dim") or raw["hidden_size"] // heads)
-    if heads % kv_heads:
+    n = {k: _raw_int(raw, k, None, where) for k in need + ("num_key_value_heads", "head_dim")}
+    for k in ("num_attention_heads", "hidden_size"):
+        if n[k] < 1:
+            raise ModelError(f"{where}: {k} is {n[k]}; it must be positive")
+    heads = n["num_attention_heads"]
+    kv_heads = n["num_key_value_heads"] or heads
+    head_dim = n["head_dim"] or n["hidden_size"] // heads
+    if kv_heads < 1 or heads % kv_heads:
         raise ModelError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     if head_dim % 2:
         raise ModelError(f"{where}: head_dim {head_dim} must be even for RoPE")
-    return LlamaConfig(
-        vocab_size=int(raw["vocab_size"]),
-        hidden_size=int(raw["hidden_size"]),
-        intermediate_size=int(raw["intermediate_size"]),
-        num_hidden_layers=int(raw["num_hidden_layers"]),
+    bos = _ids(raw.get("bos_token_id"), "bos_token_id", where)
+    return check_ranges(LlamaConfig(
+        vocab_size=n["vocab_size"],
+        hidden_size=n["hidden_size"],
+        intermediate_size=n["intermediate_size"],
+        num_hidden_layers=n["num_hidden_layers"],
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=_raw_float(raw, "rms_norm_eps", 1e-6, where),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        max_position_embeddings=_raw_int(raw, "max_position_embeddings", 2048, where),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=_ids(raw.get("eos_token_id")),
+        bos_token_id=bos[0] if bos else None,
+        eos_token_ids=_ids(raw.get("eos_token_id"), "eos_token_id", where),
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
-    )
+    ), where, _ROPE_KEYS if "rope_parameters" in raw else None)
 
 
 def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file; anything else is a one-line ModelError naming it."""
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ModelError(f"{path}: not UTF-8 text") from None
     except json.JSONDecodeError as e:
         raise ModelError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    except RecursionError:
+        raise ModelError(f"{path}: JSON nested too deeply") from None
+    if not isinstance(value, dict):
+        raise ModelError(f"{path}: not a JSON object")
+    return value
 
 
 def load_config(model_dir: str | Path) -> LlamaConfig:
@@ -140,6 +255,7 @@ def load_config(model_dir: str | Path) -> LlamaConfig:
     cfg = parse_config(read_json(path), str(path))
     gen = model_dir / "generation_config.json"
     if gen.is_file():  # it may name more stop tokens than config.json does
-        extra = _ids(read_json(gen).get("eos_token_id"))
-        cfg = LlamaConfig(**{**asdict(cfg), "eos_token_ids": tuple(dict.fromkeys(cfg.eos_token_ids + extra))})
+        extra = _ids(read_json(gen).get("eos_token_id"), "eos_token_id", str(gen))
+        cfg = check_ranges(LlamaConfig(**{**asdict(cfg), "eos_token_ids": tuple(dict.fromkeys(cfg.eos_token_ids + extra))}),
+                           str(gen))
     return cfg

@@ -23,8 +23,9 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as GT
 
-from .config import LlamaConfig, ModelError
 from ..compiler.rope import rope_inv_freq
+from .config import LlamaConfig, ModelError, check_float, check_ranges
+from .finite import all_finite
 
 NATIVE = {GT.F32: "f32", GT.F16: "f16", GT.BF16: "bf16", GT.Q4_0: "q4_0", GT.Q4_1: "q4_1", GT.Q8_0: "q8_0"}
 
@@ -74,6 +75,7 @@ class GGUFTensor:
     shape: tuple[int, ...]      # [out, in] as Hugging Face has it (GGUF lists dimensions innermost first)
     data: np.ndarray            # the mapped bytes as gguf's reader exposes them
     n_heads: int = 0            # Q / K: heads whose rows llama.cpp interleaved; 0 for other tensors
+    path: str = ""              # the file, for messages
 
     @property
     def source_format(self) -> str | None:
@@ -81,12 +83,20 @@ class GGUFTensor:
         return None if GT[self.ggml_type] in NATIVE else self.ggml_type
 
     def load(self) -> np.ndarray:
+        """The tensor's values in its storage layout; a ModelError if one is not a finite number
+        (a damaged file, or a type field that no longer says how its bytes are laid out)."""
         raw = unpermute_rows(self.data, self.n_heads) if self.n_heads else self.data
         if self.source_format:
-            return np.asarray(gguf.quants.dequantize(raw, GT[self.ggml_type]), dtype=np.float32).reshape(self.shape)
-        if self.dtype == "bf16":  # the reader exposes BF16 as bytes
-            return raw.view(np.uint16)
-        return raw
+            with np.errstate(all="ignore"):   # damaged scales: all_finite below names the tensor
+                out = np.asarray(gguf.quants.dequantize(raw, GT[self.ggml_type]), np.float32).reshape(self.shape)
+        elif self.dtype == "bf16":  # the reader exposes BF16 as bytes
+            out = raw.view(np.uint16)
+        else:
+            out = raw
+        if not all_finite(out, "f32" if self.source_format else self.dtype):
+            raise ModelError(f"{self.path}: tensor {self.name!r} holds values that are not finite numbers (NaN or infinity), "
+                             f"read as {self.ggml_type}: the file is damaged; download or convert it again")
+        return out
 
 
 class Metadata:
@@ -126,6 +136,18 @@ class Metadata:
         return value
 
 
+class _StrictReader(gguf.GGUFReader):
+    """gguf's reader, except that a read past the end of the file fails. gguf's own returns fewer
+    items than asked, and an array of scalars whose count was damaged then loops without moving
+    forward: a hang, not an error."""
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+        arr = super()._get(offset, dtype, count, override_order)
+        if len(arr) != int(count):
+            raise ValueError(f"a read of {int(count)} x {np.dtype(dtype).name} at byte {offset} runs past the end")
+        return arr
+
+
 def open_reader(path: Path) -> Any:
     """gguf.GGUFReader over the file, its failures (bad magic, truncation, garbage) as one line."""
     if not path.is_file():
@@ -136,11 +158,42 @@ def open_reader(path: Path) -> Any:
         raise ModelError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF'); "
                          "give a .gguf file or a Hugging Face model folder")
     try:
-        return gguf.GGUFReader(path)
+        with np.errstate(all="ignore"):   # a damaged offset overflows inside gguf: the error below says so
+            reader = _StrictReader(path)
     except (ValueError, KeyError, IndexError, OverflowError, TypeError, UnicodeDecodeError, MemoryError) as e:
         detail = " ".join(str(e).split())[:120]
         raise ModelError(f"{path}: truncated or corrupt GGUF file ({type(e).__name__}: {detail}); "
                          "download or convert it again") from None
+    check_tensor_table(reader, path)
+    return reader
+
+
+def check_tensor_table(reader: Any, path: Path) -> None:
+    """Every tensor at an offset that is a multiple of the file's alignment, inside the file, and
+    clear of every other tensor. gguf's reader takes offsets as written, so a table damaged by one
+    byte would hand out another tensor's bytes, shifted: weights of garbage, NaN logits."""
+    align, base, size = int(reader.alignment), int(reader.data_offset), int(reader.data.size)
+    spans = []
+    for t in reader.tensors:
+        rel = int(t.data_offset) - base
+        if rel % align:
+            raise ModelError(f"{path}: tensor {t.name!r} starts at data offset {rel}, not a multiple of the "
+                             f"file's alignment {align}: its tensor table is damaged; download or convert it again")
+        block, type_bytes = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        n = math.prod(int(d) for d in t.shape)
+        if n % block:
+            raise ModelError(f"{path}: tensor {t.name!r} has {n} values, not whole {t.tensor_type.name} blocks "
+                             f"of {block}: its tensor table is damaged")
+        nbytes = n // block * type_bytes
+        if base + rel + nbytes > size:
+            raise ModelError(f"{path}: tensor {t.name!r} ({nbytes} bytes at data offset {rel}) runs past the end "
+                             "of the file: it is truncated or damaged; download or convert it again")
+        spans.append((rel, nbytes, t.name))
+    spans.sort()
+    for (a_off, a_size, a), (b_off, _, b) in zip(spans, spans[1:]):
+        if a_off + a_size > b_off:
+            raise ModelError(f"{path}: tensors {a!r} and {b!r} overlap in the file: its tensor table is damaged; "
+                             "download or convert it again")
 
 
 def _rope_scaling(meta: Metadata, freqs: np.ndarray | None, head_dim: int, theta: float) -> dict[str, Any] | None:
@@ -219,13 +272,14 @@ def read_config(meta: Metadata, tensors: dict[str, Any]) -> LlamaConfig:
     if meta.get("llama.vocab_size", int, vocab) != vocab:
         raise ModelError(f"{p}: llama.vocab_size {meta.get('llama.vocab_size', int)} differs from "
                          f"token_embd.weight's {vocab} rows")
-    theta = meta.get("llama.rope.freq_base", float, 10000.0)
+    # checked before the RoPE scaling is fitted to it
+    theta = check_float("rope_theta", meta.get("llama.rope.freq_base", float, 10000.0), str(p), "llama.rope.freq_base")
     rf = tensors.get(ROPE_FREQS)
     if rf is not None and tuple(int(d) for d in rf.shape) != (head_dim // 2,):
         raise ModelError(f"{p}: tensor {ROPE_FREQS!r} has shape {list(rf.shape)}, expected [{head_dim // 2}]")
-    freqs = None if rf is None else np.asarray(gguf.quants.dequantize(rf.data, rf.tensor_type), np.float32)
+    freqs = None if rf is None else _rope_freqs(rf, p)
     counts = Counter(t.tensor_type.name.lower() for t in tensors.values() if len(t.shape) == 2)
-    return LlamaConfig(
+    return check_ranges_of(LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=meta.positive("llama.feed_forward_length", why=need),
@@ -239,7 +293,33 @@ def read_config(meta: Metadata, tensors: dict[str, Any]) -> LlamaConfig:
         max_position_embeddings=meta.positive("llama.context_length", why=need),
         tie_word_embeddings="output.weight" not in tensors,
         torch_dtype=counts.most_common(1)[0][0] if counts else "f32",
-    )
+    ), p)
+
+
+# the GGUF key of each LlamaConfig field, for check_ranges' messages
+GGUF_KEYS = {"vocab_size": "token_embd.weight's row count", "hidden_size": "llama.embedding_length",
+             "intermediate_size": "llama.feed_forward_length", "num_hidden_layers": "llama.block_count",
+             "num_attention_heads": "llama.attention.head_count", "num_key_value_heads": "llama.attention.head_count_kv",
+             "head_dim": "llama.attention.key_length", "max_position_embeddings": "llama.context_length",
+             "rms_norm_eps": "llama.attention.layer_norm_rms_epsilon", "rope_theta": "llama.rope.freq_base",
+             "rope_scaling": "rope_freqs.weight's scaling", "bos_token_id": "tokenizer.ggml.bos_token_id",
+             "eos_token_id": "tokenizer.ggml.eos_token_id"}
+
+
+def check_ranges_of(cfg: LlamaConfig, path: Path) -> LlamaConfig:
+    return check_ranges(cfg, str(path), GGUF_KEYS)
+
+
+def _rope_freqs(rf: Any, path: Path) -> np.ndarray:
+    """rope_freqs.weight's divisors: finite and positive, or the file is damaged."""
+    try:
+        freqs = np.asarray(gguf.quants.dequantize(rf.data, rf.tensor_type), np.float32).reshape(-1)
+    except (NotImplementedError, ValueError, KeyError) as e:
+        raise ModelError(f"{path}: tensor {ROPE_FREQS!r} cannot be read ({e})") from None
+    if not (np.all(np.isfinite(freqs)) and np.all(freqs > 0)):
+        raise ModelError(f"{path}: tensor {ROPE_FREQS!r} holds a value that is not a positive number "
+                         "(the file is damaged)")
+    return freqs
 
 
 def read_tensors(cfg: LlamaConfig, reader: Any, path: Path) -> dict[str, GGUFTensor]:
@@ -271,5 +351,5 @@ def read_tensors(cfg: LlamaConfig, reader: Any, path: Path) -> dict[str, GGUFTen
                                  "(gguf cannot dequantize it); re-quantize the model to Q8_0, Q4_0 or F16") from None
         heads = cfg.num_attention_heads if name.endswith("q_proj.weight") else \
             cfg.num_key_value_heads if name.endswith("k_proj.weight") else 0
-        out[name] = GGUFTensor(g, kind.name, NATIVE.get(kind, "f32"), shape, t.data, heads)
+        out[name] = GGUFTensor(g, kind.name, NATIVE.get(kind, "f32"), shape, t.data, heads, str(path))
     return out

@@ -3,6 +3,7 @@ modeling_llama.py; parameters keep their safetensors names."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,11 +73,45 @@ def _token_text(v: object) -> str | None:
     return v.get("content") if isinstance(v, dict) else v if isinstance(v, str) else None
 
 
+def check_tokenizer(text: str, where: str, vocab_size: int) -> str:
+    """text, if `tokenizers` reads it as a tokenizer whose ids all index the embedding; else a
+    one-line ModelError (llmrs-run would otherwise fail at its first prompt, or read past the
+    embedding table)."""
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_str(text)
+    except Exception as e:   # tokenizers raises its own exception types
+        detail = " ".join(str(e).split())[:120]
+        raise ModelError(f"{where}: not a tokenizer the tokenizers library can read ({detail}); "
+                         "copy the model's tokenizer.json again") from None
+    top = max(tok.get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= vocab_size:
+        raise ModelError(f"{where}: token id {top} is outside the model's {vocab_size}-row embedding; "
+                         "the tokenizer belongs to another model")
+    return text
+
+
+def _read_tokenizer(path: Path, vocab_size: int) -> str | None:
+    if not path.is_file():
+        return None
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise ModelError(f"{path}: not UTF-8 text; copy the model's tokenizer.json again") from None
+    return check_tokenizer(text, str(path), vocab_size)
+
+
+NO_TOKENIZER = ("{where} has no tokenizer.json: the plan will hold no tokenizer, so llmrs-run cannot turn "
+                "text into tokens (add the model's tokenizer.json and compile again)")
+
+
 def load_hf_folder(model_dir: Path) -> LlamaModel:
     """Parse and check a Hugging Face folder; weights stay on disk (memory-mapped on use)."""
     cfg = load_config(model_dir)
     refs = check_weights(cfg, open_folder(model_dir), str(model_dir))
     tok = model_dir / "tokenizer.json"
+    tokenizer_json = _read_tokenizer(tok, cfg.vocab_size)
     tok_cfg = model_dir / "tokenizer_config.json"
     extra = read_json(tok_cfg) if tok_cfg.is_file() else {}
     template = extra.get("chat_template")
@@ -84,10 +119,13 @@ def load_hf_folder(model_dir: Path) -> LlamaModel:
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     jinja = model_dir / "chat_template.jinja"  # newer transformers save the template beside it
     if jinja.is_file():
-        template = jinja.read_text()
-    return LlamaModel(model_dir, cfg, refs, tok.read_text() if tok.is_file() else None,
-                      template if isinstance(template, str) else None,
-                      _token_text(extra.get("bos_token")), _token_text(extra.get("eos_token")))
+        try:
+            template = jinja.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            raise ModelError(f"{jinja}: not UTF-8 text") from None
+    return LlamaModel(model_dir, cfg, refs, tokenizer_json, template if isinstance(template, str) else None,
+                      _token_text(extra.get("bos_token")), _token_text(extra.get("eos_token")),
+                      () if tokenizer_json is not None else (NO_TOKENIZER.format(where=model_dir),))
 
 
 def load_gguf(path: Path) -> LlamaModel:
@@ -100,9 +138,29 @@ def load_gguf(path: Path) -> LlamaModel:
     cfg = read_config(meta, {t.name: t for t in reader.tensors})
     tensors = read_tensors(cfg, reader, path)
     vocab = read_vocab(meta)
+    check_tokenizer(vocab.tokenizer_json, f"{path}: tokenizer.ggml.*", cfg.vocab_size)
     cfg = dataclasses.replace(cfg, bos_token_id=vocab.bos_id, eos_token_ids=vocab.stop_ids)
     return LlamaModel(path, cfg, tensors, vocab.tokenizer_json, vocab.chat_template,
                       vocab.bos_token, vocab.eos_token, vocab.notices)
+
+
+# what load_hf_folder reads besides the safetensors files
+FOLDER_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "chat_template.jinja", "model.safetensors.index.json")
+
+
+def input_files(model: str | Path) -> list[Path]:
+    """Every file load_model(model) reads, so that a writer can refuse to replace one of them."""
+    model = Path(model)
+    if not model.is_dir():
+        return [model]
+    files = [model / n for n in FOLDER_FILES] + sorted(model.glob("*.safetensors"))
+    try:   # shards named by an index may sit in sub-folders
+        shards = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"].values()
+        files += [model / str(s) for s in set(shards)]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return files
 
 
 def load_model(model: str | Path) -> LlamaModel:

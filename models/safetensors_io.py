@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelError
+from .finite import all_finite
 
 _DTYPES = {"F32": ("f32", np.float32), "F16": ("f16", np.float16), "BF16": ("bf16", np.uint16)}
 _NAMES = {"f32": "F32", "f16": "F16", "bf16": "BF16"}
@@ -28,8 +29,13 @@ class TensorRef:
     offset: int                 # absolute byte offset in the file
 
     def load(self) -> np.ndarray:
+        """The mapped tensor; a ModelError if a value is NaN or infinite (every logit would be)."""
         np_dtype = _DTYPES[_NAMES[self.dtype]][1]
-        return np.memmap(self.path, dtype=np_dtype, mode="r", offset=self.offset, shape=self.shape)
+        out = np.memmap(self.path, dtype=np_dtype, mode="r", offset=self.offset, shape=self.shape)
+        if not all_finite(out, self.dtype):
+            raise ModelError(f"{self.path}: tensor {self.name!r} holds values that are not finite numbers "
+                             "(NaN or infinity): the file is damaged; download or copy it again")
+        return out
 
 
 def read_header(path: Path) -> dict[str, TensorRef]:
@@ -43,17 +49,24 @@ def read_header(path: Path) -> dict[str, TensorRef]:
             raise ModelError(f"{path}: not a safetensors file (header length {n} for a {size}-byte file)")
         try:
             header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             raise ModelError(f"{path}: not a safetensors file (header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise ModelError(f"{path}: not a safetensors file (header is not a JSON object)")
     refs = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
+        info = info if isinstance(info, dict) else {}
         if info.get("dtype") not in _DTYPES:
             raise ModelError(f"{path}: tensor {name!r} has dtype {info.get('dtype')}; llmrs reads BF16, F16 and F32")
         dtype, np_dtype = _DTYPES[info["dtype"]]
-        shape = tuple(int(s) for s in info["shape"])
-        start, end = (int(x) for x in info["data_offsets"])
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+                and isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int for x in offsets)):
+            raise ModelError(f"{path}: tensor {name!r} has a malformed shape or data_offsets in the header")
+        shape = tuple(shape)
+        start, end = offsets
         want = int(np.prod(shape, dtype=np.int64)) * np.dtype(np_dtype).itemsize
         if end - start != want or start < 0 or 8 + n + end > size:
             raise ModelError(f"{path}: tensor {name!r} lies outside the file or has the wrong size (truncated?)")
@@ -66,9 +79,11 @@ def open_folder(model_dir: Path) -> dict[str, TensorRef]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError):
-            raise ModelError(f"{index}: not a safetensors index (no weight_map)") from None
+            weight_map = json.loads(index.read_bytes())["weight_map"]
+            if not (isinstance(weight_map, dict) and all(isinstance(f, str) for f in weight_map.values())):
+                raise TypeError
+        except (ValueError, KeyError, TypeError, RecursionError):
+            raise ModelError(f"{index}: not a safetensors index (no weight_map of tensor names to files)") from None
         files = sorted(set(weight_map.values()))
         for f in files:
             if not (model_dir / f).is_file():

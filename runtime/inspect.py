@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(prog="llmrs-inspect", description=__doc__)
     ap.add_argument("plan", help="a plan.bin written by llmrs-compile")
     ap.add_argument("--verify", default="auto", choices=VERIFY_MODES,
-                    help="checksum the weights: auto (first open of a file only), always, never")
+                    help="checksum the weights: auto (in the background, before any weight is used), always (while opening), never")
     ap.add_argument("--no-layout", action="store_true", help="leave out the arena layouts")
     ap.add_argument("--plot", type=Path, metavar="ARENA.png",
                     help="draw each phase's arena: tensors as rectangles over op index x offset, the lower "
@@ -107,9 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.plot:
-            check_output_file(args.plot, "--plot")
+            check_output_file(args.plot, "--plot", [args.plan])
             pyplot()    # before any output: a missing matplotlib is the one line said
         plan = Plan.open(args.plan, verify=args.verify)
+        plan.check_weights()   # damaged weights are this one error line, not a traceback later
     except (PlanError, PlotError, ValueError) as e:
         print(f"llmrs-inspect: error: {e}", file=sys.stderr)
         return 2

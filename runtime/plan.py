@@ -2,25 +2,26 @@
 
 Open checks the header (magic, version, its checksum, the file's length), the manifest (checksum,
 JSON), every section and tensor offset against the file, that the bytes between regions are zero,
-the checksums of all sections but the weights, and the graphs. The weights section (most of the
-file) is checksummed on the first open of a given file only: the result is remembered under
-LLMRS_CACHE_DIR (default ~/.cache/llmrs), keyed by the file's real path, size, mtime and inode,
-so later opens just map it (a rewrite within the file system's mtime granularity, same size
-and inode, would go unnoticed: use verify="always" for files edited in place). verify="always"
-checks the weights anyway, verify="never" skips them.
+the checksums of all sections, and the graphs. The weights section (most of the file) is
+checksummed on every open, from its mapped bytes: with verify="auto" in a background thread
+(zlib.crc32 lets go of the GIL), so the work overlaps the graphs' decoding and the back end's
+code loading, and the first access to a weight (`weight()`, `weights_region()`) waits for it, so
+no kernel ever reads bytes that were not checked. Nothing about the file (path, size, mtime,
+inode) stands in for its content: a file rewritten in place with its mtime put back is refused.
+verify="always" checks the weights during open, verify="never" skips them.
 """
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import math
 import os
 import struct
+import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 import numpy as np
 
@@ -32,6 +33,7 @@ from ..compiler.serialize import graph_from_json
 VERIFY_MODES = ("auto", "always", "never")
 _CHUNK = 8 << 20  # bytes per read while checksumming
 _MAX_HEADER = 4096  # any format version's header; more means a damaged length field
+TOKENIZER = "tokenizer.json"   # the section holding the Hugging Face tokenizer
 
 
 class PlanError(ValueError):
@@ -87,15 +89,27 @@ class Plan:
     """A validated plan file; weights are np.memmap views into it."""
 
     def __init__(self, path: Path, header: Header, manifest: dict[str, Any], sections: dict[str, Section],
-                 tensors: dict[str, TensorEntry], mm: np.memmap, verification: str):
+                 tensors: dict[str, TensorEntry], mm: np.memmap, weights_check: "WeightsCheck | None"):
         self.path = path
         self.header = header
         self.manifest = manifest
         self.sections = sections
         self.tensors = tensors
-        self.verification = verification    # weights section: "checked" | "cached" | "skipped"
+        self._check = weights_check         # None: verify="never"
         self._mm = mm                       # uint8[file_bytes], read-only
         self._graphs: dict[str, Graph] = {}
+
+    def check_weights(self) -> None:
+        """Wait for the weights section's checksum (verify="auto" runs it in the background) and
+        raise its PlanError if the weights are damaged; at once with verify="never"."""
+        if self._check is not None:
+            self._check.wait()
+
+    @property
+    def verification(self) -> str:
+        """The weights section's checksum: "checked" (once it is done) or "skipped" (verify="never")."""
+        self.check_weights()
+        return "skipped" if self._check is None else "checked"
 
     # -- opening ------------------------------------------------------------------------------
     @classmethod
@@ -130,17 +144,17 @@ class Plan:
         for name, sec in sections.items():
             if name != WEIGHTS:
                 _check_section(f, name, sec, fail)
-        key = {"path": os.path.realpath(path), "size": size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino,
-               "manifest_crc32": header.manifest_crc32, "weights_crc32": sections[WEIGHTS].crc32}
-        verification = "skipped"
-        if verify == "always" or (verify == "auto" and not _cache_hit(key)):
-            _check_section(f, WEIGHTS, sections[WEIGHTS], fail)
-            _cache_store(key)
-            verification = "checked"
-        elif verify == "auto":
-            verification = "cached"
-        plan = cls(path, header, manifest, sections, tensors, mm, verification)
+        weights = sections[WEIGHTS]
+        check = None if verify == "never" else WeightsCheck(mm[weights.offset:weights.offset + weights.size],
+                                                            weights.crc32, fail)
+        if verify == "always":
+            check.wait()
+        plan = cls(path, header, manifest, sections, tensors, mm, check)
         plan._graphs = plan._build_graphs(fail)
+        for phase, g in plan._graphs.items():
+            _check_attrs(phase, g, fail)
+            _check_layout(phase, g, fail)
+        _check_run_keys(manifest, plan._graphs, fail)
         return plan
 
     def _build_graphs(self, fail) -> dict[str, Graph]:
@@ -166,6 +180,7 @@ class Plan:
 
     def weights_region(self) -> np.memmap:
         """The whole weights section: uint8[size], read-only; tensor offsets are relative to it."""
+        self.check_weights()   # no kernel reads bytes that were not checked
         sec = self.sections[WEIGHTS]
         return self._mm[sec.offset:sec.offset + sec.size]
 
@@ -174,6 +189,7 @@ class Plan:
         t = self.tensors.get(name)
         if t is None:
             raise PlanError(f"{self.path}: no tensor {name!r} in the plan")
+        self.check_weights()   # no kernel reads bytes that were not checked
         sshape, np_dtype = storage_shape(t.shape, t.dtype)
         base = self.sections[WEIGHTS].offset + t.offset
         return self._mm[base:base + t.nbytes].view(np_dtype).reshape(sshape)
@@ -196,9 +212,24 @@ class Plan:
             return f"no {label} code: {why}; the plan runs on {runs_on}"
         return f"no {label} code (compiled without --target {backend}); recompile with it"
 
+    def tokenizer(self) -> Any:
+        """The plan's tokenizer (a `tokenizers.Tokenizer`); a PlanError if it has none or its
+        section cannot be read as one (a plan from a compiler that did not check it)."""
+        from tokenizers import Tokenizer
+
+        raw = self.section(TOKENIZER)
+        try:
+            return Tokenizer.from_str(bytes(raw).decode("utf-8"))
+        except Exception as e:   # tokenizers raises its own exception types
+            detail = " ".join(str(e).split())[:120]
+            raise PlanError(f"{self.path}: its tokenizer cannot be read ({detail}); compile the plan again") from None
+
     def section(self, name: str) -> memoryview:
         """A section's bytes, read-only (e.g. "opencl" source, "llvm.<triple>" objects)."""
         sec = self.sections.get(name)
+        if sec is None and name == TOKENIZER:
+            raise PlanError(f"{self.path}: the plan holds no tokenizer (its model had no tokenizer.json), so text "
+                            "cannot become tokens; compile it again from a folder with the model's tokenizer.json")
         if sec is None:
             raise PlanError(f"{self.path}: no section {name!r} in the plan (it has "
                             f"{', '.join(sorted(self.sections))}); recompile with that backend enabled")
@@ -321,28 +352,106 @@ def _check_section(f: BinaryIO, name: str, sec: Section, fail) -> None:
                    "recompile or copy the plan again")
 
 
-# -- the verified-weights cache -----------------------------------------------------------------
+# -- what the runtime takes from the manifest besides the graphs (a plan that passed its checksums
+# may still come from a broken or hostile writer: nothing here may reach a kernel unchecked) ------
 
-def _cache_file(key: dict[str, Any]) -> Path:
-    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()
-    return cache_dir() / "verified" / f"{digest}.json"
-
-
-def _cache_hit(key: dict[str, Any]) -> bool:
-    try:
-        return json.loads(_cache_file(key).read_text()) == key
-    except (OSError, ValueError):
-        return False
+_POSITIVE_ATTRS = ("eps", "theta", "scale")    # rms_norm, rope, attention: 0, a negative or NaN is garbage
 
 
-def _cache_store(key: dict[str, Any]) -> None:
-    """Best effort: an unwritable cache only means the next open checks the weights again."""
-    path = _cache_file(key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(key, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError:
-        pass
+def _check_attrs(phase: str, g: Graph, fail) -> None:
+    """Float attributes of every op finite, those that must be positive positive."""
+    for op in g.ops:
+        for key, value in op.attrs.items():
+            values = value.values() if isinstance(value, dict) else [value]
+            for v in values:
+                if isinstance(v, float) and not math.isfinite(v) or \
+                        key in _POSITIVE_ATTRS and not (isinstance(v, (int, float)) and v > 0):
+                    raise fail(f"graph {phase!r}: op {op.name} has {key}={v!r}; recompile the plan")
 
+
+def _offsets(lay: dict[str, Any], key: str, phase: str, fail) -> dict[str, int]:
+    table = lay.get(key)
+    if not (isinstance(table, dict) and all(_is_int(o) and o >= 0 for o in table.values())):
+        raise fail(f"graph {phase!r}: memory plan {key!r} is not a table of offsets; recompile the plan")
+    return table
+
+
+def _check_layout(phase: str, g: Graph, fail) -> None:
+    """Every activation and cache inside the arena / KV region the back ends allocate from the
+    layout's sizes, which are no larger than all of them side by side: a kernel writes at these
+    offsets, so one outside would write outside the buffer."""
+    lay = g.meta.get("layout")
+    if lay is None:
+        return
+    if not isinstance(lay, dict):
+        raise fail(f"graph {phase!r}: memory plan is not an object; recompile the plan")
+    arena, kv = _offsets(lay, "arena", phase, fail), _offsets(lay, "kv", phase, fail)
+    for region, table, kinds in (("arena", arena, ("act", "input")), ("kv", kv, ("state",))):
+        size = lay.get(f"{region}_bytes")
+        placed = [n for n, v in g.values.items() if v.kind in kinds and v.alias is None]
+        side_by_side = sum(-(-g.values[n].nbytes // ALIGN) * ALIGN for n in placed) + ALIGN
+        if not (_is_int(size) and 0 <= size <= side_by_side):
+            raise fail(f"graph {phase!r}: memory plan {region}_bytes {size!r} is not a size the graph needs; "
+                       "recompile the plan")
+        for n in placed:
+            off = table.get(n)
+            if off is None or off + g.values[n].nbytes > size:
+                raise fail(f"graph {phase!r}: value {n!r} lies outside the {size}-byte {region} "
+                           f"(offset {off}); recompile the plan")
+
+
+def _check_run_keys(m: dict[str, Any], graphs: dict[str, Graph], fail) -> None:
+    """The keys llmrs-run reads next to the graphs, typed and agreeing with them; in a plan that
+    llmrs-compile wrote (it has a compile command) or that names a chunk, all of them and both graphs."""
+    prefill, decode = graphs.get("prefill"), graphs.get("decode")
+    want = {"prefill_chunk": prefill.T if prefill else None, "max_seq_len": decode.kv_slots if decode else None}
+    if any(k in m for k in ("compile_command", *want)):
+        if prefill is None or decode is None:
+            raise fail("the plan lacks its prefill or decode graph; recompile the plan")
+        for key, value in want.items():
+            if not (_is_int(m.get(key)) and m[key] == value):
+                raise fail(f"manifest {key} {m.get(key)!r} does not match the graphs ({value}); recompile the plan")
+    vocab = decode.values[decode.outputs[0]].shape[-1] if decode and decode.outputs else None
+    model = m.get("model", {})
+    if not isinstance(model, dict) or "vocab_size" in model and not (
+            _is_int(model["vocab_size"]) and model["vocab_size"] == (vocab or model["vocab_size"]) > 0):
+        raise fail(f"manifest model vocab_size does not match the graphs' {vocab} logits; recompile the plan")
+    stops = m.get("stop_ids", [])
+    if not (isinstance(stops, list) and all(_is_int(i) and 0 <= i < (vocab or i + 1) for i in stops)):
+        raise fail(f"manifest stop_ids {str(stops)[:40]} are not token ids of the {vocab}-token vocabulary; "
+                   "recompile the plan")
+    for key in ("chat_template", "bos_token", "eos_token"):
+        if m.get(key) is not None and not isinstance(m[key], str):
+            raise fail(f"manifest {key} is not text; recompile the plan")
+
+
+# -- the weights' checksum, in the background ---------------------------------------------------
+
+class WeightsCheck:
+    """crc32 of the mapped weights section against the manifest's, computed in a thread started
+    here; wait() joins it and raises the PlanError of damaged weights (every time it is asked)."""
+
+    def __init__(self, region: np.memmap, crc32: int, fail: Callable[[str], PlanError]):
+        self._region, self._crc32, self._fail = region, crc32, fail
+        self._error: PlanError | None = None
+        self._pid = os.getpid()
+        self._thread = threading.Thread(target=self._run, name="llmrs-weights-crc32", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        crc = 0
+        for start in range(0, len(self._region), _CHUNK):
+            crc = zlib.crc32(self._region[start:start + _CHUNK], crc)
+        if crc != self._crc32:
+            self._error = self._fail(f"section {WEIGHTS!r} is corrupted (checksum {crc:08x}, manifest says "
+                                     f"{self._crc32:08x}); recompile or copy the plan again")
+
+    def wait(self) -> None:
+        thread = self._thread
+        if thread is not None:
+            if os.getpid() != self._pid:   # a forked child has the thread object, not the thread
+                self._run()
+            thread.join()
+            self._thread = None
+        if self._error is not None:
+            raise self._error

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llmrs.compiler.cliutil import write_output
 from llmrs.compiler import ir
 from llmrs.compiler.passes.quantize import WEIGHT_DTYPES
 from llmrs.runtime.backends.opencl_launch import DirectLaunches
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         print(dtype, json.dumps(r), flush=True)
         wbuf.release()
     if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_output(args.out, json.dumps(result, indent=1) + "\n", "--out")
     return 0
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llmrs.compiler.cliutil import write_output
 from llmrs.compiler.summary import decode_weight_bytes
 from llmrs.runtime.backends.cpu import CpuBackend, physical_cores
 from llmrs.runtime.plan import Plan
@@ -94,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['plan']:<40} {r['decode_tok_s']:>12.1f} {r['weight_bytes_per_token'] / 1e6:>9.2f} "
               f"{r['weight_gb_s']:>6.2f} {r['decode_ratio']:>8.3f} {pf}")
     if args.json:
-        args.json.write_text(json.dumps({"threads": args.threads, "rounds": args.rounds, "steps": args.steps,
+        write_output(args.json, json.dumps({"threads": args.threads, "rounds": args.rounds, "steps": args.steps,
                                          "prompt": args.prompt, "prefill_tokens": args.prefill_tokens,
-                                         "plans": rows}, indent=1) + "\n")
+                                         "plans": rows}, indent=1) + "\n", "--json")
     for be in backends:
         be.close()
     return 0

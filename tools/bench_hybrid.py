@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llmrs.compiler.cliutil import write_output
 from llmrs.compiler.cli import main as compile_main
 from llmrs.models.tiny import PRESETS, make_model
 from llmrs.runtime.backends.hybrid import KV_MODES, HybridBackend, Schedule
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<28} {res['prefill_tok_s']:>13.1f} {res['decode_tok_s']:>12.2f}  {switch}"
               + ("" if res["tokens_match_cpu"] else "  (tokens differ from the CPU's)"))
     if args.out:
-        args.out.write_text(json.dumps(report, indent=1))
+        write_output(args.out, json.dumps(report, indent=1), "--out")
         log(f"wrote {args.out}")
     return 0
 

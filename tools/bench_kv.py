@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmrs.compiler.cliutil import OneLineParser
+from llmrs.compiler.cliutil import OneLineParser, write_output
 from llmrs.runtime.backends import BackendOptions, open_backend
 from llmrs.runtime.backends.opencl import OpenCLBackend
 from llmrs.runtime.engine import Engine, EngineError
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     print_tables(result)
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(result, indent=1) + "\n")
+        write_output(args.output, json.dumps(result, indent=1) + "\n", "-o")
         log(f"wrote {args.output}")
     return 0
 

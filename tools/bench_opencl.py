@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from llmrs.compiler.cliutil import write_output
 from llmrs.compiler.codegen.opencl import generate
 from llmrs.compiler.codegen.opencl_tuning import DeviceKind, OpenCLTuning, tuning_for
 from llmrs.compiler.passes.quantize import WEIGHT_DTYPES
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                 results += bench(args.model, w, args.prefill, args.steps, args.max_seq_len, kv, Path(tmp),
                                  variants, tuning)
                 if args.out:   # after each run, so a later failure keeps what was measured
-                    args.out.write_text(json.dumps(results, indent=1) + "\n")
+                    write_output(args.out, json.dumps(results, indent=1) + "\n", "--out")
     return 0
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llmrs.compiler.cliutil import write_output
 from llmrs.runtime.plan import Plan
 
 PROMPTS = ("The capital of France is", "def fibonacci(n):",
@@ -85,7 +86,7 @@ def main() -> int:
         print(f"{prompt[:40]!r:44s} {len(ids):3d} tokens  max rel err {max(errs):.2e}  -> {rows[-1]['continuation']!r}")
     print(f"worst relative error over {len(PROMPTS)} prompts x {args.steps + 1} positions: {worst:.2e}")
     if args.json:
-        args.json.write_text(json.dumps({"worst": worst, "rows": rows}, indent=1))
+        write_output(args.json, json.dumps({"worst": worst, "rows": rows}, indent=1), "--json")
     return 0
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from llmrs.compiler.cliutil import write_output
 from llmrs.runtime.backends.cpu import CpuBackend
 from llmrs.runtime.chat import from_manifest
 from llmrs.runtime.engine import Engine
@@ -178,7 +179,7 @@ def main() -> int:
               f"first differences at {[r['diverge_at'] for r in same if not r['agree']]}")
         result["cpu_vs_opencl"] = {"agree": own, "rows": same}
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+        write_output(args.json, json.dumps(result, indent=1), "--json")
     return 0
 
 

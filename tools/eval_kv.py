@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmrs.compiler.cliutil import OneLineParser
+from llmrs.compiler.cliutil import OneLineParser, write_output
 from llmrs.runtime.engine import Engine, EngineError
 from llmrs.runtime.kv import CacheManager, make_policy
 from llmrs.runtime.model import Model
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     result = evaluate(model, args.text, st, args.backend, args.threads)
     result["plan"] = str(args.plan)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=1) + "\n")
+    write_output(args.output, json.dumps(result, indent=1) + "\n", "-o")
     log(f"wrote {args.output} ({result['seconds']:.0f} s)")
     return 0
 

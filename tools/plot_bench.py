@@ -18,7 +18,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from llmrs.measure.plotting import PlotError, pyplot
+from llmrs.compiler.cliutil import check_output_file
+from llmrs.measure.plotting import PlotError, pyplot, save_figure
 
 
 def _label(r: dict) -> str:
@@ -54,7 +55,7 @@ def plot_speeds(results: list[dict], path: Path) -> dict[str, list[float]]:
                     "/ numpy f32 GEMM"])
     ax2.set_title("against this run's ceilings", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, "-o")
     plt.close(fig)
     return drawn
 
@@ -86,7 +87,7 @@ def plot_kernels(result: dict, path: Path) -> list[tuple[str, float, float]]:
     ax.set_title(f"{Path(result['plan']).name} on {_label(result)}: each kernel alone", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, "--kernels")
     plt.close(fig)
     return list(zip(labels, bw, gf))
 
@@ -133,7 +134,7 @@ def plot_trace(trace: dict, path: Path) -> dict[str, list[tuple[str, float, int]
     where = " ".join(x for x in (meta.get("backend"), meta.get("device")) if x)
     fig.suptitle(f"{Path(meta.get('plan', '')).name} on {where}: where a step's time goes", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, "-o")
     plt.close(fig)
     return data
 
@@ -148,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     if bool(a.trace) == bool(a.bench):
         ap.error("give bench JSON files or --trace TRACE.json")
     try:
+        for out, flag in ((a.out, "-o"), (a.kernels, "--kernels")):
+            if out:   # never over an input, a device or a folder, and before any work
+                check_output_file(out, flag, [*a.bench, *([a.trace] if a.trace else [])])
         if a.trace:
             trace = json.loads(a.trace.read_text())
             plot_trace(trace, a.out)

@@ -10,7 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-from llmrs.compiler.cliutil import OneLineParser
+from llmrs.compiler.cliutil import OneLineParser, check_output_file
+from llmrs.measure.plotting import save_figure
 
 PANELS = (   # (row key, title, y label)
     ("ppl", "perplexity (lower is better)", "perplexity"),
@@ -59,7 +60,7 @@ def plot(result: dict, out: Path) -> None:
                  f"{Path(result['text']).name},\n{s['passkey_trials']} passkey prompts of ~{max(s['passkey_prompt_tokens'])} "
                  f"tokens, cache = budget + {s['headroom']} slots ({result['date']})", fontsize=10)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    save_figure(fig, out, "-o")
 
 
 def table(result: dict) -> str:
@@ -90,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as e:
         ap.error(f"{args.json}: not an eval_kv.py result ({e})")
     try:
+        check_output_file(args.output, "-o", [args.json])
         plot(result, args.output)
-    except (RuntimeError, OSError) as e:
+    except (RuntimeError, OSError, ValueError) as e:
         print(f"plot_kv.py: error: {e}", file=sys.stderr)
         return 2
     if args.table:

@@ -142,3 +142,19 @@ def test_decode_weight_bytes_count_a_tied_table_once(llama_1b_graphs):
     norms = (2 * 16 + 1) * 2048          # every parameter that is not a matmul weight
     assert params == 1_235_814_400 - norms   # the tied table counts once, as the lm_head
     assert total == 2 * (params + norms)     # bf16; the embedding adds no row of its own
+
+
+def test_a_kv_cache_larger_than_memory_is_refused_before_compiling(tmp_path, capsys, monkeypatch):
+    """It used to compile, and the run died with a bare "[Errno 12] Cannot allocate memory"."""
+    import llmrs.compiler.cli as cli
+
+    monkeypatch.setattr(cli, "physical_memory", lambda: 8 << 30)
+    monkeypatch.setattr(cli, "compile_graphs", lambda *a: (_ for _ in ()).throw(AssertionError("compiled")))
+    out = tmp_path / "p.bin"
+    # golden-a: 2 layers x (K + V of 2 heads x 16 f16 + 2 f32 eviction scores) = 272 bytes a token
+    _one_line_error(capsys, [str(DATA / "golden-a"), "-o", str(out), "--max-seq-len", str(10**9)],
+                    f"--max-seq-len {10**9}: the KV cache would take 253.32 GiB, more than this machine's 8.00 GiB "
+                    f"of memory; at most {(8 << 30) // 272} tokens fit")
+    _one_line_error(capsys, [str(DATA / "golden-a"), "-o", str(out), "--max-seq-len", str(1 << 31)],
+                    "--max-seq-len and --prefill-chunk must be at most 2147483647")
+    assert not out.exists()

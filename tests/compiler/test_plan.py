@@ -1,8 +1,10 @@
 """Graph serialization and the plan writer: exact round trips, byte layout, atomic writes."""
 import json
+import os
 import struct
 import weakref
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -177,8 +179,16 @@ def test_a_write_the_system_refuses_names_the_plan_not_its_temp_file(tmp_path):
     w = {"a": LazyTensor.of(np.ones(4, np.float32), "f32")}
     with pytest.raises(PlanWriteError) as e:
         write_plan(target, {}, {}, w)
-    assert str(e.value).startswith(f"{target}: cannot write the plan (") and ".tmp" not in str(e.value)
+    assert str(e.value).startswith(f"plan {target} is a folder") and ".tmp" not in str(e.value)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == ["p.bin"]
+    # a folder the system will not write in (root ignores permission bits; sysfs refuses everyone)
+    folder = Path("/sys") if os.geteuid() == 0 else tmp_path / "ro"
+    if folder != Path("/sys"):
+        folder.mkdir()
+        folder.chmod(0o500)
+    with pytest.raises(PlanWriteError) as e:
+        write_plan(folder / "p.bin", {}, {}, w)
+    assert str(e.value).startswith(f"{folder / 'p.bin'}: cannot write the plan (") and ".tmp" not in str(e.value)
 
 
 def test_writer_refuses_reserved_keys_sections_and_wrong_sized_data(tmp_path):
@@ -198,7 +208,8 @@ def test_writer_refuses_reserved_keys_sections_and_wrong_sized_data(tmp_path):
 
 def test_graph_plan_stores_each_shared_weight_once(tmp_path):
     prefill, decode = _graphs("golden-b")
-    info = write_graph_plan(tmp_path / "p.bin", {"prefill": prefill, "decode": decode}, {"compile_command": "c"})
+    info = write_graph_plan(tmp_path / "p.bin", {"prefill": prefill, "decode": decode},
+                            {"compile_command": "c", "prefill_chunk": prefill.T, "max_seq_len": decode.kv_slots})
     assert info.n_tensors == len(prefill.weights) == len(decode.weights)
     plan = Plan.open(tmp_path / "p.bin")
     assert set(plan.manifest["graphs"]) == {"prefill", "decode"}

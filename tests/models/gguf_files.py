@@ -155,3 +155,24 @@ def hf_to_gguf(model_dir: Path, out: Path, kind: Callable[[str, tuple[int, ...]]
     if edit is not None:
         edit(meta, tensors)
     return write_gguf(out, meta, tensors)
+
+
+def value_span(path: Path, key: str) -> tuple[int, int]:
+    """(file offset, bytes) of a metadata key's value (a scalar's bytes; an array's last part), or of
+    a tensor's data offset when `key` is a tensor name: where to damage one field in place."""
+    reader = gguf.GGUFReader(path)
+    field = reader.fields.get(key) or next(t.field for t in reader.tensors if t.name == key)
+    return field.offset + sum(int(p.nbytes) for p in field.parts[:-1]), int(field.parts[-1].nbytes)
+
+
+def patch(path: Path, key: str, fmt: str, value: Any, out: Path | None = None) -> Path:
+    """A copy of the GGUF (at out, default: in place) with one field's value packed as struct fmt."""
+    import struct
+
+    at, size = value_span(path, key)
+    assert struct.calcsize(fmt) == size, (key, fmt, size)
+    raw = bytearray(path.read_bytes())
+    struct.pack_into(fmt, raw, at, value)
+    out = out or path
+    out.write_bytes(bytes(raw))
+    return out

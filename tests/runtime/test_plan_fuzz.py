@@ -27,7 +27,7 @@ def good(tmp_path_factory):
 def _refused(path, data: bytes, verify: str = "always") -> None:
     path.write_bytes(data)
     with pytest.raises(PlanError) as e:
-        Plan.open(path, verify=verify)
+        Plan.open(path, verify=verify).check_weights()   # damaged weights: refused at first use
     assert str(e.value).startswith(str(path)) and "\n" not in str(e.value)
 
 

@@ -29,11 +29,14 @@ def make_plan(path: Path, name: str = "golden-a", layout: bool = False) -> Path:
             for v in g.values.values():
                 if v.kind in ("act", "input") and v.alias is None:
                     arena[v.name], off = off, off + -(-v.nbytes // 64) * 64
-            g.meta["layout"] = {"alignment": 64, "arena_bytes": off, "arena": arena, "kv_bytes": 8192,
-                                "kv": {s: i * 2048 for i, s in enumerate(g.state)},
-                                "naive_bytes": off, "lower_bound_bytes": off // 4}
+            kv, kv_off = {}, 0
+            for s in g.state:
+                kv[s], kv_off = kv_off, kv_off + -(-g.values[s].nbytes // 64) * 64
+            g.meta["layout"] = {"alignment": 64, "arena_bytes": off, "arena": arena, "kv_bytes": kv_off,
+                                "kv": kv, "naive_bytes": off, "lower_bound_bytes": off // 4}
     tokenizer = (DATA / name / "tokenizer.json").read_text()
-    manifest = {"compile_command": "llmrs-compile m -o p.bin", "model": model.config.to_json()}
+    manifest = {"compile_command": "llmrs-compile m -o p.bin", "model": model.config.to_json(),
+                "prefill_chunk": 4, "max_seq_len": 16}
     write_graph_plan(path, {"prefill": prefill, "decode": decode}, manifest,
                      {"opencl": OPENCL, "tokenizer.json": tokenizer})
     return path
@@ -83,7 +86,7 @@ def flip(raw: bytes, at: int) -> bytes:
 
 def refused(path: Path, match: str, verify: str = "auto") -> str:
     with pytest.raises(PlanError, match=match) as e:
-        Plan.open(path, verify=verify)
+        Plan.open(path, verify=verify).check_weights()   # damaged weights: refused at first use
     msg = str(e.value)
     assert msg.startswith(str(path)) and "\n" not in msg
     return msg
@@ -242,37 +245,49 @@ def test_manifest_that_is_not_json_is_refused(plan_path):
     refused(plan_path, "not valid UTF-8 JSON")
 
 
-def _weight_reads(monkeypatch, plan_path: Path) -> list[tuple[int, int]]:
-    """Records every checksum read over the weights section's range."""
-    w = manifest_of(plan_path.read_bytes())["sections"]["weights"]
-    calls = []
-    real = plan_mod._crc_range
-
-    def spy(f, offset, size):
-        if offset == w["offset"] and size == w["size"]:
-            calls.append((offset, size))
-        return real(f, offset, size)
-
-    monkeypatch.setattr(plan_mod, "_crc_range", spy)
-    return calls
+def _damage_weights_in_place(path: Path, at: int = 5) -> None:
+    """Change weight bytes inside the file (same inode, same size) and put its mtime back."""
+    st = path.stat()
+    w = manifest_of(path.read_bytes())["sections"]["weights"]
+    with open(path, "r+b") as f:
+        f.seek(w["offset"] + at)
+        old = f.read(4)
+        f.seek(w["offset"] + at)
+        f.write(bytes(b ^ 0x5A for b in old))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_mtime_ns == st.st_mtime_ns and path.stat().st_size == st.st_size
 
 
-def test_second_open_skips_the_weights_checksum(plan_path, monkeypatch, tmp_path):
-    reads = _weight_reads(monkeypatch, plan_path)
-    assert Plan.open(plan_path).verification == "checked" and len(reads) == 1
-    assert len(list((tmp_path / "cache" / "verified").iterdir())) == 1
-    second = Plan.open(plan_path)
-    assert second.verification == "cached" and len(reads) == 1
-    assert second.weight("model.norm.weight").sum() != 0
-    assert Plan.open(plan_path, verify="always").verification == "checked" and len(reads) == 2
+def test_weights_changed_in_place_with_the_mtime_restored_are_refused(plan_path):
+    """The defect: a cache keyed on (path, inode, size, mtime) let such a file run unchecked."""
+    assert Plan.open(plan_path).weight("model.norm.weight").sum() != 0   # a first, good open
+    _damage_weights_in_place(plan_path)
+    plan = Plan.open(plan_path)        # the structure is fine: open returns, the check runs behind it
+    for use in (lambda: plan.weight("model.norm.weight"), plan.weights_region, lambda: plan.verification,
+                lambda: plan.graphs()["decode"].weights["model.norm.weight"].load()):
+        with pytest.raises(PlanError, match="section 'weights' is corrupted") as e:
+            use()
+        assert str(e.value).startswith(str(plan_path)) and "\n" not in str(e.value)
+    refused(plan_path, "section 'weights' is corrupted", verify="always")
 
 
-def test_changed_file_is_checked_again(plan_path, monkeypatch):
-    reads = _weight_reads(monkeypatch, plan_path)
-    Plan.open(plan_path)
-    st = plan_path.stat()
-    os.utime(plan_path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
-    assert Plan.open(plan_path).verification == "checked" and len(reads) == 2
+def test_every_open_checks_the_weights_before_handing_one_out(plan_path, monkeypatch):
+    seen = []
+    real = plan_mod.WeightsCheck._run
+
+    def spy(self):
+        seen.append(len(self._region))
+        real(self)
+
+    monkeypatch.setattr(plan_mod.WeightsCheck, "_run", spy)
+    size = manifest_of(plan_path.read_bytes())["sections"]["weights"]["size"]
+    for _ in range(3):
+        plan = Plan.open(plan_path)
+        np.testing.assert_array_equal(plan.weight("model.norm.weight"), load_model(DATA / "golden-a").tensors[
+            "model.norm.weight"].load())
+        assert plan.verification == "checked"
+    assert seen == [size] * 3
+    assert Plan.open(plan_path, verify="never").verification == "skipped" and seen == [size] * 3
 
 
 def test_corrupted_weights_pass_only_with_verify_never(plan_path):
@@ -280,15 +295,26 @@ def test_corrupted_weights_pass_only_with_verify_never(plan_path):
     w = manifest_of(raw)["sections"]["weights"]
     plan_path.write_bytes(flip(raw, w["offset"] + 5))
     assert Plan.open(plan_path, verify="never").verification == "skipped"
-    refused(plan_path, "section 'weights' is corrupted")
+    refused(plan_path, "section 'weights' is corrupted", verify="always")
+    with pytest.raises(PlanError, match="section 'weights' is corrupted"):
+        Plan.open(plan_path).weights_region()
 
 
-def test_unwritable_cache_only_costs_a_recheck(plan_path, monkeypatch, tmp_path):
-    blocker = tmp_path / "not-a-dir"
-    blocker.write_text("x")
-    monkeypatch.setenv("LLMRS_CACHE_DIR", str(blocker))
-    assert Plan.open(plan_path).verification == "checked"
-    assert Plan.open(plan_path).verification == "checked"
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_weights_damaged_in_place_are_one_line_from_llmrs_run(tmp_path, capsys, backend):
+    from llmrs.compiler.cli import main as compile_main
+    from llmrs.runtime.cli import main as run_main
+
+    plan_path = tmp_path / "run.plan.bin"
+    assert compile_main([str(DATA / "golden-a"), "-o", str(plan_path), "--target", "cpu", "--weights", "f32",
+                         "--max-seq-len", "16", "--prefill-chunk", "4", "-q"]) == 0
+    argv = [str(plan_path), "--prompt", "hi", "-n", "2", "--backend", backend]
+    assert run_main(argv) == 0        # the first run: a metadata cache would have remembered the file here
+    _damage_weights_in_place(plan_path, at=1000)
+    capsys.readouterr()
+    assert run_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("llmrs-run: error:") and "section 'weights' is corrupted" in err
 
 
 def test_unknown_verify_mode_is_refused(plan_path):
