@@ -5,7 +5,6 @@ against the budget, one line per policy, the full cache as a dashed line.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
