@@ -9,7 +9,8 @@ import pytest
 
 import llmrs.compiler.cli as compile_cli
 from llmrs.compiler.cliutil import output_file, write_output
-from llmrs.runtime import bench, inspect
+from llmrs.measure import bench
+from llmrs.runtime import inspect
 from llmrs.runtime.cli import main as run_main
 
 from ..conftest import DATA
