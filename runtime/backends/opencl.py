@@ -53,15 +53,13 @@ class OpenCLBackend(Backend):
         self._setup(plan.graphs(), program, plan.weights_region(), tensors, device, kv_host)
 
     @classmethod
-    def from_graphs(cls, graphs: dict[str, Graph] | Iterable[Graph], program: dict[str, Any] | None = None,
+    def from_graphs(cls, graphs: dict[str, Graph] | Iterable[Graph], program: dict[str, Any],
                     device: int | str | None = None) -> "OpenCLBackend":
-        """A back end for graphs held in memory (tests, llmrs-check): weights are packed here,
-        graphs without a memory plan get naive_layout()."""
+        """A back end for graphs held in memory and their generated program (tests, llmrs-check:
+        compiler/codegen/opencl.py's generate(graphs)): weights are packed here, graphs without a
+        memory plan get naive_layout()."""
         if not isinstance(graphs, dict):
             graphs = {g.name: g for g in graphs}
-        if program is None:
-            from ...compiler.codegen.opencl import generate  # tests only: a plan carries its program
-            program = generate(graphs)
         region, tensors = pack_weights(graphs)
         self = cls.__new__(cls)
         self._setup(graphs, program, region, tensors, device)

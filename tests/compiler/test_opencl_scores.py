@@ -10,6 +10,7 @@ from llmrs.compiler import quant
 from .kernel_cases import scored_attention_case
 
 cl = pytest.importorskip("pyopencl")
+from llmrs.compiler.codegen.opencl import generate  # noqa: E402
 from llmrs.runtime.backends.opencl import OpenCLBackend  # noqa: E402
 
 
@@ -17,7 +18,7 @@ def _run(case, scoring: bool) -> tuple[dict[str, np.ndarray], list[str]]:
     """The op's outputs after one step, and the device's build options."""
     g = case.graph
     g.outputs = list(case.op.outputs)
-    be = OpenCLBackend.from_graphs({g.name: g})
+    be = OpenCLBackend.from_graphs({g.name: g}, generate({g.name: g}))
     be.scoring = scoring
     for name, arr in case.arrays.items():
         be.write_value(g.name, name, arr)

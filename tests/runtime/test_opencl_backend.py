@@ -145,7 +145,7 @@ def test_greedy_argmax_over_many_groups_picks_the_first_of_equal_maxima():
     a[0, 39999] = 50.0
     a[1, 5000] = a[1, 33000] = a[1, 20] = 60.0   # ties across groups: index 20 wins
     a[2, 12345] = 70.0
-    be = OpenCLBackend.from_graphs({"decode": g})
+    be = OpenCLBackend.from_graphs({"decode": g}, generate({"decode": g}))
     be.write_value("decode", "a", a)
     for n_tokens in (3, 2):
         be.enqueue("decode", np.zeros(n_tokens, np.int32), 0, 0)
@@ -174,7 +174,7 @@ def test_q8_0_kv_cache_runs_end_to_end_with_the_interpreters_greedy_tokens(tmp_p
                     "--preset", "tiny", "--head-dim", "64"], check=True, capture_output=True)
     p, dg = compile_graphs(d, CompileOptions(weights=weights, kv_type="q8_0", prefill_chunk=8, max_seq_len=32))
     graphs = {"prefill": p, "decode": dg}
-    be = OpenCLBackend.from_graphs(graphs)
+    be = OpenCLBackend.from_graphs(graphs, generate(graphs))
     pre, dec = Interpreter(p), Interpreter(dg)
     state = pre.new_state()
     got = be.run("prefill", PROMPT[:8], 0, 0)
