@@ -53,7 +53,8 @@ def parser() -> argparse.ArgumentParser:
                     help="feed --prompt as is; by default a plan with a chat template (an instruct model) "
                          "gets --prompt as one user turn through it, as llama-cli's conversation mode does")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=None, metavar="N",
-                    help="tokens to generate (default 32; with --chat, a reply runs until it ends or the cache is full)")
+                    help="tokens to generate (default 32; with --chat, a reply runs until it ends or the cache is full, "
+                         "or with eviction a cache's worth)")
     add_option_flags(ap, SamplerConfig)
     ap.add_argument("--backend", choices=BACKENDS, default="cpu",
                     help="cpu (default), opencl, reference (numpy), hybrid (cpu and opencl, switching: see "
