@@ -1,7 +1,9 @@
 """llmrs-run --chat: a conversation through the plan's chat template, one turn per line.
 
 Each turn sends the whole conversation to Model.chat, which prefills only what the KV cache does not
-hold yet (the new user turn and the template's markup around it). From a terminal: a prompt, line
+hold yet (the new user turn and the template's markup around it). Under the Model's eviction policy
+the conversation outgrows the cache and goes on: the sinks and the newest slots stay, and each turn
+is fed after them at positions that keep growing. From a terminal: a prompt, line
 editing, Ctrl-C stops a reply (the session goes on), Ctrl-D ends it. From a pipe: one turn per line,
 each reply on stdout followed by a newline; the first failed turn ends the session with exit code 2.
 """

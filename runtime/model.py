@@ -15,7 +15,6 @@ lock, so a Completion may be stepped, or closed, from any thread.
 """
 from __future__ import annotations
 
-import numbers
 import os
 import re
 import threading
@@ -28,14 +27,13 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from .chat import ChatTemplate, ChatTemplateError, from_manifest
-from ..options import OptionError, OptionTypeError, option_names
-from .backends import Backend, BackendOptions, open_backend
+from ..options import OptionError, OptionTypeError, option_names, whole
+from .backends import BACKENDS, Backend, BackendOptions, open_backend
 from .engine import Engine, EngineError, Generation, Stats, prompt_too_long
 from .kv import KVOptions, cache_manager
 from .plan import Plan
 from .sampler import Sampler, SamplerConfig
 
-BACKENDS = ("cpu", "opencl", "reference", "hybrid", "auto")
 _BACKEND_NAMES = option_names(BackendOptions)
 LOAD_OPTIONS = _BACKEND_NAMES + option_names(KVOptions)     # Model.load's keywords besides the back end
 
@@ -71,14 +69,6 @@ def clean_text(text: str, what: str = "the text") -> str:
     return fixed
 
 
-def _is_whole(x: Any) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _is_real(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
 def usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask, as taskset or a container sets it)."""
     try:
@@ -93,8 +83,8 @@ def check_threads(threads: Any, name: str = "threads") -> int | None:
     and capped."""
     if threads is None:
         return None
-    if not _is_whole(threads) or threads < 1:
-        raise (ValueError if _is_whole(threads) else TypeError)(
+    if not whole(threads) or threads < 1:
+        raise (ValueError if whole(threads) else TypeError)(
             f"{name} must be a whole number >= 1, got {threads!r}")
     cpus = usable_cpus()
     if threads > cpus:
@@ -121,7 +111,7 @@ class GenerationOptions:
 
     def check(self) -> "GenerationOptions":
         """Raises OptionError (OptionTypeError for a wrong type) naming the first bad option."""
-        if self.max_tokens is not None and not _is_whole(self.max_tokens):
+        if self.max_tokens is not None and not whole(self.max_tokens):
             raise OptionTypeError(f"{{0}} must be a whole number >= 1 or None, got {self.max_tokens!r}", "max_tokens")
         self.sampler_config().check()
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -345,7 +335,7 @@ class Model:
             raise TypeError(f"plan must be a path to a plan file, got {plan!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r}: choose one of {', '.join(BACKENDS)}")
-        if device is not None and not isinstance(device, str) and not _is_whole(device):
+        if device is not None and not isinstance(device, str) and not whole(device):
             raise TypeError(f"device must be an OpenCL device index or name, got {device!r}")
         threads = check_threads(threads)
         unknown = sorted(set(options) - set(LOAD_OPTIONS))
@@ -481,7 +471,7 @@ class Model:
             raise TypeError(f"{name} must be a sequence of token ids, got {type(tokens).__name__}")
         ids = list(tokens)
         for t in ids:
-            if not _is_whole(t):
+            if not whole(t):
                 raise TypeError(f"{name} must be whole numbers (token ids), got {t!r}")
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"token id {t!r} is not in 0..{self.vocab_size - 1}")
