@@ -1,22 +1,34 @@
 """llmrs-run --chat: a conversation through the plan's chat template, one turn per line.
 
 Each turn sends the whole conversation to Model.chat, which prefills only what the KV cache does not
-hold yet (the new user turn and the template's markup around it). From a terminal: a prompt, line
+hold yet (the new user turn and the template's markup around it). Under the Model's eviction policy
+the conversation outgrows the cache and goes on: the sinks and the newest slots stay, and each turn
+is fed after them at positions that keep growing. From a terminal: a prompt, line
 editing, Ctrl-C stops a reply (the session goes on), Ctrl-D ends it. From a pipe: one turn per line,
 each reply on stdout followed by a newline; the first failed turn ends the session with exit code 2.
 """
 from __future__ import annotations
 
-import argparse
 import io
 import signal
 import sys
 import threading
-from typing import TextIO
+from dataclasses import asdict, dataclass, field
+from typing import Callable, TextIO
 
 from .chat import ChatTemplateError
 from .engine import EngineError
 from .model import Completion, Model, clean_text
+from .sampler import SamplerConfig
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """A session's settings (llmrs-run --chat's --system, -n, sampling flags and --stats)."""
+    system: str | None = None
+    max_tokens: int | None = None       # per reply; None: until it ends (or a cache's worth)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    stats: bool = False                 # a line on stderr per turn: prompt, cached, prefilled, generated
 
 
 class _StopOnCtrlC:
@@ -70,8 +82,11 @@ def _read_turn(interactive: bool, stdin: TextIO) -> str | None:
             return clean_text(line, "the chat turn")   # once here, not again at every later turn
 
 
-def chat(model: Model, args: argparse.Namespace, stdin: TextIO | None = None, stdout: TextIO | None = None,
-         stderr: TextIO | None = None) -> int:
+def chat(model: Model, settings: ChatSettings = ChatSettings(), stdin: TextIO | None = None,
+         stdout: TextIO | None = None, stderr: TextIO | None = None,
+         describe: Callable[[BaseException], str] = str) -> int:
+    """Run the session to the end of input; 0, or 2 when a piped turn fails. describe words an
+    error for the user (a command line names its flags)."""
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     if model.chat_template is None:
         raise ChatTemplateError(f"{model.plan.path}: the plan has no chat template (a base model); "
@@ -85,15 +100,13 @@ def chat(model: Model, args: argparse.Namespace, stdin: TextIO | None = None, st
         except ImportError:
             pass
         print("llmrs chat: Ctrl-C stops a reply, Ctrl-D ends the session", file=stderr)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages = [{"role": "system", "content": settings.system}] if settings.system else []
     turn = 0
     while (line := _read_turn(interactive, stdin)) is not None:
         turn += 1
         messages.append({"role": "user", "content": line})
         try:
-            reply = model.chat(messages, max_tokens=args.max_new_tokens, temperature=args.temperature,
-                               top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-                               repetition_window=args.repetition_window, seed=args.seed)
+            reply = model.chat(messages, max_tokens=settings.max_tokens, **asdict(settings.sampler))
             with _StopOnCtrlC() as ctrl_c:
                 try:
                     for piece in reply.steps():     # per token: Ctrl-C is seen even while text is held back
@@ -108,7 +121,7 @@ def chat(model: Model, args: argparse.Namespace, stdin: TextIO | None = None, st
                     reply.close()
         except (EngineError, ValueError) as e:  # the conversation no longer fits, a template refusal
             messages.pop()
-            print(f"llmrs-run: error: {e}", file=stderr)
+            print(f"llmrs-run: error: {describe(e)}", file=stderr)
             if not interactive:
                 return 2
             continue
@@ -116,6 +129,6 @@ def chat(model: Model, args: argparse.Namespace, stdin: TextIO | None = None, st
         stdout.flush()
         # what was shown, even if cut short, is what the cache holds: it stays in the conversation
         messages.append({"role": "assistant", "content": reply.text})
-        if args.stats:
+        if settings.stats:
             print(_turn_stats(turn, reply), file=stderr)
     return 0

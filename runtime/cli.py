@@ -6,21 +6,25 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import fields
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-from ..compiler.cliutil import OneLineParser, check_output_file, output_file
-from .engine import Engine, EngineError
-from .kv.options import add_eviction_args, cache_manager
-from .backends import Backend, BackendOptionError, BackendOptions, open_backend
-from .backends.options import KV_MODES, SIDES
+from ..cliutil import OneLineParser, add_option_flags, check_output_file, error_line, options_from
+from .backends import BACKENDS, BackendOptions
+from .backends.options import KIND_OPTIONS
+from ..compiler.cliutil import output_file
 from .builtin import default_plan
+from .engine import EngineError
+from .kv.options import TITLE as KV_TITLE
+from .kv.options import KVOptions
+from .model import Completion, Model, check_threads
 from .plan import Plan, PlanError
-from .sampler import Sampler, SamplerConfig
+from .sampler import SamplerConfig
 
-BACKENDS = ("cpu", "opencl", "reference", "hybrid", "auto")
+# where llmrs-run's flag is not the option's Python name with dashes
+FLAGS = {"max_tokens": "-n"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -50,83 +54,31 @@ def parser() -> argparse.ArgumentParser:
                     help="feed --prompt as is; by default a plan with a chat template (an instruct model) "
                          "gets --prompt as one user turn through it, as llama-cli's conversation mode does")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=None, metavar="N",
-                    help="tokens to generate (default 32; with --chat, a reply runs until it ends or the cache is full)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    ap.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (0 = all)")
-    ap.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set with this probability mass")
-    ap.add_argument("--repetition-penalty", type=float, default=1.0, help="HF-style penalty for recent tokens (1 = off)")
-    ap.add_argument("--repetition-window", type=int, default=64, help="recent tokens the penalty covers (default 64)")
-    ap.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+                    help="tokens to generate (default 32; with --chat, a reply runs until it ends or the cache is full, "
+                         "or with eviction a cache's worth)")
+    add_option_flags(ap, SamplerConfig)
     ap.add_argument("--backend", choices=BACKENDS, default="cpu",
                     help="cpu (default), opencl, reference (numpy), hybrid (cpu and opencl, switching: see "
                          "below), or auto (the faster of cpu and opencl for prefill and for decode, measured "
                          "once per plan and device)")
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
-    ap.add_argument("--device", default=None, help="OpenCL device index or name (or LLMRS_OPENCL_DEVICE)")
+    add_option_flags(ap, BackendOptions, ("threads", "device"))
     ap.add_argument("--stats", action="store_true", help="print timings and memory to stderr")
     ap.add_argument("--profile", type=Path, metavar="TRACE.json",
                     help="write a Chrome/Perfetto trace: one slice per kernel per step under its phase "
                          "(cpu: code recompiled with clock stamps; opencl: a profiling queue); off by default")
     ap.add_argument("--dump-logits", type=Path, metavar="FILE.npz",
                     help="save tokens (prompt + generated) and the logits each generated token came from")
-    add_eviction_args(ap)
-    add_hybrid_args(ap)
+    add_option_flags(ap, KVOptions, title=KV_TITLE)
+    add_option_flags(ap, BackendOptions, KIND_OPTIONS,
+                     "hybrid (--backend hybrid: one back end, then the other, the KV cache handed over)")
     return ap
 
 
-def add_hybrid_args(ap: argparse.ArgumentParser) -> None:
-    g = ap.add_argument_group("hybrid (--backend hybrid: one back end, then the other, the KV cache handed over)")
-    g.add_argument("--hybrid-start", choices=SIDES, default="cpu",
-                   help="the back end that runs first (default cpu)")
-    g.add_argument("--switch-threshold", type=int, default=None, metavar="N",
-                   help="switch to the other back end at position N (inside a prompt: its prefill is cut "
-                        "there); default: at the prompt's end, prefill on --hybrid-start, decode on the other")
-    g.add_argument("--switch-back-at", type=int, default=None, metavar="N",
-                   help="switch back to --hybrid-start at position N (default: never)")
-    g.add_argument("--hybrid-kv", choices=KV_MODES, default="auto",
-                   help="how a switch hands the KV cache over: map (shared memory, nothing copied), copy "
-                        "(the live slots only), auto (map where the device shares host memory; default)")
-    g.add_argument("--recalibrate", action="store_true",
-                   help="--backend auto: measure again instead of using the cached figures")
-
-
-# BackendOptions' fields (and open_backend's kind) -> llmrs-run's flags of the same names
-BACKEND_FLAGS = {name: "--" + name.replace("_", "-") for name in ("backend", *(f.name for f in fields(BackendOptions)))}
-
-
-def backend_options(name: str, args: argparse.Namespace) -> BackendOptions:
-    """--threads, --device and the hybrid flags as BackendOptions for --backend `name`; a bad
-    one is a ValueError naming its flag."""
-    try:
-        return BackendOptions(**{f: vars(args)[f] for f in BACKEND_FLAGS if f != "backend"}).check_for(name)
-    except BackendOptionError as e:
-        raise ValueError(e.worded(BACKEND_FLAGS.__getitem__)) from None
-
-
-def make_backend(name: str, plan: Plan, args: argparse.Namespace) -> Backend:
-    return open_backend(plan, name, backend_options(name, args))
-
-
-class TextStream:
-    """Prints text as tokens arrive; holds back a partial UTF-8 character until it completes."""
-
-    def __init__(self, tokenizer, out=None):
-        self.tok, self.out, self.ids, self.shown = tokenizer, out or sys.stdout, [], ""
-
-    def __call__(self, token: int) -> None:
-        self.ids.append(token)
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return
-        self.out.write(text[len(self.shown):])
-        self.out.flush()
-        self.shown = text
-
-    def close(self) -> None:
-        """Whatever was held back (bytes that never formed a character) goes out as is."""
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
-        self.out.write(text[len(self.shown):] + "\n")
-        self.out.flush()
+def typed_options(args: argparse.Namespace) -> tuple[SamplerConfig, BackendOptions, KVOptions]:
+    """The flags as the library's options, each checked (before the plan loads)."""
+    args.threads = check_threads(args.threads, "--threads")
+    return (options_from(args, SamplerConfig).check(), options_from(args, BackendOptions).check_for(args.backend),
+            options_from(args, KVOptions).check())
 
 
 def warn(message: str) -> None:
@@ -153,28 +105,46 @@ def prompt_text(prompt: str) -> str:
     return raw.decode("utf-8", "replace")
 
 
-def prompt_ids(tokenizer, manifest: dict, text: str, args: argparse.Namespace) -> list[int]:
+def prompt_ids(model: Model, text: str, args: argparse.Namespace) -> list[int]:
     """An instruct model's plan carries its chat template: --prompt becomes one user turn (after
     --system) with the assistant's turn opened, so the model answers instead of continuing the
     question; --raw, or a plan without a template, tokenizes the text as it is."""
-    from .chat import from_manifest
-
-    template = None if args.raw else from_manifest(manifest)
-    if template is None:
+    if args.raw or model.chat_template is None:
         if args.system is not None:
             raise EngineError("--system needs a plan with a chat template (and no --raw)")
-        return tokenizer.encode(text).ids
+        return model.tokenize(text)
     messages = [{"role": "system", "content": args.system}] if args.system is not None else []
-    rendered = template.render(messages + [{"role": "user", "content": text}])
-    return tokenizer.encode(rendered, add_special_tokens=False).ids   # the template writes any BOS
+    rendered = model.render_chat(messages + [{"role": "user", "content": text}])
+    return model.tokenize(rendered, add_special_tokens=False)   # the template writes any BOS
+
+
+def check_max_new_tokens(n: int | None) -> None:
+    if n is not None and n < 1:
+        raise EngineError(f"{{0}} must be at least 1, got {n}", "max_tokens")
+
+
+def load_model(args: argparse.Namespace, backend_options: BackendOptions, kv: KVOptions) -> Model:
+    """The plan on --backend; with --profile, on a back end that times each kernel."""
+    path = args.plan or default_plan()
+    if not args.profile:
+        return Model.open(path, args.backend, backend_options, kv)
+    from ..measure.profile import profiling_backend
+
+    t0 = time.perf_counter()
+    plan = Plan.open(path)
+    backend = profiling_backend(args.backend, plan, args.threads, args.device)
+    try:
+        model = Model(plan, backend, kv)
+    except BaseException:
+        backend.close()
+        raise
+    model.load_s = time.perf_counter() - t0
+    return model
 
 
 def run(args: argparse.Namespace) -> int:
-    from .model import check_threads
-
-    if args.max_new_tokens < 1:
-        raise EngineError(f"-n must be at least 1, got {args.max_new_tokens}")
-    args.threads = check_threads(args.threads, "--threads")
+    """--prompt: one generation through the same Model and Completion as --chat and the API."""
+    check_max_new_tokens(args.max_new_tokens)
     if args.dump_logits:   # before the run, not after it
         check_output_file(args.dump_logits, "--dump-logits", [args.plan] if args.plan else [])
     if args.profile:
@@ -182,36 +152,35 @@ def run(args: argparse.Namespace) -> int:
         if args.backend not in ("cpu", "opencl"):   # before the plan loads
             raise EngineError(f"--profile times kernels on --backend cpu or opencl, not {args.backend}")
     text = prompt_text(args.prompt)
-    sampler = Sampler(SamplerConfig(args.temperature, args.top_k, args.top_p, args.repetition_penalty,
-                                    args.repetition_window, args.seed))
-    t0 = time.perf_counter()
-    plan = Plan.open(args.plan or default_plan())
-    m = plan.manifest
-    tokenizer = plan.tokenizer()
-    if args.profile:
-        from ..measure.profile import profiling_backend
-        backend = profiling_backend(args.backend, plan, args.threads, args.device)
-    else:
-        backend = make_backend(args.backend, plan, args)
-    engine = Engine(backend, int(m["prefill_chunk"]), int(m["max_seq_len"]), tuple(m.get("stop_ids", ())),
-                    cache=cache_manager(args, backend))
-    load_s = time.perf_counter() - t0
-    prompt = prompt_ids(tokenizer, m, text, args)
-    cache, n = int(m["max_seq_len"]), args.max_new_tokens
-    room = cache - len(prompt) + 1   # the last token generated is never fed back into the cache
-    if 0 < room < n and not engine.evicts:   # (a prompt that does not fit at all is the engine's error)
-        warn(f"the KV cache holds {cache} tokens: after the prompt's {len(prompt)} at most {room} can be "
-             f"generated, not -n {n}; for more, --eviction-policy sliding|snapkv|h2o or a larger --max-seq-len")
-    stream = TextStream(tokenizer)
-    gen = engine.generate(prompt, n, sampler, on_token=stream, keep_logits=args.dump_logits is not None)
-    stream.close()
+    sampler, backend_options, kv = typed_options(args)
+    with load_model(args, backend_options, kv) as model:
+        prompt = prompt_ids(model, text, args)
+        cache, n = model.max_seq_len, args.max_new_tokens
+        room = cache - len(prompt) + 1   # the last token generated is never fed back into the cache
+        if 0 < room < n and not model.evicts:   # (a prompt that does not fit at all is the model's error)
+            warn(f"the KV cache holds {cache} tokens: after the prompt's {len(prompt)} at most {room} can be "
+                 f"generated, not -n {n}; for more, --eviction-policy sliding|snapkv|h2o or a larger --max-seq-len")
+        completion = model.generate(prompt, max_tokens=n, keep_logits=args.dump_logits is not None,
+                                    **asdict(sampler))
+        for piece in completion:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        report(args, model, completion)
+    return 0
+
+
+def report(args: argparse.Namespace, model: Model, completion: Completion) -> None:
+    """After a --prompt run: why it stopped early, --dump-logits, --profile, --stats."""
+    gen, backend = completion.generation, model.backend
     if gen.notice:
-        warn(f"stopped after {len(gen.tokens)} of -n {n} tokens: {gen.notice}")
-    gen.stats.load_s = load_s
+        warn(f"stopped after {len(gen.tokens)} of -n {args.max_new_tokens} tokens: {gen.notice}")
+    gen.stats.load_s = model.load_s
     if args.dump_logits:
-        logits = np.stack(gen.logits) if gen.logits else np.zeros((0, m["model"]["vocab_size"]), np.float32)
-        with output_file(args.dump_logits, "--dump-logits", [plan.path]) as f:   # the exact name: savez adds no .npz
-            np.savez(f, tokens=np.array(prompt + gen.tokens, np.int32), logits=logits.astype(np.float32))
+        logits = np.stack(gen.logits) if gen.logits else np.zeros((0, model.vocab_size), np.float32)
+        with output_file(args.dump_logits, "--dump-logits", [model.plan.path]) as f:   # the exact name: savez adds no .npz
+            np.savez(f, tokens=np.array(completion.prompt + gen.tokens, np.int32), logits=logits.astype(np.float32))
     if args.profile:
         n_slices = backend.write(args.profile)
         print(f"llmrs-run: profile: {backend.trace.steps} steps, {n_slices} kernel slices in {args.profile} "
@@ -221,20 +190,16 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         for line in backend.report_lines():   # hybrid: switches, phases per side
             print(line, file=sys.stderr)
-    return 0
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    from .chat_session import chat
-    from .model import Model, check_threads
+    from .chat_session import ChatSettings, chat
 
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise EngineError(f"-n must be at least 1, got {args.max_new_tokens}")
-    SamplerConfig(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.repetition_window,
-                  args.seed).check()  # before the plan loads, naming the flags
-    args.threads = check_threads(args.threads, "--threads")
-    options = backend_options(args.backend, args)   # before the plan loads, naming the flags
-    return chat(Model.load(args.plan or default_plan(), args.backend, **vars(options)), args)
+    check_max_new_tokens(args.max_new_tokens)
+    sampler, backend_options, kv = typed_options(args)     # before the plan loads, naming the flags
+    settings = ChatSettings(args.system, args.max_new_tokens, sampler, args.stats)
+    with Model.open(args.plan or default_plan(), args.backend, backend_options, kv) as model:
+        return chat(model, settings, describe=lambda e: error_line(e, FLAGS))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             os.close(devnull)
         return 128 + 13
     except (PlanError, EngineError, ValueError, OSError, RuntimeError) as e:
-        print(f"llmrs-run: error: {e}", file=sys.stderr)
+        print(f"llmrs-run: error: {error_line(e, FLAGS)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

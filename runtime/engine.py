@@ -8,13 +8,21 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from ..options import OptionError
 from .backends.base import Backend
 from .kv import CacheManager, StepInfo, summarize
 from .sampler import Sampler
 
 
-class EngineError(ValueError):
-    """A request the engine cannot serve (one line, names the limit and the flag to change)."""
+class EngineError(OptionError):
+    """A request the engine cannot serve: one line naming the limit and the option to change
+    ({0}.. slots: a Python name in str(), a flag where a command line words it)."""
+
+
+def prompt_too_long(n_tokens: int, room: int, more: bool = False) -> EngineError:
+    return EngineError(f"the prompt has {n_tokens} tokens but the KV cache holds {room}{' more' if more else ''} "
+                       "(recompile with a larger {0}, or evict: {1} sliding, snapkv or h2o)",
+                       "max_seq_len", "eviction_policy")
 
 
 @dataclass
@@ -138,9 +146,7 @@ class Engine:
         chunk = self.prefill_T
         if self.n_past + len(tokens) > self.max_seq_len:
             if not self.evicts:
-                raise EngineError(f"the prompt has {len(tokens)} tokens but the KV cache holds "
-                                  f"{self.max_seq_len - self.n_past} more (recompile with a larger --max-seq-len), "
-                                  "or evict with --eviction-policy sliding|snapkv|h2o")
+                raise prompt_too_long(len(tokens), self.max_seq_len - self.n_past, more=True)
             chunk = min(chunk, self.max_seq_len - self.cache.budget)
         ids = np.asarray(tokens, dtype=np.int32)
         for s in range(0, len(ids), chunk):
@@ -171,7 +177,7 @@ class Engine:
         stop reason, stats) current, so a caller may stop between tokens by closing it. `context`:
         the tokens already cached before `prompt` (the repetition penalty looks back over them)."""
         if max_new_tokens < 1:
-            raise EngineError(f"-n must be at least 1, got {max_new_tokens}")
+            raise EngineError(f"{{0}} must be at least 1, got {max_new_tokens}", "max_tokens")
         st = gen.stats
         st.prompt_tokens = len(prompt)
         if self.cache is not None:

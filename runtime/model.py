@@ -2,17 +2,19 @@
 own template, read logits. The Python API (`llmrs.load`), `llmrs-run --chat` and `llmrs-serve` are
 all this class; each only translates its own inputs into these calls.
 
-A Model keeps its KV cache between calls. A prompt that starts with the tokens already cached (the
+A Model keeps its KV cache between calls. A prompt that starts with the tokens already fed (the
 same conversation, one turn longer) prefills only what is new; one that diverges rewinds the cache
-to the common prefix. Invariant: the engine has been fed `self._tokens[:engine.start_pos]`.
+to the common prefix. Under an eviction policy a conversation goes on past the cache: a prompt that
+extends all that was fed prefills only its new suffix, at RoPE positions that keep growing, while
+one that diverges resets the cache and is prefilled whole (the policy's slots and scores describe
+everything fed, so there is no prefix to rewind to). Invariant: the engine has been fed
+`self._tokens[:engine.start_pos]`.
 One generation runs at a time: starting another in the same thread closes the one in progress; from
 another thread it is refused (EngineError) while that one is unfinished. Each step holds the model's
 lock, so a Completion may be stepped, or closed, from any thread.
 """
 from __future__ import annotations
 
-import inspect
-import numbers
 import os
 import re
 import threading
@@ -25,11 +27,15 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from .chat import ChatTemplate, ChatTemplateError, from_manifest
-from .engine import Engine, EngineError, Generation, Stats
+from ..options import OptionError, OptionTypeError, option_names, whole
+from .backends import BACKENDS, Backend, BackendOptions, open_backend
+from .engine import Engine, EngineError, Generation, Stats, prompt_too_long
+from .kv import KVOptions, cache_manager
 from .plan import Plan
 from .sampler import Sampler, SamplerConfig
 
-BACKENDS = ("cpu", "opencl", "reference", "hybrid", "auto")
+_BACKEND_NAMES = option_names(BackendOptions)
+LOAD_OPTIONS = _BACKEND_NAMES + option_names(KVOptions)     # Model.load's keywords besides the back end
 
 
 class TextRepairWarning(UserWarning):
@@ -63,14 +69,6 @@ def clean_text(text: str, what: str = "the text") -> str:
     return fixed
 
 
-def _is_whole(x: Any) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _is_real(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
 def usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask, as taskset or a container sets it)."""
     try:
@@ -85,8 +83,8 @@ def check_threads(threads: Any, name: str = "threads") -> int | None:
     and capped."""
     if threads is None:
         return None
-    if not _is_whole(threads) or threads < 1:
-        raise (ValueError if _is_whole(threads) else TypeError)(
+    if not whole(threads) or threads < 1:
+        raise (ValueError if whole(threads) else TypeError)(
             f"{name} must be a whole number >= 1, got {threads!r}")
     cpus = usable_cpus()
     if threads > cpus:
@@ -98,7 +96,7 @@ def check_threads(threads: Any, name: str = "threads") -> int | None:
 
 @dataclass(frozen=True)
 class GenerationOptions:
-    """Everything one generation takes besides its prompt: llmrs-run's flags, by their Python names."""
+    """Everything one generation takes besides its prompt: the sampler's options and when to stop."""
     max_tokens: int | None = 256    # None: until a stop token, a stop string or a full KV cache
     temperature: float = 0.0        # 0 means greedy
     top_k: int = 0                  # 0 keeps every token
@@ -109,40 +107,26 @@ class GenerationOptions:
     stop: tuple[str, ...] = ()      # text that ends the reply; it is not part of the reply
 
     def sampler_config(self) -> SamplerConfig:
-        return SamplerConfig(self.temperature, self.top_k, self.top_p, self.repetition_penalty,
-                             self.repetition_window, self.seed)
+        return SamplerConfig(**{name: getattr(self, name) for name in option_names(SamplerConfig)})
 
     def check(self) -> "GenerationOptions":
-        """Raises TypeError / ValueError naming the first bad option (by its Python name)."""
-        for name, whole, what in _OPTION_TYPES:
-            value = getattr(self, name)
-            may_be_none = name in ("max_tokens", "seed")
-            if not (value is None and may_be_none) and not (_is_whole if whole else _is_real)(value):
-                raise TypeError(f"{name} must be {what}, got {value!r}")
+        """Raises OptionError (OptionTypeError for a wrong type) naming the first bad option."""
+        if self.max_tokens is not None and not whole(self.max_tokens):
+            raise OptionTypeError(f"{{0}} must be a whole number >= 1 or None, got {self.max_tokens!r}", "max_tokens")
+        self.sampler_config().check()
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a whole number of at least 1, got {self.max_tokens!r}")
+            raise OptionError(f"{{0}} must be a whole number of at least 1, got {self.max_tokens!r}", "max_tokens")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {list(self.stop)!r}")
-        try:
-            self.sampler_config().check()
-        except ValueError as e:  # the sampler names llmrs-run's flags: --top-p -> top_p
-            raise ValueError(re.sub(r"--([a-z-]+)", lambda m: m[1].replace("-", "_"), str(e))) from None
+            raise OptionError(f"{{0}} must be non-empty strings, got {list(self.stop)!r}", "stop")
         return self
 
     @classmethod
     def of(cls, stop: str | Sequence[str] | None = None, **values: Any) -> "GenerationOptions":
         """From keyword values; `stop` may be one string or several."""
         if stop is not None and not isinstance(stop, (str, list, tuple)):
-            raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
+            raise OptionTypeError(f"{{0}} must be a string or a list of strings, got {stop!r}", "stop")
         stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
         return cls(stop=stops, **values).check()
-
-
-# (option, whole number?, what it must be) for the type checks at the API's edge
-_OPTION_TYPES = (("max_tokens", True, "a whole number >= 1 or None"), ("temperature", False, "a number >= 0"),
-                 ("top_k", True, "a whole number >= 0"), ("top_p", False, "a number in (0, 1]"),
-                 ("repetition_penalty", False, "a number > 0"), ("repetition_window", True, "a whole number >= 0"),
-                 ("seed", True, "a whole number >= 0 or None"))
 
 
 class Detokenizer:
@@ -218,12 +202,13 @@ class Completion:
     finish_reason is "stop" (a stop token or stop string), "length" (max_tokens or a full KV
     cache) or "cancelled" (closed early), and the counts below are final."""
 
-    def __init__(self, model: "Model", prompt: list[int], options: GenerationOptions):
+    def __init__(self, model: "Model", prompt: list[int], options: GenerationOptions, keep_logits: bool = False):
         self.model = model
+        self.keep_logits = keep_logits      # generation.logits: the row each token was drawn from
         self.options = options
         self.prompt: list[int] = prompt
         self.prompt_tokens = len(prompt)
-        self.cached_tokens = 0          # prompt tokens found in the KV cache, so not prefilled
+        self.cached_tokens = 0          # prompt tokens already fed (kept, or evicted since), so not prefilled
         self.text = ""                  # what the pieces so far add up to
         self.finish_reason: str | None = None
         self.generation = Generation(tokens=[])
@@ -282,7 +267,7 @@ class Completion:
         engine, k = model.engine, self.cached_tokens
         max_new = opts.max_tokens or model.max_seq_len
         tokens = engine.stream(self.prompt[k:], max_new, Sampler(opts.sampler_config()), self.generation,
-                               context=self.prompt[:k])
+                               self.keep_logits, context=self.prompt[:k])
         detok, stops = Detokenizer(model.tokenizer), StopScan(opts.stop)
         try:
             for token in tokens:
@@ -306,18 +291,24 @@ class Completion:
 
 
 class Model:
-    """A plan loaded on one backend, with its tokenizer and chat template. Use llmrs.load()."""
+    """A plan loaded on one backend, with its tokenizer, chat template and KV cache. Use llmrs.load().
 
-    def __init__(self, plan: Plan, backend, tokenizer, engine_options: Mapping[str, Any] | None = None):
+    The cache's options (KVOptions) are the model's, not a call's: a policy's state (each slot's
+    position, the attention scores SnapKV and H2O collect) describes everything fed since the last
+    reset, which the next call of a conversation goes on from, so a window or a policy changed for
+    one call would judge slots another chose. Sampling, max_tokens and stop are per call."""
+
+    def __init__(self, plan: Plan, backend: Backend, kv: KVOptions = KVOptions()):
         m = plan.manifest
         self.plan = plan
         self.backend = backend
-        self.tokenizer = tokenizer
+        self.tokenizer = plan.tokenizer()   # a PlanError naming the plan where it has none, or a broken one
         self.chat_template: ChatTemplate | None = from_manifest(m)
         self.max_seq_len = int(m["max_seq_len"])
         self.vocab_size = int(m["model"]["vocab_size"])
+        self.kv = kv
         self.engine = Engine(backend, int(m["prefill_chunk"]), self.max_seq_len, tuple(m.get("stop_ids", ())),
-                             **dict(engine_options or {}))
+                             cache=cache_manager(kv, backend))
         self.load_s = 0.0
         self._tokens: list[int] = []        # what the cache was fed, then what the live generation adds
         self._active: Completion | None = None
@@ -326,39 +317,49 @@ class Model:
 
     @classmethod
     def load(cls, plan: str | Path, backend: str = "cpu", threads: int | None = None,
-             device: str | int | None = None, *, hybrid_start: str = "cpu", switch_threshold: int | None = None,
-             switch_back_at: int | None = None, hybrid_kv: str = "auto", recalibrate: bool = False,
-             **engine_options: Any) -> "Model":
+             device: str | int | None = None, **options: Any) -> "Model":
         """Open and verify `plan`, bind it to `backend` ("cpu", "opencl", "reference", "hybrid" or
-        "auto"). The other options are BackendOptions' fields (runtime/backends/options.py), llmrs-run's flags.
-        engine_options go to the engine by name (the options it has; an unknown one is a TypeError)."""
-        from tokenizers import Tokenizer
-        from .backends import BackendOptions, open_backend
-
+        "auto"). options are BackendOptions' fields (runtime/backends/options.py: hybrid_start,
+        switch_threshold, switch_back_at, hybrid_kv, recalibrate) and KVOptions' (runtime/kv/options.py:
+        eviction_policy, eviction_window, protected_prefix, memory_threshold_mb, ...), llmrs-run's
+        flags by their Python names; an unknown one is a TypeError naming those it takes. With a
+        policy that evicts, a prompt or a conversation may be longer than the cache."""
         if not isinstance(plan, (str, os.PathLike)):
             raise TypeError(f"plan must be a path to a plan file, got {plan!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r}: choose one of {', '.join(BACKENDS)}")
-        if device is not None and not isinstance(device, str) and not _is_whole(device):
+        if device is not None and not isinstance(device, str) and not whole(device):
             raise TypeError(f"device must be an OpenCL device index or name, got {device!r}")
         threads = check_threads(threads)
-        taken = set(inspect.signature(Engine).parameters) - {"backend", "prefill_T", "max_seq_len", "stop_ids"}
-        unknown = sorted(set(engine_options) - taken)
+        unknown = sorted(set(options) - set(LOAD_OPTIONS))
         if unknown:
-            raise TypeError(f"unknown engine option {', '.join(map(repr, unknown))} "
-                            f"(this engine takes: {', '.join(sorted(taken)) or 'none'})")
+            raise TypeError(f"unknown option {', '.join(map(repr, unknown))} (Model.load takes: backend, "
+                            f"{', '.join(LOAD_OPTIONS)})")
+        backend_options = BackendOptions(threads=threads, device=device,
+                                         **{k: v for k, v in options.items() if k in _BACKEND_NAMES})
+        kv = KVOptions(**{k: v for k, v in options.items() if k not in _BACKEND_NAMES}).check()
+        return cls.open(plan, backend, backend_options, kv)
+
+    @classmethod
+    def open(cls, plan: str | Path, backend: str = "cpu", backend_options: BackendOptions = BackendOptions(),
+             kv: KVOptions = KVOptions()) -> "Model":
+        """load() from typed options (what the command lines build from their flags)."""
         t0 = time.perf_counter()
         opened = Plan.open(plan)
+        kv.check()
+        bound = open_backend(opened, backend, backend_options)
         try:
-            tokenizer_json = bytes(opened.section("tokenizer.json")).decode()
-        except (KeyError, LookupError, ValueError):
-            raise EngineError(f"{plan}: the plan has no tokenizer.json (recompile from a folder that has one)") from None
-        bound = open_backend(opened, backend, BackendOptions(
-            threads=threads, device=device, hybrid_start=hybrid_start, switch_threshold=switch_threshold,
-            switch_back_at=switch_back_at, hybrid_kv=hybrid_kv, recalibrate=recalibrate))
-        model = cls(opened, bound, Tokenizer.from_str(tokenizer_json), engine_options)
+            model = cls(opened, bound, kv)
+        except BaseException:
+            bound.close()
+            raise
         model.load_s = time.perf_counter() - t0
         return model
+
+    @property
+    def evicts(self) -> bool:
+        """The KV cache makes room by eviction: prompts and conversations may outgrow it."""
+        return self.engine.evicts
 
     # -- text <-> tokens -----------------------------------------------------------------------
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -390,12 +391,15 @@ class Model:
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int | None = 256, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
                  repetition_window: int = 64, seed: int | None = None,
-                 stop: str | Sequence[str] | None = None) -> Completion:
+                 stop: str | Sequence[str] | None = None, keep_logits: bool = False) -> Completion:
         """Continue `prompt` (text, tokenized with the tokenizer's own special tokens, or token ids;
         bytes are refused: decode them first). Returns a Completion: iterate it for text pieces as
         they decode. Options are checked now (TypeError, ValueError); the prompt is prefilled when
-        the first piece is asked for. One generation at a time: a new one closes the unfinished one
-        this thread started; while another thread's is unfinished, EngineError (it does not wait)."""
+        the first piece is asked for. keep_logits: completion.generation.logits holds the f32[vocab]
+        row each token was drawn from (greedy then picks on the host, not on the device). One
+        generation at a time: a new one closes the unfinished one this thread started; while
+        another thread's is unfinished, EngineError (it does not wait). The KV cache's options are
+        the Model's (see the class), not a call's."""
         self._check_free()
         opts = GenerationOptions.of(stop, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                     top_p=top_p, repetition_penalty=repetition_penalty,
@@ -405,7 +409,7 @@ class Model:
         if not isinstance(prompt, (str, Sequence, np.ndarray)):
             raise TypeError(f"prompt must be str or a list of token ids, got {type(prompt).__name__}")
         ids = self.tokenize(prompt) if isinstance(prompt, str) else self._check_ids(prompt, "prompt")
-        return Completion(self, self._check_prompt(ids), opts)
+        return Completion(self, self._check_prompt(ids), opts, keep_logits=bool(keep_logits))
 
     def chat(self, messages: Sequence[Mapping[str, Any]], *, max_tokens: int | None = 256,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
@@ -460,18 +464,18 @@ class Model:
             raise TypeError(f"{name} must be a sequence of token ids, got {type(tokens).__name__}")
         ids = list(tokens)
         for t in ids:
-            if not _is_whole(t):
+            if not whole(t):
                 raise TypeError(f"{name} must be whole numbers (token ids), got {t!r}")
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"token id {t!r} is not in 0..{self.vocab_size - 1}")
         return [int(t) for t in ids]
 
     def _check_prompt(self, ids: list[int]) -> list[int]:
+        """A prompt the cache can take: any length where the policy evicts, else at most the cache."""
         if not ids:
             raise EngineError("the prompt is empty")
-        if len(ids) > self.max_seq_len:
-            raise EngineError(f"the prompt has {len(ids)} tokens but the KV cache holds {self.max_seq_len} "
-                              "(recompile with a larger --max-seq-len)")
+        if len(ids) > self.max_seq_len and not self.evicts:
+            raise prompt_too_long(len(ids), self.max_seq_len)
         return ids
 
     def _check_open(self) -> None:
@@ -499,9 +503,9 @@ class Model:
         fed = self._tokens[:engine.start_pos]
         k = min(_common_prefix(fed, ids), len(ids) - 1) if reuse else 0
         if k < len(fed):
-            if engine.n_past == engine.start_pos:
+            if not engine.evicts:
                 engine.rewind(k)
-            else:           # evicted: cache slots are no longer positions, so start over
+            else:   # a policy's slots and scores describe all that was fed: start over
                 engine.reset()
                 k = 0
         self._tokens = list(ids)

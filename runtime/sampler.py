@@ -5,33 +5,47 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..options import OptionError, OptionTypeError, option, real, whole
+
 
 @dataclass(frozen=True)
 class SamplerConfig:
-    temperature: float = 0.0        # 0 means greedy
-    top_k: int = 0                  # 0 keeps every token
-    top_p: float = 1.0              # nucleus mass kept
-    repetition_penalty: float = 1.0
-    repetition_window: int = 64     # how many recent tokens the penalty looks at
-    seed: int | None = None
+    """How the next token is chosen; each field is llmrs-run's flag of the same name (--top-p)."""
+    temperature: float = option(0.0, "0 = greedy (default)")
+    top_k: int = option(0, "keep the K most likely tokens (0 = all)")
+    top_p: float = option(1.0, "keep the smallest set with this probability mass")
+    repetition_penalty: float = option(1.0, "HF-style penalty for recent tokens (1 = off)")
+    repetition_window: int = option(64, "recent tokens the penalty covers (default 64)")
+    seed: int | None = option(None, "random seed for sampling", type=int)
 
     def check(self) -> "SamplerConfig":
+        """Raises OptionError (OptionTypeError for a wrong type) naming the first bad option."""
+        for name, whole_number, what in _TYPES:
+            value = getattr(self, name)
+            if not (value is None and name == "seed") and not (whole if whole_number else real)(value):
+                raise OptionTypeError(f"{{0}} must be {what}, got {value!r}", name)
         bad = None
         if not self.temperature >= 0:
-            bad = f"--temperature must be >= 0, got {self.temperature}"
+            bad = f"{{0}} must be >= 0, got {self.temperature}", "temperature"
         elif self.top_k < 0:
-            bad = f"--top-k must be >= 0, got {self.top_k}"
+            bad = f"{{0}} must be >= 0, got {self.top_k}", "top_k"
         elif not 0 < self.top_p <= 1:
-            bad = f"--top-p must be in (0, 1], got {self.top_p}"
+            bad = f"{{0}} must be in (0, 1], got {self.top_p}", "top_p"
         elif not self.repetition_penalty > 0:
-            bad = f"--repetition-penalty must be > 0, got {self.repetition_penalty}"
+            bad = f"{{0}} must be > 0, got {self.repetition_penalty}", "repetition_penalty"
         elif self.repetition_window < 0:
-            bad = f"--repetition-window must be >= 0, got {self.repetition_window}"
+            bad = f"{{0}} must be >= 0, got {self.repetition_window}", "repetition_window"
         elif self.seed is not None and self.seed < 0:
-            bad = f"--seed must be >= 0, got {self.seed}"
+            bad = f"{{0}} must be >= 0, got {self.seed}", "seed"
         if bad:
-            raise ValueError(bad)
+            raise OptionError(*bad)
         return self
+
+
+# (option, whole number?, what it must be) for the type checks
+_TYPES = (("temperature", False, "a number >= 0"), ("top_k", True, "a whole number >= 0"),
+          ("top_p", False, "a number in (0, 1]"), ("repetition_penalty", False, "a number > 0"),
+          ("repetition_window", True, "a whole number >= 0"), ("seed", True, "a whole number >= 0 or None"))
 
 
 class Sampler:

@@ -11,9 +11,12 @@ import socket
 import sys
 from pathlib import Path
 
-from ..compiler.cliutil import OneLineParser
+from ..cliutil import OneLineParser, add_option_flags, error_line, options_from
+from .backends import BACKENDS, BackendOptions
+from .backends.options import KIND_OPTIONS
 from .engine import EngineError
-from .model import BACKENDS
+from .kv.options import TITLE as KV_TITLE
+from .kv.options import KVOptions
 from .plan import PlanError
 
 MISSING = "starlette and uvicorn are missing: pip install 'llmrs[serve]'"
@@ -42,8 +45,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--backend", choices=BACKENDS, default="cpu",
                     help="cpu (default), opencl, reference (numpy), hybrid (CPU prefill, OpenCL decode) or auto "
                          "(whichever measured faster per phase)")
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
-    ap.add_argument("--device", default=None, help="OpenCL device index or name (or LLMRS_OPENCL_DEVICE)")
+    add_option_flags(ap, BackendOptions, ("threads", "device"))
     ap.add_argument("--api-key", metavar="KEY", default=None,
                     help="require 'Authorization: Bearer KEY' on every request (default: the environment's "
                          "LLMRS_API_KEY, which other users cannot read in the process list; none if unset)")
@@ -56,6 +58,9 @@ def parser() -> argparse.ArgumentParser:
                          "'*': any. Pages from other origins get 403")
     ap.add_argument("--max-body-mb", metavar="MIB", type=_positive_mib, default=MAX_BODY_MIB,
                     help=f"largest request body in MiB, chunked or not (default {MAX_BODY_MIB}); larger ones get 413")
+    add_option_flags(ap, KVOptions, title=KV_TITLE + "; for every request: one whose prompt and max_tokens "
+                                                     "outgrow the cache evicts instead of failing")
+    add_option_flags(ap, BackendOptions, KIND_OPTIONS, "hybrid (--backend hybrid: one back end, then the other)")
     return ap
 
 
@@ -132,22 +137,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llmrs-serve: error: {MISSING}", file=sys.stderr)
         return 2
     from .builtin import default_plan
-    from .model import Model
+    from .model import Model, check_threads
 
     try:
         if not 0 <= args.port < 65536:
             raise ValueError(f"--port must be in 0..65535, got {args.port}")
         access = Access.serving(args.host, args.allowed_hosts, args.allowed_origins, api_key_of(args))
+        args.threads = check_threads(args.threads, "--threads")
+        backend_options = options_from(args, BackendOptions).check_for(args.backend)
+        kv = options_from(args, KVOptions).check()
         plan = args.plan or default_plan()
-        model = Model.load(plan, args.backend, args.threads, args.device)
+        model = Model.open(plan, args.backend, backend_options, kv)
         sock = listen(args.host, args.port)
     except (PlanError, EngineError, ValueError, OSError, RuntimeError) as e:
-        print(f"llmrs-serve: error: {e}", file=sys.stderr)
+        print(f"llmrs-serve: error: {error_line(e)}", file=sys.stderr)
         return 2
     model_id = args.model_name or model_id_of(Path(plan))
     host, port = sock.getsockname()[:2]
     print(f"llmrs-serve: {model_id} at http://{f'[{host}]' if ':' in host else host}:{port}/v1 "
-          f"({args.backend}, {model.max_seq_len}-token cache, one request at a time); Ctrl-C stops",
+          f"({args.backend}, {model.max_seq_len}-token cache{f', {kv.eviction_policy} eviction' if kv.evicts else ''}, "
+          "one request at a time); Ctrl-C stops",
           file=sys.stderr, flush=True)
     notice = exposure_notice(args.host, access.api_key)
     if notice:

@@ -20,7 +20,8 @@ read the answers. So a request's Host must name this server, a browser's Origin 
 (this machine's names unless widened), and an API key may be required (Guard, below).
 
 Defaults are OpenAI's, not llmrs-run's: temperature 1; a completion is 16 tokens, a chat reply runs
-until it ends or the cache is full. Besides OpenAI's fields a request may set top_k and
+until it ends or the cache is full. A model that evicts (llmrs-serve --eviction-policy) takes prompts
+and replies longer than its cache, and a chat reply then runs at most a cache's worth. Besides OpenAI's fields a request may set top_k and
 repetition_penalty (as vLLM and llama.cpp's server take them); fields llmrs cannot honour (n > 1,
 logprobs, tools, penalties on frequency or presence, ...) are refused by name rather than ignored.
 """
@@ -47,6 +48,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..options import OptionError
 from .chat import ChatTemplateError
 from .engine import EngineError
 from .model import Completion, GenerationOptions, Model
@@ -204,7 +206,11 @@ UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "logprobs": 
                "tool_choice": None, "functions": None, "function_call": None}
 
 
-def _options(body: dict, prompt_tokens: int, max_seq_len: int, default_max: int | None) -> GenerationOptions:
+def _options(body: dict, prompt_tokens: int, max_seq_len: int, default_max: int | None,
+             evicts: bool = False) -> GenerationOptions:
+    """The request's generation options. Without eviction the prompt and max_tokens must fit the
+    cache; with it (llmrs-serve --eviction-policy) any length goes on, evicting as it must, and a
+    reply without max_tokens is bounded by a cache's worth of tokens."""
     for name, default in UNSUPPORTED.items():
         value = body.get(name)
         if value not in (None, default) and not (name == "logprobs" and value is False) \
@@ -219,11 +225,18 @@ def _options(body: dict, prompt_tokens: int, max_seq_len: int, default_max: int 
     max_tokens = _number(body, name, None, integer=True)
     if max_tokens is not None and max_tokens < 1:
         raise APIError(400, f"'{name}' must be at least 1, got {max_tokens}", name)
-    if room < 1 or (max_tokens or 0) > room:
+    if evicts:
+        max_tokens = max_tokens or default_max or max_seq_len
+    elif prompt_tokens > max_seq_len:
+        raise APIError(400, f"the prompt has {prompt_tokens} tokens but the KV cache holds {max_seq_len}; shorten "
+                            "it, or start llmrs-serve with --eviction-policy sliding, snapkv or h2o",
+                       None, "context_length_exceeded")
+    elif room < 1 or (max_tokens or 0) > room:
         raise APIError(400, f"this model's context is {max_seq_len} tokens: the prompt has {prompt_tokens} and "
-                            f"{name} asks for {max_tokens or 1} more; shorten the prompt or lower {name}",
+                            f"{name} asks for {max_tokens or 1} more; shorten the prompt or lower {name}, or start "
+                            "llmrs-serve with --eviction-policy sliding, snapkv or h2o",
                        name if room >= 1 else None, "context_length_exceeded")
-    if max_tokens is None:
+    elif max_tokens is None:
         max_tokens = room if default_max is None else min(default_max, room)
     stop = body.get("stop")
     if isinstance(stop, str):
@@ -238,8 +251,8 @@ def _options(body: dict, prompt_tokens: int, max_seq_len: int, default_max: int 
                   seed=_number(body, "seed", None, integer=True))
     try:
         return GenerationOptions(**values).check()
-    except ValueError as e:
-        raise APIError(400, str(e), str(e).split()[0]) from None
+    except OptionError as e:
+        raise APIError(400, str(e), e.names[0] if e.names else None) from None
 
 
 def _message_text(i: int, message: Any) -> dict[str, str]:
@@ -380,7 +393,7 @@ class Server:
             ids, default_max = self.chat_ids(body.get("messages")), None    # default: the rest of the cache
         else:
             ids, default_max = self.prompt_ids(body.get("prompt")), 16      # OpenAI's default: 16 tokens
-        return body, ids, _options(body, len(ids), self.model.max_seq_len, default_max)
+        return body, ids, _options(body, len(ids), self.model.max_seq_len, default_max, self.model.evicts)
 
     # -- responses -----------------------------------------------------------------------------
     async def respond(self, request: Request, chat: bool) -> Response:

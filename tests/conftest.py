@@ -129,3 +129,13 @@ def smollm2_plan(smollm2_gguf, tmp_path_factory) -> Path:
     assert compile_main([str(smollm2_gguf), "-o", str(out), "--kv-type", "f32", "--max-seq-len", "128",
                          "--prefill-chunk", "32", "-q"]) == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_short_plan(smollm2_gguf, tmp_path_factory) -> Path:
+    """The real model with a 96-token cache on the CPU target, once per session: a conversation or a
+    reply outgrows it within a few turns, so only eviction keeps it going."""
+    from llmrs.compiler.cli import main as compile_main
+    out = tmp_path_factory.mktemp("smollm2_short") / "smollm2-96.plan.bin"
+    assert compile_main([str(smollm2_gguf), "-o", str(out), "--max-seq-len", "96", "--target", "cpu", "-q"]) == 0
+    return out

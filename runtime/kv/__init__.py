@@ -25,14 +25,20 @@ kernel skips the loop, and the OpenCL back end leaves the scoring launch out of 
 Triggers (CacheManager): the policy's budget (sliding and h2o as soon as the cache holds more
 than it; snapkv once after the prompt), a cache too full for the next step (any policy but
 `none`, which stops generation instead), and memory pressure (MemAvailable under
---memory-threshold-mb: down to --eviction-target-ratio of the slots in use).
+memory_threshold_mb: down to eviction_target_ratio of the slots in use).
+
+Options. KVOptions (options.py) names all of it, by the seed's names, for every interface:
+Model.load's keywords, llmrs-run's and llmrs-serve's flags; cache_manager(KVOptions, backend)
+makes the manager.
 """
 from .manager import (CacheManager, EvictionEvent, LinuxSystemMonitor, MemoryStats, SystemMonitor,
                       summarize)
+from .options import KVOptions, cache_manager
 from .policy import (H2O, POLICIES, CacheView, EvictionPolicy, NoEviction, PolicyError, SlidingWindow,
                      SnapKV, StepInfo, make_policy, pool1d)
 from .store import HostKV, KVStoreError, layer_states
 
-__all__ = ["CacheManager", "EvictionEvent", "LinuxSystemMonitor", "MemoryStats", "SystemMonitor", "summarize",
+__all__ = ["KVOptions", "cache_manager", "CacheManager", "EvictionEvent", "LinuxSystemMonitor", "MemoryStats",
+           "SystemMonitor", "summarize",
            "H2O", "POLICIES", "CacheView", "EvictionPolicy", "NoEviction", "PolicyError", "SlidingWindow",
            "SnapKV", "StepInfo", "make_policy", "pool1d", "HostKV", "KVStoreError", "layer_states"]

@@ -20,7 +20,9 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from ...options import OptionError
 from .policy import CacheView, EvictionPolicy, StepInfo
+
 
 
 @dataclass
@@ -51,7 +53,7 @@ class LinuxSystemMonitor:
         try:
             return MemoryStats(fields["MemTotal"], fields["MemAvailable"], fields["MemFree"])
         except KeyError as e:
-            raise OSError(f"{self.path} has no {e.args[0]} line; --memory-threshold-mb needs Linux 3.14+") from None
+            raise OSError(f"{self.path} has no {e.args[0]} line; a memory threshold needs Linux 3.14+") from None
 
 
 class KVStore(Protocol):
@@ -89,16 +91,23 @@ def summarize(events: list[EvictionEvent]) -> str:
     return f"{len(events)} ({kinds}): {freed} slots freed in {ms:.1f} ms" if events else "0"
 
 
+def check_pressure(threshold_mb: float | None, target_ratio: float, evicts: bool) -> None:
+    """The memory-pressure settings: a ratio of the slots to keep, a threshold only where a policy
+    can evict."""
+    if not 0.0 < target_ratio < 1.0:
+        raise OptionError(f"{{0}} must be between 0 and 1, got {target_ratio}", "eviction_target_ratio")
+    if threshold_mb is not None and threshold_mb < 0:
+        raise OptionError(f"{{0}} must be 0 or more, got {threshold_mb}", "memory_threshold_mb")
+    if threshold_mb is not None and not evicts:
+        raise OptionError("{0} needs an {1} that evicts (sliding, snapkv or h2o)", "memory_threshold_mb",
+                          "eviction_policy")
+
+
 class CacheManager:
     def __init__(self, policy: EvictionPolicy, store: KVStore, monitor: SystemMonitor | None = None,
                  threshold_mb: float | None = None, target_ratio: float = 0.5,
                  on_event: Callable[[EvictionEvent], None] | None = None):
-        if not 0.0 < target_ratio < 1.0:
-            raise ValueError(f"--eviction-target-ratio must be between 0 and 1, got {target_ratio}")
-        if threshold_mb is not None and threshold_mb < 0:
-            raise ValueError(f"--memory-threshold-mb must be 0 or more, got {threshold_mb}")
-        if threshold_mb is not None and policy.name == "none":
-            raise ValueError("--memory-threshold-mb needs an --eviction-policy that evicts (sliding, snapkv or h2o)")
+        check_pressure(threshold_mb, target_ratio, policy.name != "none")
         self.policy, self.store, self.monitor = policy, store, monitor
         self.threshold = None if threshold_mb is None else int(threshold_mb * 2**20)
         self.target_ratio = target_ratio

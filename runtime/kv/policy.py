@@ -11,12 +11,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...options import OptionError
+
 POLICIES = ("none", "sliding", "snapkv", "h2o")
 POOLINGS = ("max", "avg")
 
 
-class PolicyError(ValueError):
-    """A policy setting that cannot work; one line, names the flag."""
+class PolicyError(OptionError):
+    """A policy setting that cannot work; one line, naming the option ({0}: KVOptions' field)."""
 
 
 @dataclass(frozen=True)
@@ -56,16 +58,16 @@ class EvictionPolicy:
 
     def __init__(self, window: int, protected_prefix: int = 0):
         if window < 1:
-            raise PolicyError(f"--eviction-window must be at least 1, got {window}")
+            raise PolicyError(f"{{0}} must be at least 1, got {window}", "eviction_window")
         if protected_prefix < 0:
-            raise PolicyError(f"--protected-prefix must be 0 or more, got {protected_prefix}")
+            raise PolicyError(f"{{0}} must be 0 or more, got {protected_prefix}", "protected_prefix")
         self.window = window
         self.protected_prefix = protected_prefix
 
     def budget(self, slots: int) -> int:
         if self.protected_prefix >= slots - 1:
-            raise PolicyError(f"--protected-prefix {self.protected_prefix} leaves no room in a KV cache of "
-                              f"{slots} slots; use a smaller prefix or recompile with a larger --max-seq-len")
+            raise PolicyError(f"{{0}} {self.protected_prefix} leaves no room in a KV cache of {slots} slots; "
+                              "use a smaller prefix or recompile with a larger {1}", "protected_prefix", "max_seq_len")
         return min(self.protected_prefix + self.window, slots - 1)
 
     def min_keep(self) -> int:
@@ -104,7 +106,7 @@ class NoEviction(EvictionPolicy):
         return False
 
     def select(self, view: CacheView, keep: int) -> np.ndarray:
-        raise PolicyError("--eviction-policy none never evicts; choose sliding, snapkv or h2o")
+        raise PolicyError("{0} none never evicts; choose sliding, snapkv or h2o", "eviction_policy")
 
 
 class SlidingWindow(EvictionPolicy):
@@ -172,11 +174,11 @@ class SnapKV(EvictionPolicy):
                  pooling: str = "avg"):
         super().__init__(window, protected_prefix)
         if obs_window < 1:
-            raise PolicyError(f"--snapkv-window must be at least 1, got {obs_window}")
+            raise PolicyError(f"{{0}} must be at least 1, got {obs_window}", "snapkv_window")
         if kernel < 1 or kernel % 2 == 0:
-            raise PolicyError(f"--snapkv-kernel must be an odd number >= 1, got {kernel}")
+            raise PolicyError(f"{{0}} must be an odd number >= 1, got {kernel}", "snapkv_kernel")
         if pooling not in POOLINGS:
-            raise PolicyError(f"--snapkv-pooling {pooling!r}: choose one of {', '.join(POOLINGS)}")
+            raise PolicyError(f"{{0}} {pooling!r}: choose one of {', '.join(POOLINGS)}", "snapkv_pooling")
         self.obs_window, self.kernel, self.pooling = obs_window, kernel, pooling
 
     def over_budget(self, n: int, slots: int, after_prefill: bool) -> bool:
@@ -218,7 +220,7 @@ class H2O(EvictionPolicy):
         super().__init__(window, protected_prefix)
         self.recent = window // 2 if recent is None else recent
         if not 0 <= self.recent <= window:
-            raise PolicyError(f"--h2o-recent must be 0..--eviction-window ({window}), got {self.recent}")
+            raise PolicyError(f"{{0}} must be 0..{{1}} ({window}), got {self.recent}", "h2o_recent", "eviction_window")
 
     def score_from(self, step: StepInfo) -> int | None:
         return 0
@@ -245,4 +247,4 @@ def make_policy(name: str, window: int, protected_prefix: int = 0, snapkv_window
         return SnapKV(window, protected_prefix, snapkv_window, snapkv_kernel, snapkv_pooling)
     if name == "h2o":
         return H2O(window, protected_prefix, h2o_recent)
-    raise PolicyError(f"--eviction-policy {name!r}: choose one of {', '.join(POLICIES)}")
+    raise PolicyError(f"{{0}} {name!r}: choose one of {', '.join(POLICIES)}", "eviction_policy")

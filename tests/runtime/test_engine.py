@@ -49,8 +49,9 @@ def test_prompt_longer_than_the_cache_is_refused_before_any_work():
 
 
 def test_zero_new_tokens_is_refused():
-    with pytest.raises(EngineError, match="-n must be at least 1"):
+    with pytest.raises(EngineError, match="^max_tokens must be at least 1, got 0$") as e:
         _engine("golden-a").generate([1, 2], 0, Sampler(SamplerConfig()))
+    assert e.value.worded({"max_tokens": "-n"}.get) == "-n must be at least 1, got 0"    # llmrs-run's wording
 
 
 def test_reset_forgets_the_cache():

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from llmrs.options import OptionError
 from llmrs.runtime.kv import (H2O, CacheManager, CacheView, MemoryStats, PolicyError, SlidingWindow, SnapKV,
                               StepInfo, make_policy, pool1d)
 from llmrs.runtime.kv.policy import _top
@@ -33,8 +34,9 @@ def test_sliding_keeps_the_protected_prefix_and_the_most_recent_window():
 
 def test_budget_is_capped_so_the_next_token_fits():
     assert SlidingWindow(window=100, protected_prefix=4).budget(S) == S - 1
-    with pytest.raises(PolicyError, match="^--protected-prefix 31 leaves no room in a KV cache of 32 slots"):
+    with pytest.raises(PolicyError, match="^protected_prefix 31 leaves no room in a KV cache of 32 slots") as e:
         SlidingWindow(window=4, protected_prefix=31).budget(S)
+    assert _flags(e.value).endswith("use a smaller prefix or recompile with a larger --max-seq-len")
 
 
 def _pool_loop(x: np.ndarray, k: int, mode: str) -> np.ndarray:
@@ -127,16 +129,24 @@ def test_the_protected_prefix_is_never_evicted(name):
         assert keep.shape[-1] == keep_n and (np.diff(keep, axis=-1) > 0).all()
 
 
+def _flags(error: OptionError) -> str:
+    """The error as a command line words it."""
+    return error.worded(lambda name: "--" + name.replace("_", "-"))
+
+
 @pytest.mark.parametrize("make, message", [
-    (lambda: make_policy("sliding", 0), "^--eviction-window must be at least 1, got 0$"),
-    (lambda: make_policy("fifo", 8), "^--eviction-policy 'fifo': choose one of none, sliding, snapkv, h2o$"),
-    (lambda: make_policy("snapkv", 8, snapkv_kernel=4), "^--snapkv-kernel must be an odd number >= 1, got 4$"),
-    (lambda: make_policy("snapkv", 8, snapkv_pooling="min"), "^--snapkv-pooling 'min': choose one of max, avg$"),
-    (lambda: make_policy("h2o", 8, h2o_recent=9), r"^--h2o-recent must be 0..--eviction-window \(8\), got 9$"),
+    (lambda: make_policy("sliding", 0), "{eviction_window} must be at least 1, got 0"),
+    (lambda: make_policy("fifo", 8), "{eviction_policy} 'fifo': choose one of none, sliding, snapkv, h2o"),
+    (lambda: make_policy("snapkv", 8, snapkv_kernel=4), "{snapkv_kernel} must be an odd number >= 1, got 4"),
+    (lambda: make_policy("snapkv", 8, snapkv_pooling="min"), "{snapkv_pooling} 'min': choose one of max, avg"),
+    (lambda: make_policy("h2o", 8, h2o_recent=9), "{h2o_recent} must be 0..{eviction_window} (8), got 9"),
 ])
-def test_bad_policy_settings_are_one_line_errors_naming_the_flag(make, message):
-    with pytest.raises(PolicyError, match=message):
+def test_bad_policy_settings_are_one_line_errors_naming_the_option_or_flag(make, message):
+    with pytest.raises(PolicyError) as e:
         make()
+    names = ("eviction_window", "eviction_policy", "snapkv_kernel", "snapkv_pooling", "h2o_recent")
+    assert str(e.value) == message.format(**{n: n for n in names})
+    assert _flags(e.value) == message.format(**{n: "--" + n.replace("_", "-") for n in names})
 
 
 # -- the manager over host arrays ------------------------------------------------------------
@@ -218,10 +228,11 @@ def test_memory_pressure_evicts_down_to_the_target_ratio_and_logs_it():
 
 def test_the_manager_refuses_settings_that_cannot_work():
     store = _store(32)
-    with pytest.raises(ValueError, match="^--eviction-target-ratio must be between 0 and 1, got 1.5$"):
+    with pytest.raises(OptionError, match="^eviction_target_ratio must be between 0 and 1, got 1.5$"):
         CacheManager(make_policy("sliding", 8), store, target_ratio=1.5)
-    with pytest.raises(ValueError, match="^--memory-threshold-mb needs an --eviction-policy that evicts"):
+    with pytest.raises(OptionError, match="^memory_threshold_mb needs an eviction_policy that evicts") as e:
         CacheManager(make_policy("none", 8), store, _Monitor(1), threshold_mb=100)
+    assert _flags(e.value).startswith("--memory-threshold-mb needs an --eviction-policy that evicts")
 
 
 def test_scores_are_on_only_for_the_rows_a_policy_votes_with():

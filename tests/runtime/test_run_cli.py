@@ -56,7 +56,8 @@ def _one_line(rc, err, message):
 
 def test_prompt_longer_than_the_cache(plan, capsys):
     rc, _, err = _run(capsys, plan, "--prompt", "word " * 80)
-    _one_line(rc, err, "but the KV cache holds 48 more (recompile with a larger --max-seq-len)")
+    _one_line(rc, err, "but the KV cache holds 48 (recompile with a larger --max-seq-len, "
+                       "or evict: --eviction-policy sliding, snapkv or h2o)")
 
 
 def test_zero_tokens_and_zero_threads(plan, capsys):

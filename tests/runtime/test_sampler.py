@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 
+from llmrs.options import OptionError
 from llmrs.runtime.sampler import Sampler, SamplerConfig
 
 
@@ -58,8 +59,15 @@ def test_same_seed_same_samples():
     assert abs(np.mean(np.array(b) == np.argmax(p)) - p.max()) < 0.1
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5),
-                                dict(repetition_penalty=0), dict(repetition_window=-1)])
-def test_bad_values_are_one_line_errors(kw):
-    with pytest.raises(ValueError, match="^--"):
+@pytest.mark.parametrize("kw, message", [
+    (dict(temperature=-1), "{} must be >= 0, got -1"), (dict(top_k=-1), "{} must be >= 0, got -1"),
+    (dict(top_p=0), "{} must be in (0, 1], got 0"), (dict(top_p=1.5), "{} must be in (0, 1], got 1.5"),
+    (dict(repetition_penalty=0), "{} must be > 0, got 0"), (dict(repetition_window=-1), "{} must be >= 0, got -1"),
+    (dict(seed=-3), "{} must be >= 0, got -3"), (dict(top_k=2.5), "{} must be a whole number >= 0, got 2.5")])
+def test_bad_values_are_one_line_errors_by_python_name_or_flag(kw, message):
+    """Python callers read the field's name; a command line words the same error with its flag."""
+    (name,) = kw
+    with pytest.raises(OptionError) as e:
         Sampler(SamplerConfig(**kw))
+    assert str(e.value) == message.format(name)
+    assert e.value.worded(lambda n: "--" + n.replace("_", "-")) == message.format("--" + name.replace("_", "-"))
