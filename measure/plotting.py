@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..compiler.cliutil import output_file
+from ..compiler.outputs import output_file
 from ..compiler.ir import Graph
 from ..compiler.passes.plan_memory import live_intervals
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..compiler.cliutil import write_output
+from ..compiler.outputs import write_output
 from ..compiler.ir import Op
 from ..runtime.backends.base import Backend
 

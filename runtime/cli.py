@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cliutil import OneLineParser, add_option_flags, check_output_file, error_line, options_from
+from ..cliutil import OneLineParser, add_option_flags, error_line, options_from
+from ..compiler.outputs import check_output_file, output_file
 from .backends import BACKENDS, BackendOptions
 from .backends.options import KIND_OPTIONS
-from ..compiler.cliutil import output_file
-from .builtin import default_plan
+from ..builtin import default_plan
 from .engine import EngineError
 from .kv.options import TITLE as KV_TITLE
 from .kv.options import KVOptions

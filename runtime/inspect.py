@@ -7,7 +7,8 @@ from typing import Any, TextIO
 
 from pathlib import Path
 
-from ..compiler.cliutil import OneLineParser, check_output_file
+from ..cliutil import OneLineParser
+from ..compiler.outputs import check_output_file
 from ..measure.plotting import PlotError, plot_arena, pyplot
 from ..compiler.ir import Graph
 from .plan import VERIFY_MODES, Plan, PlanError

@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print(f"llmrs-serve: error: {MISSING}", file=sys.stderr)
         return 2
-    from .builtin import default_plan
+    from ..builtin import default_plan
     from .model import Model, check_threads
 
     try:

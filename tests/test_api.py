@@ -69,7 +69,7 @@ def test_compile_passes_options_as_flags_and_names_plans_by_them(tmp_path, monke
     assert a != b and a.parent == b.parent == tmp_path / "plans"
     ma, mb = llmrs.load(a, threads=1), llmrs.load(b, backend="reference")
     assert (ma.max_seq_len, mb.max_seq_len) == (64, 40)
-    assert ma.plan.manifest["compile_options"]["disabled_rules"] == ["norm_prologue"]
+    assert ma.plan.manifest["compile_options"]["no_fuse"] == ["norm_prologue"]
     gd = np.load(DATA / "golden-a.npz")
     for model in (ma, mb):  # f32 weights: transformers' greedy tokens on either backend
         c = model.generate(gd["prompt_tokens"].tolist(), max_tokens=9)
@@ -80,11 +80,11 @@ def test_compile_passes_options_as_flags_and_names_plans_by_them(tmp_path, monke
 
 def test_compile_reuses_its_plan_only_for_the_same_model_options_and_llmrs(tmp_path, monkeypatch):
     """Before, every llmrs.compile call compiled again (8.4 s for SmolLM2) into the same file."""
-    from llmrs.compiler import cli
+    from llmrs.compiler import build
 
     monkeypatch.setenv("LLMRS_CACHE_DIR", str(tmp_path / "cache"))
-    runs, real_main = [], cli.main
-    monkeypatch.setattr(cli, "main", lambda argv: runs.append(argv) or real_main(argv))
+    runs, real_compile = [], build.compile_plan
+    monkeypatch.setattr(build, "compile_plan", lambda *a, **k: runs.append(a) or real_compile(*a, **k))
     model = tmp_path / "model"
     shutil.copytree(DATA / "golden-a", model)
     opts = dict(target="opencl", weights="f32", max_seq_len=64)     # no LLVM: compiles in a second
@@ -133,14 +133,19 @@ def test_compile_refuses_arguments_that_are_no_paths(tmp_path):
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(weights="q9"), "argument --weights: invalid choice: 'q9'"),
-    (dict(max_seq_len=0), "--max-seq-len and --prefill-chunk must be positive"),
-    (dict(colour="blue"), "unrecognized arguments: --colour blue"),
+    (dict(weights="q9"), "weights 'q9': choose one of q4_0, q4_1, q8_0, f16, f32, native"),
+    (dict(max_seq_len=0), "max_seq_len must be a whole number from 1 to 2147483647 (positions are 32-bit), got 0"),
+    (dict(target="tpu"), "target 'tpu': choose from cpu, opencl (comma-separated)"),
 ])
-def test_compile_errors_are_one_line(tmp_path, options, message):
+def test_compile_errors_are_one_line_and_name_the_python_option(tmp_path, options, message):
     with pytest.raises(llmrs.CompileError) as e:
         llmrs.compile(DATA / "golden-a", tmp_path / "x.plan.bin", **options)
-    assert message in str(e.value) and "\n" not in str(e.value) and not str(e.value).startswith("llmrs-compile")
+    assert str(e.value) == message
+
+
+def test_an_unknown_compile_option_is_a_type_error_listing_the_options(tmp_path):
+    with pytest.raises(TypeError, match=r"^unknown compile option 'colour' \(llmrs.compile takes: weights, "):
+        llmrs.compile(DATA / "golden-a", tmp_path / "x.plan.bin", colour="blue")
 
 
 def test_compile_of_a_missing_model_names_it(tmp_path):

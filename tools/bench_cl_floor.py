@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmrs.compiler.cliutil import write_output
+from llmrs.compiler.outputs import write_output
 from llmrs.compiler import ir
 from llmrs.compiler.passes.quantize import WEIGHT_DTYPES
 from llmrs.runtime.backends.opencl_launch import DirectLaunches

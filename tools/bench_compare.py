@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmrs.compiler.cliutil import write_output
+from llmrs.compiler.outputs import write_output
 from llmrs.compiler.summary import decode_weight_bytes
 from llmrs.runtime.backends.cpu import CpuBackend, physical_cores
 from llmrs.runtime.plan import Plan

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmrs.compiler.cliutil import write_output
+from llmrs.compiler.outputs import write_output
 from llmrs.compiler.cli import main as compile_main
 from llmrs.models.tiny import PRESETS, make_model
 from llmrs.runtime.backends.hybrid import KV_MODES, HybridBackend, Schedule

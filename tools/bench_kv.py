@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from llmrs.compiler.cliutil import OneLineParser, write_output
+from llmrs.cliutil import OneLineParser
+from llmrs.compiler.outputs import write_output
 from llmrs.runtime.backends import BackendOptions, open_backend
 from llmrs.runtime.backends.opencl import OpenCLBackend
 from llmrs.runtime.engine import Engine, EngineError

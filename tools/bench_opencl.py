@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from llmrs.compiler.cliutil import write_output
+from llmrs.compiler.outputs import write_output
 from llmrs.compiler.codegen.opencl import generate
 from llmrs.compiler.codegen.opencl_tuning import DeviceKind, OpenCLTuning, tuning_for
 from llmrs.compiler.passes.quantize import WEIGHT_DTYPES

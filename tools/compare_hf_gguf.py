@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmrs.compiler.cliutil import write_output
+from llmrs.compiler.outputs import write_output
 from llmrs.runtime.plan import Plan
 
 PROMPTS = ("The capital of France is", "def fibonacci(n):",

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from llmrs.compiler.cliutil import write_output
+from llmrs.compiler.outputs import write_output
 from llmrs.runtime.backends.cpu import CpuBackend
 from llmrs.runtime.chat import from_manifest
 from llmrs.runtime.engine import Engine

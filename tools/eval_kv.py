@@ -42,7 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
-from llmrs.compiler.cliutil import OneLineParser, write_output
+from llmrs.cliutil import OneLineParser
+from llmrs.compiler.outputs import write_output
 from llmrs.runtime.engine import Engine, EngineError
 from llmrs.runtime.kv import CacheManager, make_policy
 from llmrs.runtime.model import Model

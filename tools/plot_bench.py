@@ -18,7 +18,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from llmrs.compiler.cliutil import check_output_file
+from llmrs.compiler.outputs import check_output_file
 from llmrs.measure.plotting import PlotError, pyplot, save_figure
 
 

@@ -9,7 +9,8 @@ import json
 import sys
 from pathlib import Path
 
-from llmrs.compiler.cliutil import OneLineParser, check_output_file
+from llmrs.cliutil import OneLineParser
+from llmrs.compiler.outputs import check_output_file
 from llmrs.measure.plotting import save_figure
 
 PANELS = (   # (row key, title, y label)

@@ -102,12 +102,12 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
 
 
 def test_an_output_that_cannot_be_written_is_refused_before_compiling(tmp_path, capsys, monkeypatch):
-    import llmrs.compiler.cli as cli
+    import llmrs.compiler.build as build
 
     def never(*_):
         raise AssertionError("the model was loaded although the output cannot be written")
 
-    monkeypatch.setattr(cli, "load_model", never)
+    monkeypatch.setattr(build, "load_model", never)
     model = str(DATA / "golden-a")
     missing = tmp_path / "missing" / "dir"
     _one_line_error(capsys, [model, "-o", str(missing / "plan.bin")],
@@ -146,15 +146,15 @@ def test_decode_weight_bytes_count_a_tied_table_once(llama_1b_graphs):
 
 def test_a_kv_cache_larger_than_memory_is_refused_before_compiling(tmp_path, capsys, monkeypatch):
     """It used to compile, and the run died with a bare "[Errno 12] Cannot allocate memory"."""
-    import llmrs.compiler.cli as cli
+    import llmrs.compiler.build as build
 
-    monkeypatch.setattr(cli, "physical_memory", lambda: 8 << 30)
-    monkeypatch.setattr(cli, "compile_graphs", lambda *a: (_ for _ in ()).throw(AssertionError("compiled")))
+    monkeypatch.setattr(build, "physical_memory", lambda: 8 << 30)
+    monkeypatch.setattr(build, "compile_graphs", lambda *a: (_ for _ in ()).throw(AssertionError("compiled")))
     out = tmp_path / "p.bin"
     # golden-a: 2 layers x (K + V of 2 heads x 16 f16 + 2 f32 eviction scores) = 272 bytes a token
     _one_line_error(capsys, [str(DATA / "golden-a"), "-o", str(out), "--max-seq-len", str(10**9)],
                     f"--max-seq-len {10**9}: the KV cache would take 253.32 GiB, more than this machine's 8.00 GiB "
                     f"of memory; at most {(8 << 30) // 272} tokens fit")
     _one_line_error(capsys, [str(DATA / "golden-a"), "-o", str(out), "--max-seq-len", str(1 << 31)],
-                    "--max-seq-len and --prefill-chunk must be at most 2147483647")
+                    "--max-seq-len must be a whole number from 1 to 2147483647 (positions are 32-bit), got 2147483648")
     assert not out.exists()

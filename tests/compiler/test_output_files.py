@@ -7,8 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import llmrs.compiler.build as build
 import llmrs.compiler.cli as compile_cli
-from llmrs.compiler.cliutil import output_file, write_output
+from llmrs.compiler.outputs import output_file, write_output
 from llmrs.measure import bench
 from llmrs.runtime import inspect
 from llmrs.runtime.cli import main as run_main
@@ -27,7 +28,7 @@ def no_compiling(monkeypatch):
     """The refusals come before the model is read: loading it fails the test."""
     def never(*_):
         raise AssertionError("the model was loaded although the output must not be written")
-    monkeypatch.setattr(compile_cli, "load_model", never)
+    monkeypatch.setattr(build, "load_model", never)
 
 
 @pytest.fixture

@@ -48,7 +48,7 @@ def test_q8_0_weights_with_an_f16_cache_stay_close_to_float(golden):
 
 
 def test_dump_ir_writes_each_phase_after_every_pass(tmp_path):
-    opts = CompileOptions(weights="f32", dump_ir_dir=tmp_path / "ir", disabled_rules=("norm_prologue",), **SMALL)
+    opts = CompileOptions(weights="f32", dump_ir=tmp_path / "ir", no_fuse=("norm_prologue",), **SMALL)
     compile_graphs("tests/data/golden-a", opts)
     names = ["00-build"] + [f"{i:02d}-{n}" for i, (n, _) in enumerate(PASSES, 1)]
     assert sorted(p.name for p in (tmp_path / "ir").iterdir()) == sorted(
@@ -60,15 +60,15 @@ def test_dump_ir_writes_each_phase_after_every_pass(tmp_path):
 
 def test_a_disabled_rule_reaches_fuse():
     on = compile_graphs("tests/data/golden-a", CompileOptions(weights="f32", **SMALL))[1]
-    off = compile_graphs("tests/data/golden-a", CompileOptions(weights="f32", disabled_rules=("gate_up_silu",), **SMALL))[1]
+    off = compile_graphs("tests/data/golden-a", CompileOptions(weights="f32", no_fuse=("gate_up_silu",), **SMALL))[1]
     # per layer: gate, up and silu_mul instead of one op, and the norm before them stays its own
     assert off.kernel_count() == on.kernel_count() + 2 * 3
 
 
 @pytest.mark.parametrize("opts, message", [
-    (CompileOptions(disabled_rules=("qkv_rope",)), r"^unknown fusion rule 'qkv_rope'; the rules are qkv_rope_kv, "),
-    (CompileOptions(kv_type="q4_0"), r"^--kv-type 'q4_0': choose one of f32, f16, q8_0$"),
-    (CompileOptions(embedding="bf16"), r"^--embedding 'bf16': choose one of q4_0, q4_1, q8_0, f16, f32, native$"),
+    (CompileOptions(no_fuse=("qkv_rope",)), r"^unknown fusion rule 'qkv_rope'; the rules are qkv_rope_kv, "),
+    (CompileOptions(kv_type="q4_0"), r"^kv_type 'q4_0': choose one of f32, f16, q8_0$"),
+    (CompileOptions(embedding="bf16"), r"^embedding 'bf16': choose one of q4_0, q4_1, q8_0, f16, f32, native$"),
 ])
 def test_bad_options_are_one_line_errors_before_any_work(opts, message):
     with pytest.raises(ValueError, match=message):

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Iterator
 from unittest import mock
 
+from llmrs.compiler import build as compiler_build
 from llmrs.compiler import cli as compiler_cli
 
 from ..conftest import DATA
@@ -23,12 +24,12 @@ CHAT_KEYS = {"chat_template": LLAMA3_TEMPLATE, "bos_token": "<|begin_of_text|>",
 @contextlib.contextmanager
 def manifest_extras(**keys: Any) -> Iterator[None]:
     """Plans compiled in this block get `keys` in their manifest too."""
-    write = compiler_cli.write_graph_plan
+    write = compiler_build.write_graph_plan
 
     def write_with_keys(path, graphs, manifest=None, *args, **kwargs):
         return write(path, graphs, {**(manifest or {}), **keys}, *args, **kwargs)
 
-    with mock.patch.object(compiler_cli, "write_graph_plan", write_with_keys):
+    with mock.patch.object(compiler_build, "write_graph_plan", write_with_keys):
         yield
 
 

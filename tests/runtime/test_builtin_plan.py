@@ -6,7 +6,7 @@ import pytest
 
 from llmrs import __version__
 from llmrs.compiler.cli import main as compile_main
-from llmrs.runtime import builtin
+from llmrs import builtin
 from llmrs.runtime.plan import Plan
 
 from ..conftest import DATA
@@ -25,7 +25,7 @@ def cached(tmp_path, monkeypatch):
     shutil.copy(good, path)
     calls = []
 
-    def fake_compile(model, plan, *flags, quiet=False):
+    def fake_compile(model, plan, quiet=False):
         calls.append(plan)
         shutil.copy(good, plan)
 

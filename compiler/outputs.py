@@ -1,23 +1,16 @@
-"""Command-line helpers shared by the tools: one-line argument errors, output paths checked
-before any work and written whole or not at all, a progress bar."""
+"""Output files that never replace what they should not: a device node, a pipe, a socket, or a
+file the command reads (its model, a weight shard, its tokenizer), by any name (symlinks, hard
+links); checked before any work, and written to a temporary file beside the target that is renamed
+over it only once whole. Every writer uses these: the plan writer, --dump-ir, --dump-logits,
+--profile, llmrs-bench --json, plots."""
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import stat
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import IO, Iterable, Iterator
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """Bad arguments get one line on stderr and exit code 2, not a usage block."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def _kind(mode: int) -> str:
@@ -112,30 +105,3 @@ def write_output(path: str | os.PathLike, data: str | bytes, flag: str,
     """output_file for a whole str (UTF-8) or bytes."""
     with output_file(path, flag, reads) as f:
         f.write(data.encode("utf-8") if isinstance(data, str) else data)
-
-
-class Progress:
-    """One line on stderr, redrawn at most 10 times a second; off when stderr is no terminal."""
-
-    def __init__(self, label: str, total: int, enabled: bool | None = None, width: int = 28):
-        self.label, self.total, self.width = label, max(total, 1), width
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self.t0 = time.perf_counter()
-        self._last = 0.0
-
-    def update(self, done: int, note: str = "") -> None:
-        now = time.perf_counter()
-        if not self.enabled or (now - self._last < 0.1 and done < self.total):
-            return
-        self._last = now
-        filled = int(self.width * done / self.total)
-        bar = "#" * filled + "." * (self.width - filled)
-        sys.stderr.write(f"\r{self.label:<10} [{bar}] {done}/{self.total} {now - self.t0:5.1f} s {note[:40]:<40}")
-        sys.stderr.flush()
-
-    def close(self) -> float:
-        elapsed = time.perf_counter() - self.t0
-        if self.enabled:
-            self.update(self.total)
-            sys.stderr.write("\n")
-        return elapsed
