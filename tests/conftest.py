@@ -25,6 +25,32 @@ QEMU_SETUP = ("run sh tests/qemu/setup.sh (apt-get install qemu-user gcc-aarch64
 POCL_SETUP = "apt-get install pocl-opencl-icd"
 
 
+# exhaustive sweeps: the first case of each runs in the README's test command (`python -m pytest`),
+# every other case under `-m slow`, which .ci/run also runs, so CI covers every case
+SWEEPS = {
+    "test_cpu_greedy_tokens_equal_the_interpreters", "test_prefill_matmul_token_pairs_match_interpreter",
+    "test_tensor_core_prefill_body_matches_interpreter",
+    "test_shape_compiles_for_both_targets_and_its_logits_match_the_interpreter",
+    "test_attention_for_any_head_dim_and_group_matches_interpreter", "test_q4_matmul_with_odd_k_and_n_matches_interpreter",
+    "test_decode_attention_key_per_lane_matches_interpreter", "test_hybrid_tokens_equal_either_back_end_alone",
+    "test_fused_qkv_rope_into_q8_0_kv_cache_matches_interpreter", "test_prefill_attention_f16_cache_matches_interpreter",
+    "test_prefill_matmul_wgmma_matches_interpreter",
+    "test_decoding_with_eviction_matches_the_interpreter_on_the_surviving_cache",
+    "test_fused_qkv_rope_kv_store_matches_interpreter", "test_rms_prologue_with_a_folded_norm_weight_matches_interpreter",
+    "test_decode_rms_prologue_late_or_prepared_and_each_group_size_matches_interpreter",
+}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    first_seen = set()
+    for item in items:
+        if getattr(item, "originalname", None) in SWEEPS and hasattr(item, "callspec"):
+            key = (item.path, item.originalname)
+            if key in first_seen:
+                item.add_marker(pytest.mark.slow)
+            first_seen.add(key)
+
+
 def in_ci() -> bool:
     """CI sets CI=true (.ci/run too); it installs every system package the suite uses."""
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
