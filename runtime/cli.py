@@ -132,14 +132,7 @@ def load_model(args: argparse.Namespace, backend_options: BackendOptions, kv: KV
 
     t0 = time.perf_counter()
     plan = Plan.open(path)
-    backend = profiling_backend(args.backend, plan, args.threads, args.device)
-    try:
-        model = Model(plan, backend, kv)
-    except BaseException:
-        backend.close()
-        raise
-    model.load_s = time.perf_counter() - t0
-    return model
+    return Model.bind(plan, profiling_backend(args.backend, plan, args.threads, args.device), kv, t0)
 
 
 def run(args: argparse.Namespace) -> int:

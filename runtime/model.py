@@ -347,11 +347,17 @@ class Model:
         t0 = time.perf_counter()
         opened = Plan.open(plan)
         kv.check()
-        bound = open_backend(opened, backend, backend_options)
+        return cls.bind(opened, open_backend(opened, backend, backend_options), kv, t0)
+
+    @classmethod
+    def bind(cls, plan: Plan, backend: Backend, kv: KVOptions = KVOptions(), t0: float | None = None) -> "Model":
+        """A Model over a back end already opened on `plan` (llmrs-run --profile's timing one);
+        the back end is closed if that fails. load_s counts from t0 (default: now)."""
+        t0 = time.perf_counter() if t0 is None else t0
         try:
-            model = cls(opened, bound, kv)
+            model = cls(plan, backend, kv)
         except BaseException:
-            bound.close()
+            backend.close()
             raise
         model.load_s = time.perf_counter() - t0
         return model

@@ -79,14 +79,18 @@ def test_a_damaged_gguf_never_becomes_a_plan(good_gguf, tmp_path, capsys):
     assert "\n" not in err and "llama.rope.freq_base is 2.9e-34" in err and not out.exists()
 
 
-def test_rope_frequency_factors_that_are_not_numbers_are_refused(tmp_path):
-    def nan_factor(meta, tensors):
-        data, kind = tensors["rope_freqs.weight"]
+def _nan_at(tensor: str, index: int):
+    """A hf_to_gguf edit that makes one value of `tensor` NaN."""
+    def edit(meta, tensors):
+        data, kind = tensors[tensor]
         data = data.copy()
-        data[3] = math.nan
-        tensors["rope_freqs.weight"] = (data, kind)
+        data[index] = math.nan
+        tensors[tensor] = (data, kind)
+    return edit
 
-    bad = hf_to_gguf(DATA / "golden-b", tmp_path / "nan-freqs.gguf", edit=nan_factor)
+
+def test_rope_frequency_factors_that_are_not_numbers_are_refused(tmp_path):
+    bad = hf_to_gguf(DATA / "golden-b", tmp_path / "nan-freqs.gguf", edit=_nan_at("rope_freqs.weight", 3))
     _refused(bad, "tensor 'rope_freqs.weight' holds a value that is not a positive number")
 
 
@@ -191,13 +195,7 @@ def test_a_folder_without_tokenizer_compiles_with_a_notice_and_the_run_says_why(
 
 def test_a_weight_that_is_not_a_number_is_refused_naming_the_tensor(tmp_path, capsys):
     """Every logit would be NaN: refused while compiling, naming the file and the tensor."""
-    def nan_norm(meta, tensors):
-        data, kind = tensors["blk.1.ffn_norm.weight"]
-        data = data.copy()
-        data[5] = math.nan
-        tensors["blk.1.ffn_norm.weight"] = (data, kind)
-
-    bad = hf_to_gguf(DATA / "golden-a", tmp_path / "nan.gguf", edit=nan_norm)
+    bad = hf_to_gguf(DATA / "golden-a", tmp_path / "nan.gguf", edit=_nan_at("blk.1.ffn_norm.weight", 5))
     out = tmp_path / "nan.plan.bin"
     assert compile_main([str(bad), "-o", str(out), "--target", "cpu", "-q"]) == 2
     err = capsys.readouterr().err.strip()
