@@ -64,6 +64,8 @@ from typing import Any, Callable, Iterable
 import networkx as nx
 import numpy as np
 
+from .errors import IRError
+
 DTYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q8_0", "i32")
 VALUE_KINDS = ("input", "param", "const", "state", "act")
 BASE_KINDS = ("embedding", "rms_norm", "matmul", "rope", "kv_store", "attention", "add", "mul",
@@ -74,10 +76,6 @@ SCALARS = ("n_tokens", "n_past", "start_pos")
 QK = 32  # values per quantization block (GGML's QK4_0 == QK8_0 == 32)
 _BLOCK_BYTES = {"q4_0": 18, "q8_0": 34, "q4_1": 20}
 _ELEM_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4}
-
-
-class IRError(ValueError):
-    """A malformed graph; the message names the op or value at fault."""
 
 
 def nbytes(shape: tuple[int, ...], dtype: str) -> int:
@@ -225,7 +223,7 @@ class Graph:
 
     # -- checking -----------------------------------------------------------------------------
     def verify(self) -> "Graph":
-        from .shapes import infer_shapes  # late import: shapes.py imports this module
+        from .shapes import infer_shapes  # late: shapes' rules are large and only verify needs them
         defined = {n for n, v in self.values.items() if v.kind in ("input", "param", "const", "state")}
         seen_outputs: set[str] = set()
         for name, v in self.values.items():

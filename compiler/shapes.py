@@ -1,12 +1,15 @@
 """Shape and dtype rules of every op kind: what verify() checks each op's outputs against."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from .ir import Graph, IRError, Op
+from .errors import IRError
+
+if TYPE_CHECKING:   # ir.py calls these rules from verify(): a run-time import would be a cycle
+    from .ir import Graph, Op
 
 Shape = tuple[int, ...]
-Rule = Callable[[Graph, Op, list], list]
+Rule = Callable[["Graph", "Op", list], list]
 
 FLOAT = ("f32", "f16", "bf16")
 WEIGHT = ("f32", "f16", "bf16", "q4_0", "q4_1", "q8_0")

@@ -259,3 +259,26 @@ def load_config(model_dir: str | Path) -> LlamaConfig:
         cfg = check_ranges(LlamaConfig(**{**asdict(cfg), "eos_token_ids": tuple(dict.fromkeys(cfg.eos_token_ids + extra))}),
                            str(gen))
     return cfg
+
+
+def expected_tensors(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a LlamaForCausalLM checkpoint holds for cfg, with its [out, in] shape."""
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (q, d),
+            p + "self_attn.k_proj.weight": (kv, d),
+            p + "self_attn.v_proj.weight": (kv, d),
+            p + "self_attn.o_proj.weight": (d, q),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "mlp.gate_proj.weight": (f, d),
+            p + "mlp.up_proj.weight": (f, d),
+            p + "mlp.down_proj.weight": (d, f),
+        })
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, d)
+    return shapes

@@ -24,7 +24,7 @@ import gguf
 from gguf import GGMLQuantizationType as GT
 
 from ..compiler.rope import rope_inv_freq
-from .config import LlamaConfig, ModelError, check_float, check_ranges
+from .config import LlamaConfig, ModelError, check_float, check_ranges, expected_tensors
 from .finite import all_finite
 
 NATIVE = {GT.F32: "f32", GT.F16: "f16", GT.BF16: "bf16", GT.Q4_0: "q4_0", GT.Q4_1: "q4_1", GT.Q8_0: "q8_0"}
@@ -325,8 +325,6 @@ def _rope_freqs(rf: Any, path: Path) -> np.ndarray:
 def read_tensors(cfg: LlamaConfig, reader: Any, path: Path) -> dict[str, GGUFTensor]:
     """Every tensor the graph needs, by its graph name, checked against cfg; one-line errors name
     the GGUF tensor."""
-    from .llama import expected_tensors
-
     by_name = {t.name: t for t in reader.tensors}
     want = expected_tensors(cfg)
     extra = sorted(n for n in by_name if n != ROPE_FREQS and hf_name(n) not in want)

@@ -111,8 +111,7 @@ def make_tokenizer(vocab_size: int) -> str:
 
 
 def _tensor_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    from .config import parse_config
-    from .llama import expected_tensors
+    from .config import expected_tensors, parse_config
     return expected_tensors(parse_config(cfg))
 
 

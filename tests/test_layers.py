@@ -79,11 +79,23 @@ def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of the import nodes under `if TYPE_CHECKING:`: annotations, never run."""
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            skip |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return skip
+
+
 def _imports() -> list[Import]:
     found = []
     for name, path in MODULES.items():
         tree = ast.parse(path.read_text(), str(path))
+        skip = _type_checking_only(tree)
         for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
             if isinstance(node, ast.Import):
                 found += [Import(name, a.name, node.lineno) for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -133,6 +145,26 @@ def test_the_compiler_and_models_never_import_the_runtime():
     assert not bad, "\n".join(bad)
 
 
+def _module_graph(imports: list[Import]) -> dict[str, set[str]]:
+    """module -> the package modules it imports (a name imported from a module counts as that module)."""
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for i in imports:
+        target = i.target
+        while target and target not in MODULES:
+            target = target.rpartition(".")[0]
+        if target and target != i.module and not i.module.startswith(target + "."):   # not its own package
+            graph[i.module].add(target)
+    return graph
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """Import cycles (also through a late import inside a function) make layers meaningless."""
+    import networkx as nx
+
+    cycles = list(nx.simple_cycles(nx.DiGraph([(a, b) for a, bs in _module_graph(IMPORTS).items() for b in bs])))
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c + c[:1]) for c in cycles)
+
+
 def _child_commands() -> list[str]:
     """Every string literal a module passes to subprocess (or builds for it with python_argv)."""
     found = []
@@ -158,7 +190,7 @@ def test_library_code_runs_no_command_line_in_a_child_process():
     assert not bad, "library code runs a CLI in a child process:\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("rule", ["argparse", "cli", "core", "compiler"])
+@pytest.mark.parametrize("rule", ["argparse", "cli", "core", "compiler", "cycle"])
 def test_the_checker_catches_what_it_looks_for(rule, monkeypatch):
     """Each rule fails on an import that breaks it (so a rule cannot pass by finding nothing)."""
     planted = {
@@ -166,11 +198,13 @@ def test_the_checker_catches_what_it_looks_for(rule, monkeypatch):
         "cli": Import("llmrs.runtime.model", "llmrs.runtime.cli.make_backend", 1),
         "core": Import("llmrs.runtime.engine", "llmrs.compiler.codegen.llvm", 1),
         "compiler": Import("llmrs.compiler.ir", "llmrs.runtime.plan", 1),
+        "cycle": Import("llmrs.compiler.errors", "llmrs.compiler.ir.Graph", 1),
     }[rule]
     check = {"argparse": test_argparse_only_in_the_command_lines,
              "cli": test_no_library_module_imports_a_command_line,
              "core": test_the_runtime_core_imports_no_pass_codegen_or_measuring_tool,
-             "compiler": test_the_compiler_and_models_never_import_the_runtime}[rule]
+             "compiler": test_the_compiler_and_models_never_import_the_runtime,
+             "cycle": test_no_module_imports_one_that_imports_it_back}[rule]
     monkeypatch.setitem(globals(), "IMPORTS", IMPORTS + [planted])
     with pytest.raises(AssertionError):
         check()
