@@ -64,7 +64,8 @@ FAMILIES = ("matvec", "matmul", "attention", "attention_scores", "norm", "rope",
 # templates/opencl/ files before a family's kernels (shared parts), and the files of its kernel
 # bodies where they are several (default: the family's own file)
 _PRELUDE = {"matvec": ("common", "matmul_common"), "matmul": ("common", "matmul_common", "matmul")}
-_BODIES = {"matmul": ("matmul_fp32", "matmul_mma", "matmul_async", "matmul_wgmma")}
+_BODIES = {"matmul": ("matmul_fp32", "matmul_mma", "matmul_async", "matmul_wgmma"),
+           "attention": ("attention", "attention_decode", "attention_tiled", "attention_mma")}
 KV_TYPES = ("f32", "f16", "q8_0")
 FLOAT_TYPES = ("f32", "f16", "bf16")
 WEIGHT_TYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q8_0")

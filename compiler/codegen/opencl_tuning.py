@@ -56,7 +56,7 @@ class OpenCLTuning:
     wgmma_k: int = 32                # the wgmma body's stage (K values; the ring holds as many as
                                      # 40 KB allow). H200 1B f16 prefill 512: K 32 7.39 ms, K 16
                                      # (5 stages) 7.94 (round 13)
-    # -- attention (attention.cl) -------------------------------------------------------------
+    # -- attention (attention*.cl) ------------------------------------------------------------
     att_wg: int = 128                # attention_split threads
     att_bq: int = 128                # attention_tiled query rows per group (H200 q4_0 prefill 512:
                                      # attention 4.0 ms with 32, 3.5 with 128); the tensor-core
