@@ -77,6 +77,11 @@ def opencl_device() -> Any:
     """The device OpenCLBackend picks by default. pip's PoCL is always there, but its LLVM 14
     cannot build kernels for CPUs newer than itself (a Zen 5): with no other device, OpenCL tests
     skip naming Debian's PoCL."""
+    return require_opencl()
+
+
+def require_opencl() -> Any:
+    """opencl_device for a test that opens OpenCL inside a helper rather than through the fixture."""
     cl = pytest.importorskip("pyopencl")
     from llmrs.runtime.backends.opencl import OpenCLError, pick_device
     try:

@@ -17,7 +17,7 @@ from llmrs.runtime.kv import CacheManager, make_policy
 from llmrs.runtime.plan import Plan
 from llmrs.runtime.sampler import Sampler, SamplerConfig
 
-from ..conftest import DATA, rel_err
+from ..conftest import DATA, rel_err, require_opencl
 
 S, CHUNK = 32, 8
 POLICIES = ("sliding", "snapkv", "h2o")
@@ -43,7 +43,7 @@ def _backend(kind: str, plan: Plan):
     if kind == "cpu":
         return CpuBackend(plan, threads=2)
     if kind == "opencl":
-        pytest.importorskip("pyopencl")
+        require_opencl()
         from llmrs.runtime.backends.opencl import OpenCLBackend
         return OpenCLBackend(plan)
     return ReferenceBackend(plan.graphs())
