@@ -108,8 +108,10 @@ def _embedding(it, op, st, table, tokens):
 
 
 def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    var = np.mean(x * x, axis=-1, keepdims=True)
-    return (x / np.sqrt(var + x.dtype.type(eps))) * w
+    """RMS norm over each run of len(w) values of a row (the whole row, or one head)."""
+    g = x.reshape(*x.shape[:-1], x.shape[-1] // w.shape[0], w.shape[0])
+    var = np.mean(g * g, axis=-1, keepdims=True)
+    return ((g / np.sqrt(var + x.dtype.type(eps))) * w).reshape(x.shape)
 
 
 def _rms_norm(it, op, st, x, w):
@@ -123,8 +125,9 @@ def _mm(it: Interpreter, op: Op, x: np.ndarray, w_idx: int) -> np.ndarray:
     return x @ it.weight(v.name).T
 
 
-def _matmul(it, op, st, x, w):
-    return [_mm(it, op, x, 1)]
+def _matmul(it, op, st, x, w, b=None):
+    y = _mm(it, op, x, 1)
+    return [y if b is None else (y + b.astype(it.ft)).astype(it.ft)]
 
 
 def _inv_freq(it: Interpreter, op: Op, given: np.ndarray | None) -> np.ndarray:

@@ -15,8 +15,12 @@ Op kinds and their exact semantics (the interpreter in interpret.py is the execu
 `x @ w.T` below means each output row n is the dot of x's row with weight row n, HF layout):
 
     embedding(table[V,D], tokens[T] i32)            -> y[T,D]      y[t] = table[tokens[t]]
-    rms_norm(x[T,D], w[D]; eps)                     -> y[T,D]      x / sqrt(mean(x^2)+eps) * w
-    matmul(x[T,K], w[N,K])                          -> y[T,N]      x @ w.T
+    rms_norm(x[T,D], w[G]; eps)                     -> y[T,D]      x / sqrt(mean(x^2)+eps) * w over
+                                                       each run of G values (G divides D): G == D
+                                                       is the usual norm, G == head_dim normalises
+                                                       each head (Qwen3's q_norm / k_norm)
+    matmul(x[T,K], w[N,K] [, b[N] f32])             -> y[T,N]      x @ w.T (+ b on every row: the
+                                                       q/k/v biases of Qwen2)
     rope(x[T,H*hd] [, inv_freq[hd/2]]; n_heads, head_dim, theta, scaling)
                                                     -> y[T,H*hd]   HF rotate_half form; position
                                                        of row t is start_pos + t; angle is
@@ -48,8 +52,12 @@ Fused kinds (made by passes, never by model builders):
                  "silu_mul"             w = [gate; up] stacked, N = 2F; -> silu(g) * u, [T,F]
                  "rope_kv_store"        w = [q; k; v] stacked; extra: inv_freq[hd/2],
                                         k_cache[S,KVH,hd], v_cache[S,KVH,hd]; attrs as rope plus
-                                        n_kv_heads; -> q_roped[T,H*hd], k_cache', v_cache'
-        Extra inputs come in the order: norm_w (if prologue), then the epilogue's.
+                                        n_kv_heads; -> q_roped[T,H*hd], k_cache', v_cache'.
+                                        attr qk_norm (Qwen3): extra q_norm_w[hd], k_norm_w[hd]
+                                        after v_cache; attr qk_eps. Each q and k head is
+                                        RMS-normed (rms_norm with G = hd) before RoPE.
+        attr bias (Qwen2)               extra: b[N] f32, added to x @ w.T before the epilogue.
+        Extra inputs come in the order: norm_w (if prologue), then the epilogue's, then b (if bias).
 
 Weights whose dtype is q4_0 or q8_0 are multiplied as GGML does: each activation row is
 quantized to Q8_0 and block dot products are summed as integers, then scaled. q4_1 weights take

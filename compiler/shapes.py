@@ -43,12 +43,20 @@ def _embedding(g, op, ins):
 def _rms_norm(g, op, ins):
     x, w = ins
     _act(op, x)
-    _need(w.shape == (x.shape[1],), op, f"norm weight {w.name!r} must be [{x.shape[1]}]")
+    _need(len(w.shape) == 1 and w.shape[0] >= 1 and x.shape[1] % w.shape[0] == 0, op,
+          f"norm weight {w.name!r} must be [G] with G dividing {x.shape[1]}, got {list(w.shape)}")
     return [(x.shape, "f32")]
 
 
+def _bias(op: Op, b, n: int) -> None:
+    _need(b.shape == (n,) and b.dtype == "f32", op, f"bias {b.name!r} must be f32[{n}], got {b.dtype}{list(b.shape)}")
+
+
 def _matmul(g, op, ins):
+    _need(len(ins) in (2, 3), op, "inputs are x, w and optionally a bias")
     t, n = _matmul_core(op, ins[0], ins[1])
+    if len(ins) == 3:
+        _bias(op, ins[2], n)
     return [((t, n), "f32")]
 
 
