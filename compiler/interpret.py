@@ -71,6 +71,10 @@ class Interpreter:
             raise IRError(f"graph {g.name} takes 1..{g.T} tokens per step, got {len(tokens)}")
         step = Step(len(tokens), n_past, n_past if start_pos is None else start_pos)
         env: dict[str, np.ndarray] = {"tokens": tokens}
+        for name in g.inputs[1:]:       # a step graph's per-row indices (ir.py "Step graphs")
+            if name not in inputs:
+                raise IRError(f"graph {g.name} needs input {name!r}")
+            env[name] = np.asarray(inputs[name], dtype=np.int32)
         for name in g.state:
             env[name] = state[name]
         for op in g.ops:
@@ -137,34 +141,46 @@ def _inv_freq(it: Interpreter, op: Op, given: np.ndarray | None) -> np.ndarray:
     return rope_inv_freq(a["head_dim"], a["theta"], a.get("scaling"))
 
 
-def _rope_heads(it: Interpreter, st: Step, x: np.ndarray, heads: int, hd: int, inv_freq) -> np.ndarray:
+def _rope_heads(it: Interpreter, st: Step, x: np.ndarray, heads: int, hd: int, inv_freq,
+                positions: np.ndarray | None = None) -> np.ndarray:
     n = x.shape[0]
-    cos, sin = rope_angles(st.start_pos + np.arange(n), inv_freq, it.ft.type)
+    pos = st.start_pos + np.arange(n) if positions is None else positions[:n]
+    cos, sin = rope_angles(pos, inv_freq, it.ft.type)
     return apply_rope(x.reshape(n, heads, hd), cos, sin).reshape(n, heads * hd).astype(it.ft)
 
 
-def _rope(it, op, st, x, inv_freq=None):
+def _rope(it, op, st, x, *extra):
     a = op.attrs
-    return [_rope_heads(it, st, x, a["n_heads"], a["head_dim"], _inv_freq(it, op, inv_freq))]
+    extra = list(extra)
+    positions = extra.pop() if extra and it.graph.values[op.inputs[-1]].dtype == "i32" else None
+    inv_freq = extra[0] if extra else None
+    return [_rope_heads(it, st, x, a["n_heads"], a["head_dim"], _inv_freq(it, op, inv_freq), positions)]
 
 
-def _store(it: Interpreter, op: Op, st: Step, src: np.ndarray, cache: np.ndarray, cache_name: str) -> np.ndarray:
+def _store(it: Interpreter, op: Op, st: Step, src: np.ndarray, cache: np.ndarray, cache_name: str,
+           slots: np.ndarray | None = None) -> np.ndarray:
     v = it.graph.values[cache_name]
     s, kvh, hd = v.shape
-    end = st.n_past + st.n_tokens
-    if end > s:
-        raise KVCacheFull(f"op {op.name}: KV cache {cache_name!r} holds {s} tokens; "
-                          f"{st.n_past} + {st.n_tokens} do not fit")
+    if slots is None:
+        end = st.n_past + st.n_tokens
+        if end > s:
+            raise KVCacheFull(f"op {op.name}: KV cache {cache_name!r} holds {s} tokens; "
+                              f"{st.n_past} + {st.n_tokens} do not fit")
+        rows_at = slice(st.n_past, end)
+    else:
+        rows_at = slots[:st.n_tokens]
+        if rows_at.min() < 0 or rows_at.max() >= s:
+            raise IRError(f"op {op.name}: a KV slot is outside 0..{s - 1}")
     rows = src.reshape(st.n_tokens, kvh, hd)
     if v.dtype in quant.BLOCK_BYTES:
-        cache[st.n_past:end] = quant.quantize(rows, v.dtype)
+        cache[rows_at] = quant.quantize(rows, v.dtype)
     else:
-        cache[st.n_past:end] = rows.astype(cache.dtype)
+        cache[rows_at] = rows.astype(cache.dtype)
     return cache
 
 
-def _kv_store(it, op, st, src, cache):
-    return [_store(it, op, st, src, cache, op.inputs[1])]
+def _kv_store(it, op, st, src, cache, slots=None):
+    return [_store(it, op, st, src, cache, op.inputs[1], slots)]
 
 
 def _read_cache(it: Interpreter, name: str, cache: np.ndarray, length: int) -> np.ndarray:
@@ -176,8 +192,29 @@ def _read_cache(it: Interpreter, name: str, cache: np.ndarray, length: int) -> n
     return _to_float(rows, dtype, it.ft)
 
 
-def _attention(it, op, st, q, k_cache, v_cache, kept_scores=None, score_ctl=None):
+def _paged_attention(it, op, st, q, k_cache, v_cache, row_seq, ctx_len, tables):
     a = op.attrs
+    h, kvh, hd, bs = a["n_heads"], a["n_kv_heads"], a["head_dim"], a["block_size"]
+    group = h // kvh
+    k_all = _read_cache(it, op.inputs[1], k_cache, k_cache.shape[0])
+    v_all = _read_cache(it, op.inputs[2], v_cache, v_cache.shape[0])
+    out = np.zeros((st.n_tokens, h * hd), it.ft)
+    for t in range(st.n_tokens):
+        j = np.arange(ctx_len[t])
+        rows = tables[row_seq[t], j // bs] * bs + j % bs
+        k, v = k_all[rows], v_all[rows]                              # [L, KVH, hd]
+        qh = q[t].reshape(kvh, group, hd)
+        s = np.einsum("kgd,lkd->kgl", qh, k) * it.ft.type(a["scale"])
+        p = np.exp(s - s.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+        out[t] = np.einsum("kgl,lkd->kgd", p, v).reshape(-1)
+    return [out]
+
+
+def _attention(it, op, st, q, k_cache, v_cache, kept_scores=None, score_ctl=None, *paged):
+    a = op.attrs
+    if "block_size" in a:
+        return _paged_attention(it, op, st, q, k_cache, v_cache, kept_scores, score_ctl, *paged)
     h, kvh, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
     n, length = st.n_tokens, st.n_past + st.n_tokens
     k = _read_cache(it, op.inputs[1], k_cache, length)           # [L, KVH, hd]
@@ -252,5 +289,6 @@ OPS: dict[str, Callable] = {
     "softmax": lambda it, op, st, a: [_softmax(a).astype(it.ft)],
     "argmax": lambda it, op, st, a: [np.argmax(a, axis=-1).astype(np.int32)],
     "slice": lambda it, op, st, a: [a[st.n_tokens - 1:st.n_tokens]],
+    "gather": lambda it, op, st, a, rows: [a[rows]],
     "fused_matmul": _fused_matmul,
 }

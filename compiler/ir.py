@@ -40,6 +40,27 @@ Op kinds and their exact semantics (the interpreter in interpret.py is the execu
     add(a, b), mul(a, b), silu(a), silu_mul(g, u) = silu(g) * u, softmax(x) over the last axis
     argmax(x[T,V])                                  -> y[T] i32
     slice(x[T,D]; rows="last")                      -> y[1,D]      row n_tokens - 1
+    gather(x[T,D], rows[R] i32)                     -> y[R,D]      y[r] = x[rows[r]]; every entry
+                                                       < n_tokens (the caller pads with 0)
+
+Step graphs (many sequences in one step; models/step.py makes one from a prefill graph). Each of
+the T rows is one token of some sequence; i32 graph inputs say which:
+
+    positions[T]      RoPE position of row t             slots[T]   KV-cache row it writes
+    row_seq[T]        its sequence's row of block_tables ctx_len[T] KV entries row t attends
+    block_tables[B,M] physical block ids of each sequence's logical blocks (M * block_size = S)
+    logit_rows[R]     the rows whose logits the step returns (R = B)
+
+and three ops take them as their last inputs (n_past and start_pos are then unused):
+
+    rope(x [, inv_freq], positions)                 row t rotated by positions[t]
+    kv_store(src, cache, slots)                     row t stored at cache[slots[t]]
+    attention(q, k, v, row_seq, ctx_len, block_tables; ..., block_size)
+                                                    row t attends its sequence's logical entries
+                                                       j < ctx_len[t], each at cache row
+                                                       block_tables[row_seq[t], j // block_size]
+                                                       * block_size + j % block_size (no eviction
+                                                       scores in a step graph)
 
 Fused kinds (made by passes, never by model builders):
 
@@ -77,7 +98,7 @@ from .errors import IRError
 DTYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q8_0", "i32")
 VALUE_KINDS = ("input", "param", "const", "state", "act")
 BASE_KINDS = ("embedding", "rms_norm", "matmul", "rope", "kv_store", "attention", "add", "mul",
-              "silu", "silu_mul", "softmax", "argmax", "slice")
+              "silu", "silu_mul", "softmax", "argmax", "slice", "gather")
 FUSED_KINDS = ("fused_matmul",)
 SCALARS = ("n_tokens", "n_past", "start_pos")
 

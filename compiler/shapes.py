@@ -60,18 +60,28 @@ def _matmul(g, op, ins):
     return [((t, n), "f32")]
 
 
+def _row_index(op: Op, v, t: int, what: str) -> None:
+    _need(v.dtype == "i32" and v.shape == (t,) and v.kind == "input", op,
+          f"{what} {v.name!r} must be an i32[{t}] graph input, got {v.kind} {v.dtype}{list(v.shape)}")
+
+
 def _rope(g, op, ins):
-    x = ins[0]
+    x, ins = ins[0], list(ins[1:])
     _act(op, x)
     hd, h = op.attrs["head_dim"], op.attrs["n_heads"]
     _need(x.shape[1] == h * hd and hd % 2 == 0, op, f"{x.name!r} must be [T, {h}*{hd}] with even head_dim")
-    if len(ins) > 1:
-        _need(ins[1].shape == (hd // 2,), op, f"inv_freq must be [{hd // 2}]")
+    if ins and ins[-1].dtype == "i32":      # a step graph's per-row positions
+        _row_index(op, ins.pop(), x.shape[0], "positions")
+    if ins:
+        _need(len(ins) == 1 and ins[0].shape == (hd // 2,), op, f"inv_freq must be [{hd // 2}]")
     return [(x.shape, "f32")]
 
 
 def _kv_store(g, op, ins):
-    src, cache = ins
+    _need(len(ins) in (2, 3), op, "inputs are src, cache and, in a step graph, slots")
+    src, cache = ins[:2]
+    if len(ins) == 3:
+        _row_index(op, ins[2], src.shape[0], "slots")
     _act(op, src)
     _need(cache.kind == "state" and len(cache.shape) == 3, op, f"{cache.name!r} must be a state [S,KVH,hd]")
     _need(src.shape[1] == cache.shape[1] * cache.shape[2], op,
@@ -87,15 +97,27 @@ def _cache_of(g: Graph, name: str):
 
 
 def _attention(g, op, ins):
-    _need(len(ins) in (3, 5), op, "inputs are q, k, v and optionally scores, score_ctl")
+    a = op.attrs
+    paged = "block_size" in a
+    _need(len(ins) == 6 if paged else len(ins) in (3, 5), op,
+          "inputs are q, k, v, row_seq, ctx_len, block_tables" if paged
+          else "inputs are q, k, v and optionally scores, score_ctl")
     q, k, v = ins[:3]
     _act(op, q)
-    a = op.attrs
     _need(q.shape[1] == a["n_heads"] * a["head_dim"], op, f"q must be [T, {a['n_heads']}*{a['head_dim']}]")
     _need(a["n_heads"] % a["n_kv_heads"] == 0, op, "n_heads must be a multiple of n_kv_heads")
     for c in (k, v):
         _need(_cache_of(g, c.name).kind == "state" and c.shape[1:] == (a["n_kv_heads"], a["head_dim"]), op,
               f"{c.name!r} must be a KV cache [S, {a['n_kv_heads']}, {a['head_dim']}]")
+    if paged:
+        bs, tables = a["block_size"], ins[5]
+        _row_index(op, ins[3], q.shape[0], "row_seq")
+        _row_index(op, ins[4], q.shape[0], "ctx_len")
+        _need(bs >= 1 and k.shape[0] % bs == 0, op, f"block_size {bs} must divide the cache's {k.shape[0]} rows")
+        _need(tables.dtype == "i32" and tables.kind == "input" and len(tables.shape) == 2
+              and tables.shape[1] * bs == k.shape[0], op,
+              f"block_tables {tables.name!r} must be an i32[B, {k.shape[0] // max(bs, 1)}] graph input")
+        return [(q.shape, "f32")]
     if len(ins) == 3:
         return [(q.shape, "f32")]
     scores, ctl = ins[3:]
@@ -126,6 +148,14 @@ def _slice(g, op, ins):
     _act(op, ins[0])
     _need(op.attrs.get("rows") == "last", op, "only rows='last' is supported")
     return [((1, ins[0].shape[1]), ins[0].dtype)]
+
+
+def _gather(g, op, ins):
+    x, rows = ins
+    _act(op, x)
+    _need(rows.dtype == "i32" and len(rows.shape) == 1 and rows.kind == "input", op,
+          f"rows {rows.name!r} must be an i32[R] graph input")
+    return [((rows.shape[0], x.shape[1]), "f32")]
 
 
 def _fused_matmul(g, op, ins):
@@ -167,7 +197,7 @@ def _fused_matmul(g, op, ins):
 RULES: dict[str, Rule] = {
     "embedding": _embedding, "rms_norm": _rms_norm, "matmul": _matmul, "rope": _rope,
     "kv_store": _kv_store, "attention": _attention, "add": _same, "mul": _same, "silu": _same,
-    "silu_mul": _same, "softmax": _same, "argmax": _argmax, "slice": _slice,
+    "silu_mul": _same, "softmax": _same, "argmax": _argmax, "slice": _slice, "gather": _gather,
     "fused_matmul": _fused_matmul,
 }
 

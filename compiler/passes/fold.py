@@ -28,7 +28,8 @@ def fold(g: Graph) -> Graph:
     """Every rope op without an inv_freq input gets the shared const one."""
     g = g.copy()
     for op in g.ops:
-        if op.kind == "rope" and len(op.inputs) == 1:
+        # a step graph's rope reads its positions (i32) last: inv_freq goes before them
+        if op.kind == "rope" and (len(op.inputs) == 1 or g.values[op.inputs[1]].dtype == "i32"):
             a = op.attrs
-            op.inputs.append(inv_freq_const(g, a["head_dim"], a["theta"], a.get("scaling")))
+            op.inputs.insert(1, inv_freq_const(g, a["head_dim"], a["theta"], a.get("scaling")))
     return g

@@ -231,7 +231,8 @@ def _residual_epilogue(g: Graph, m: Match) -> list[Op] | None:
 def _last_token_logits(g: Graph, m: Match) -> list[Op] | None:
     head, norm, x = m["head"], m["norm"], m["x"]
     rows, d = g.values[x].shape
-    if rows == 1 or not set(head.outputs) & set(g.outputs):
+    gathered = getattr(g.producers().get(x), "kind", None) == "gather"   # a step graph picks its rows
+    if rows == 1 or gathered or not set(head.outputs) & set(g.outputs):
         return None
     last = g.add_value(f"{x}.last", (1, d), g.values[x].dtype)       # [1, D]
     for v in norm.outputs + head.outputs:                              # [T, *] -> [1, *]
