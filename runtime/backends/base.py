@@ -9,6 +9,7 @@ slots in use, `start_pos` the RoPE position of the step's first token.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -16,6 +17,19 @@ import numpy as np
 if TYPE_CHECKING:
     from ...compiler.ir import Graph
     from ..kv.manager import KVStore
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """One step of the plan's "step" graph (compiler/ir.py "Step graphs"): n rows, each a token
+    of some sequence, all int32. The scheduler (runtime/scheduler.py) fills it."""
+    tokens: np.ndarray          # [n]
+    positions: np.ndarray       # [n] RoPE position of each row
+    slots: np.ndarray           # [n] the KV-cache row each writes
+    row_seq: np.ndarray         # [n] its sequence's row of block_tables
+    ctx_len: np.ndarray         # [n] KV entries each attends (its own included)
+    block_tables: np.ndarray    # [b, M] physical blocks of each sequence (b <= the graph's B)
+    logit_rows: np.ndarray      # [r] rows whose logits come back (r <= B)
 
 
 class Backend(ABC):
