@@ -194,6 +194,9 @@ class HybridKV:
         self.active.compact(keep)
         self.h.evicted = True
 
+    def copy_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
+        self.active.copy_slots(src, dst)
+
     def handed_over(self) -> None:
         self.active.set_score_from(self.score_from)
 

@@ -80,6 +80,24 @@ class OpenCLKV:
         self.be.write_value("decode", self.ctl_name, ctl)
         self.be.scoring = first_slot is not None
 
+    def copy_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Slot dst[i] of every layer's K and V becomes a copy of slot src[i], one device copy per
+        run of consecutive slots (a copied block is one run)."""
+        import pyopencl as cl
+        src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+        breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+        runs = np.split(np.arange(len(src)), breaks)
+        g = self.be.graphs["decode"]
+        for layer in self.layers:
+            for name in (layer.k, layer.v):
+                buf, off = self.be.locate("decode", name)
+                row = g.values[name].nbytes // self.slots
+                for r in runs:
+                    if len(r):
+                        cl.enqueue_copy(self.be.queue, buf, buf, byte_count=len(r) * row,
+                                        src_offset=off + int(src[r[0]]) * row, dst_offset=off + int(dst[r[0]]) * row)
+        self.be.queue.finish()
+
     def compact(self, keep: np.ndarray) -> None:
         import pyopencl as cl
         k = keep.shape[-1]

@@ -103,6 +103,14 @@ class HostKV:
             sc[:, :k] = sc[heads[:, None], idx]
             sc[:, k:] = 0
 
+    def copy_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Slot dst[i] of every layer's K and V becomes a copy of slot src[i] (a paged cache's
+        copy-on-write: a sequence about to change a block it shares gets its own copy first)."""
+        for layer in self.layers:
+            for name in (layer.k, layer.v):
+                cache = self.arrays[name]
+                cache[dst] = cache[src]
+
     def cache(self, layer: int, which: str) -> np.ndarray:
         """A layer's K or V cache in storage form (tests compare them)."""
         return self.arrays[getattr(self.layers[layer], which)]
