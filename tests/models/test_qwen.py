@@ -17,6 +17,7 @@ import gguf
 from gguf import GGMLQuantizationType as GT
 
 from llmrs.compiler import quant
+from llmrs.compiler.build import compile_plan
 from llmrs.compiler.passes.quantize import quantize
 from llmrs.compiler.pipeline import CompileOptions, compile_graphs
 from llmrs.compiler.plan import write_graph_plan
@@ -26,7 +27,9 @@ from llmrs.models.qwen_templates import QWEN3_CHAT_TEMPLATE
 from llmrs.models.safetensors_io import open_folder, write
 from llmrs.models.tiny import make_config, make_model
 from llmrs.runtime.backends.reference import ReferenceBackend
+from llmrs.runtime.chat import ChatTemplate, ChatTemplateError
 from llmrs.runtime.engine import Engine
+from llmrs.runtime.model import Model
 from llmrs.runtime.plan import Plan
 from llmrs.runtime.sampler import Sampler, SamplerConfig
 
@@ -211,6 +214,36 @@ def test_gguf_and_folder_carry_the_qwen3_chat_template():
     assert load_model(DATA / "qwen3-b").chat_template == QWEN3_CHAT_TEMPLATE
     assert load_model(DATA / CONVERTED["qwen3-b"]).chat_template == QWEN3_CHAT_TEMPLATE
     assert "<|im_start|>" in load_model(DATA / CONVERTED["qwen2-a"]).chat_template
+
+
+# what transformers 5.24's apply_chat_template writes for CONVERSATION with Qwen3's template: the
+# earlier answer's think block dropped, and with enable_thinking=False an empty one opening the reply
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "<think>\nhmm\n</think>\n\nHello!"}, {"role": "user", "content": "2+2?"}]
+RENDERED = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+            "Hello!<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n")
+NOT_THINKING = "<think>\n\n</think>\n\n"
+
+
+def test_qwen3_template_renders_as_transformers_with_its_thinking_switch():
+    template = ChatTemplate(QWEN3_CHAT_TEMPLATE)
+    assert template.render(CONVERSATION) == RENDERED
+    assert template.render(CONVERSATION, variables={"enable_thinking": True}) == RENDERED
+    assert template.render(CONVERSATION, variables={"enable_thinking": False}) == RENDERED + NOT_THINKING
+    with pytest.raises(ChatTemplateError, match="^chat template variable 'messages' is set by llmrs itself"):
+        template.render(CONVERSATION, variables={"messages": []})
+
+
+def test_model_chat_passes_the_thinking_switch_to_the_template(tmp_path):
+    plan = compile_plan(DATA / "qwen3-b", tmp_path / "q.plan.bin", CompileOptions(
+        weights="f32", kv_type="f32", max_seq_len=128, prefill_chunk=16, target=("opencl",))).path
+    with Model.load(plan, backend="reference") as model:
+        assert model.render_chat(CONVERSATION, chat_template_kwargs={"enable_thinking": False}) == RENDERED + NOT_THINKING
+        reply = model.chat(CONVERSATION, max_tokens=2, chat_template_kwargs={"enable_thinking": False})
+        "".join(reply)
+        assert reply.prompt == model.tokenize(RENDERED + NOT_THINKING, add_special_tokens=False)
+        assert reply.completion_tokens >= 1
+        assert model.tokenize(NOT_THINKING, add_special_tokens=False)[0] == model.tokenize("<think>")[0] == 320 - 16 + 5
 
 
 # -- config.json -----------------------------------------------------------------------------------
