@@ -45,7 +45,8 @@ def hf_names() -> str:
 
 
 def gguf_names() -> str:
-    return ", ".join(repr(n) for n in FAMILIES)
+    """"'llama', 'qwen3', 'qwen2' (Llama 2/3, ...; Qwen3 dense models; Qwen2, Qwen2.5)": for messages."""
+    return f"{', '.join(repr(n) for n in FAMILIES)} ({'; '.join(f.examples for f in FAMILIES.values())})"
 
 
 # Tensors, as (Hugging Face name, GGUF name). Every family has the global ones (the head only

@@ -245,8 +245,7 @@ def _family(meta: Metadata) -> Family:
     arch = meta.get("general.architecture", str)
     family = FAMILIES.get(arch)
     if family is None:
-        raise ModelError(f"{meta.path}: general.architecture is {arch!r}; llmrs runs {gguf_names()} "
-                         "(Llama 2/3, SmolLM2, Mistral-style dense models, Qwen2/2.5, Qwen3)")
+        raise ModelError(f"{meta.path}: general.architecture is {arch!r}; llmrs runs {gguf_names()}")
     return family
 
 
