@@ -1,14 +1,17 @@
-"""GGUF files (llama.cpp's format), read with the `gguf` package: a Llama's hyper-parameters and
-its tensors, which stay in the memory-mapped file until a pass loads them.
+"""GGUF files (llama.cpp's format), read with the `gguf` package: a model's hyper-parameters (the
+`<arch>.*` keys of its family: llama, qwen3, qwen2) and its tensors, which stay in the
+memory-mapped file until a pass loads them.
 
 Tensors in a format llmrs has (F32 F16 BF16 Q4_0 Q4_1 Q8_0) keep their bytes. Others (K-quants,
 Q5_0, IQ*) are decoded to f32 by `gguf.quants` on load and carry their GGML type in
 `source_format`, so the quantize pass converts them once and says so.
 
-llama.cpp's converter reorders the rows of Q and K for its RoPE, which rotates adjacent pairs
-(2i, 2i+1) where Hugging Face's rotate_half (what the graph computes) pairs (i, i + hd/2): each
-head's rows, seen as [2, hd/2], were transposed to [hd/2, 2]. load() transposes them back. A row
-is whole quantization blocks, so its bytes are unchanged; only the order of rows is.
+For a Llama, llama.cpp's converter reorders the rows of Q and K for its RoPE, which rotates
+adjacent pairs (2i, 2i+1) where Hugging Face's rotate_half (what the graph computes) pairs
+(i, i + hd/2): each head's rows, seen as [2, hd/2], were transposed to [hd/2, 2]. load()
+transposes them back. A row is whole quantization blocks, so its bytes are unchanged; only the
+order of rows is. Qwen's rows are stored as Hugging Face has them (llama.cpp runs its NEOX RoPE,
+which is rotate_half), and so are its per-head norms and biases.
 """
 from __future__ import annotations
 
@@ -24,28 +27,26 @@ import gguf
 from gguf import GGMLQuantizationType as GT
 
 from ..compiler.rope import rope_inv_freq
-from .config import LlamaConfig, ModelError, check_float, check_ranges, expected_tensors
+from .config import ModelConfig, ModelError, check_float, check_ranges, expected_tensors
+from .families import ALL_LAYER_TENSORS, FAMILIES, GLOBAL_TENSORS, Family, gguf_names
 from .finite import all_finite
 
 NATIVE = {GT.F32: "f32", GT.F16: "f16", GT.BF16: "bf16", GT.Q4_0: "q4_0", GT.Q4_1: "q4_1", GT.Q8_0: "q8_0"}
 
-_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-           "output.weight": "lm_head.weight"}
-_LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
-          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
-_LAYER_HF = {v: k for k, v in _LAYER.items()}
+_GLOBAL = {g: h for h, g in GLOBAL_TENSORS}
+_LAYER = {g: h for h, g in ALL_LAYER_TENSORS}        # GGUF suffix -> Hugging Face suffix
+_LAYER_HF = {h: g for h, g in ALL_LAYER_TENSORS}
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3's RoPE frequency divisors, written by convert_hf_to_gguf
 _MISSING = object()
 
 
 def hf_name(name: str) -> str | None:
-    """The graph's (Hugging Face) name of a GGUF tensor, or None for one a Llama does not have."""
+    """The graph's (Hugging Face) name of a GGUF tensor, or None for one no family has."""
     if name in _GLOBAL:
         return _GLOBAL[name]
-    parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER and parts[3] == "weight":
-        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.weight"
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER:
+        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}"
     return None
 
 
@@ -54,9 +55,9 @@ def gguf_name(name: str) -> str:
     for g, h in _GLOBAL.items():
         if h == name:
             return g
-    parts = name.split(".")
-    if len(parts) >= 4 and parts[:2] == ["model", "layers"] and ".".join(parts[3:-1]) in _LAYER_HF:
-        return f"blk.{parts[2]}.{_LAYER_HF['.'.join(parts[3:-1])]}.weight"
+    parts = name.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER_HF:
+        return f"blk.{parts[2]}.{_LAYER_HF[parts[3]]}"
     return name
 
 
@@ -196,17 +197,18 @@ def check_tensor_table(reader: Any, path: Path) -> None:
                              "download or convert it again")
 
 
-def _rope_scaling(meta: Metadata, freqs: np.ndarray | None, head_dim: int, theta: float) -> dict[str, Any] | None:
+def _rope_scaling(meta: Metadata, arch: str, freqs: np.ndarray | None, head_dim: int,
+                  theta: float) -> dict[str, Any] | None:
     """None or llama3 parameters. GGUF keeps Llama 3's scaling as rope_freqs.weight (a divisor per
     frequency); linear / YaRN / LongRoPE, which llmrs does not run, are named in the metadata."""
     p = meta.path
-    kind = meta.get("llama.rope.scaling.type", str, "none")
-    factor = meta.get("llama.rope.scaling.factor", float, 1.0)
+    kind = meta.get(f"{arch}.rope.scaling.type", str, "none")
+    factor = meta.get(f"{arch}.rope.scaling.factor", float, 1.0)
     if kind != "none" and not (kind == "linear" and factor == 1.0):
-        raise ModelError(f"{p}: llama.rope.scaling.type {kind!r} (factor {factor:g}) is not supported "
+        raise ModelError(f"{p}: {arch}.rope.scaling.type {kind!r} (factor {factor:g}) is not supported "
                          "(llmrs runs Llama 3's frequency scaling, rope_freqs.weight, and plain RoPE)")
-    if meta.get("llama.rope.scale_linear", float, 1.0) != 1.0:
-        raise ModelError(f"{p}: llama.rope.scale_linear is not supported (llmrs runs plain RoPE and Llama 3's scaling)")
+    if meta.get(f"{arch}.rope.scale_linear", float, 1.0) != 1.0:
+        raise ModelError(f"{p}: {arch}.rope.scale_linear is not supported (llmrs runs plain RoPE and Llama 3's scaling)")
     if freqs is None or np.all(freqs == 1.0):
         return None
     return llama3_scaling_from_factors(freqs, head_dim, theta, p)
@@ -239,75 +241,83 @@ def llama3_scaling_from_factors(freqs: np.ndarray, head_dim: int, theta: float, 
                      "llmrs cannot run this model's RoPE")
 
 
-def read_config(meta: Metadata, tensors: dict[str, Any]) -> LlamaConfig:
-    """LlamaConfig from the `llama.*` metadata; tensors (by GGUF name) give the vocabulary size,
-    tying and the RoPE frequency factors."""
-    p = meta.path
+def _family(meta: Metadata) -> Family:
     arch = meta.get("general.architecture", str)
-    if arch != "llama":
-        raise ModelError(f"{p}: general.architecture is {arch!r}; llmrs runs 'llama' "
-                         "(Llama 2/3, SmolLM2, Mistral-style dense models)")
-    if meta.get("llama.expert_count", int, 0) > 0:
-        raise ModelError(f"{p}: llama.expert_count is {meta.get('llama.expert_count', int)}; "
+    family = FAMILIES.get(arch)
+    if family is None:
+        raise ModelError(f"{meta.path}: general.architecture is {arch!r}; llmrs runs {gguf_names()}")
+    return family
+
+
+def read_config(meta: Metadata, tensors: dict[str, Any]) -> ModelConfig:
+    """ModelConfig from the `<arch>.*` metadata of the file's family; tensors (by GGUF name) give
+    the vocabulary size, tying and the RoPE frequency factors."""
+    p = meta.path
+    family = _family(meta)
+    arch = family.name
+    if meta.get(f"{arch}.expert_count", int, 0) > 0:
+        raise ModelError(f"{p}: {arch}.expert_count is {meta.get(f'{arch}.expert_count', int)}; "
                          "mixture-of-experts models are not supported")
     need = " (llmrs needs it to build the graph)"
-    heads = meta.positive("llama.attention.head_count", why=need)
-    kv_heads = meta.positive("llama.attention.head_count_kv", heads)
-    hidden = meta.positive("llama.embedding_length", why=need)
-    head_dim = meta.positive("llama.attention.key_length", None) or \
-        meta.positive("llama.rope.dimension_count", None) or hidden // heads
-    v_dim = meta.positive("llama.attention.value_length", head_dim)
-    rot_dim = meta.positive("llama.rope.dimension_count", head_dim)
+    heads = meta.positive(f"{arch}.attention.head_count", why=need)
+    kv_heads = meta.positive(f"{arch}.attention.head_count_kv", heads)
+    hidden = meta.positive(f"{arch}.embedding_length", why=need)
+    head_dim = meta.positive(f"{arch}.attention.key_length", None) or \
+        meta.positive(f"{arch}.rope.dimension_count", None) or hidden // heads
+    v_dim = meta.positive(f"{arch}.attention.value_length", head_dim)
+    rot_dim = meta.positive(f"{arch}.rope.dimension_count", head_dim)
     if v_dim != head_dim or rot_dim != head_dim:
         raise ModelError(f"{p}: key length {head_dim}, value length {v_dim} and rope.dimension_count {rot_dim} "
                          "differ; llmrs rotates and attends over whole heads of one size")
     if heads % kv_heads:
-        raise ModelError(f"{p}: llama.attention.head_count {heads} is not a multiple of head_count_kv {kv_heads}")
+        raise ModelError(f"{p}: {arch}.attention.head_count {heads} is not a multiple of head_count_kv {kv_heads}")
     if head_dim % 2:
         raise ModelError(f"{p}: head dimension {head_dim} must be even for RoPE")
     embd = tensors.get("token_embd.weight")
     if embd is None:
-        raise ModelError(f"{p}: tensor 'token_embd.weight' is missing (every Llama has a token embedding)")
+        raise ModelError(f"{p}: tensor 'token_embd.weight' is missing (every {family.label} has a token embedding)")
     vocab = int(embd.shape[-1])
-    if meta.get("llama.vocab_size", int, vocab) != vocab:
-        raise ModelError(f"{p}: llama.vocab_size {meta.get('llama.vocab_size', int)} differs from "
+    if meta.get(f"{arch}.vocab_size", int, vocab) != vocab:
+        raise ModelError(f"{p}: {arch}.vocab_size {meta.get(f'{arch}.vocab_size', int)} differs from "
                          f"token_embd.weight's {vocab} rows")
     # checked before the RoPE scaling is fitted to it
-    theta = check_float("rope_theta", meta.get("llama.rope.freq_base", float, 10000.0), str(p), "llama.rope.freq_base")
-    rf = tensors.get(ROPE_FREQS)
+    theta = check_float("rope_theta", meta.get(f"{arch}.rope.freq_base", float, 10000.0), str(p),
+                        f"{arch}.rope.freq_base", family.label)
+    rf = tensors.get(ROPE_FREQS) if family.name == "llama" else None   # another family's is an unexpected tensor
     if rf is not None and tuple(int(d) for d in rf.shape) != (head_dim // 2,):
         raise ModelError(f"{p}: tensor {ROPE_FREQS!r} has shape {list(rf.shape)}, expected [{head_dim // 2}]")
     freqs = None if rf is None else _rope_freqs(rf, p)
     counts = Counter(t.tensor_type.name.lower() for t in tensors.values() if len(t.shape) == 2)
-    return check_ranges_of(LlamaConfig(
+    return check_ranges(ModelConfig(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=meta.positive("llama.feed_forward_length", why=need),
-        num_hidden_layers=meta.positive("llama.block_count", why=need),
+        intermediate_size=meta.positive(f"{arch}.feed_forward_length", why=need),
+        num_hidden_layers=meta.positive(f"{arch}.block_count", why=need),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=meta.get("llama.attention.layer_norm_rms_epsilon", float, why=need),
+        rms_norm_eps=meta.get(f"{arch}.attention.layer_norm_rms_epsilon", float, why=need),
         rope_theta=theta,
-        rope_scaling=_rope_scaling(meta, freqs, head_dim, theta),
-        max_position_embeddings=meta.positive("llama.context_length", why=need),
+        rope_scaling=_rope_scaling(meta, arch, freqs, head_dim, theta),
+        max_position_embeddings=meta.positive(f"{arch}.context_length", why=need),
         tie_word_embeddings="output.weight" not in tensors,
         torch_dtype=counts.most_common(1)[0][0] if counts else "f32",
-    ), p)
+        architecture=arch,
+        qk_norm=family.qk_norm,
+        attention_bias=family.qkv_bias,
+    ), str(p), gguf_keys(arch))
 
 
-# the GGUF key of each LlamaConfig field, for check_ranges' messages
-GGUF_KEYS = {"vocab_size": "token_embd.weight's row count", "hidden_size": "llama.embedding_length",
-             "intermediate_size": "llama.feed_forward_length", "num_hidden_layers": "llama.block_count",
-             "num_attention_heads": "llama.attention.head_count", "num_key_value_heads": "llama.attention.head_count_kv",
-             "head_dim": "llama.attention.key_length", "max_position_embeddings": "llama.context_length",
-             "rms_norm_eps": "llama.attention.layer_norm_rms_epsilon", "rope_theta": "llama.rope.freq_base",
-             "rope_scaling": "rope_freqs.weight's scaling", "bos_token_id": "tokenizer.ggml.bos_token_id",
-             "eos_token_id": "tokenizer.ggml.eos_token_id"}
-
-
-def check_ranges_of(cfg: LlamaConfig, path: Path) -> LlamaConfig:
-    return check_ranges(cfg, str(path), GGUF_KEYS)
+def gguf_keys(arch: str) -> dict[str, str]:
+    """The GGUF key of each ModelConfig field, for check_ranges' messages."""
+    return {"vocab_size": "token_embd.weight's row count", "hidden_size": f"{arch}.embedding_length",
+            "intermediate_size": f"{arch}.feed_forward_length", "num_hidden_layers": f"{arch}.block_count",
+            "num_attention_heads": f"{arch}.attention.head_count",
+            "num_key_value_heads": f"{arch}.attention.head_count_kv", "head_dim": f"{arch}.attention.key_length",
+            "max_position_embeddings": f"{arch}.context_length",
+            "rms_norm_eps": f"{arch}.attention.layer_norm_rms_epsilon", "rope_theta": f"{arch}.rope.freq_base",
+            "rope_scaling": "rope_freqs.weight's scaling", "bos_token_id": "tokenizer.ggml.bos_token_id",
+            "eos_token_id": "tokenizer.ggml.eos_token_id"}
 
 
 def _rope_freqs(rf: Any, path: Path) -> np.ndarray:
@@ -322,21 +332,24 @@ def _rope_freqs(rf: Any, path: Path) -> np.ndarray:
     return freqs
 
 
-def read_tensors(cfg: LlamaConfig, reader: Any, path: Path) -> dict[str, GGUFTensor]:
+def read_tensors(cfg: ModelConfig, reader: Any, path: Path) -> dict[str, GGUFTensor]:
     """Every tensor the graph needs, by its graph name, checked against cfg; one-line errors name
     the GGUF tensor."""
     by_name = {t.name: t for t in reader.tensors}
     want = expected_tensors(cfg)
-    extra = sorted(n for n in by_name if n != ROPE_FREQS and hf_name(n) not in want)
+    family = cfg.family
+    extra = sorted(n for n in by_name if not (n == ROPE_FREQS and family.name == "llama") and hf_name(n) not in want)
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-        raise ModelError(f"{path}: unexpected tensor {extra[0]!r}{more}: not part of a Llama with this metadata")
+        raise ModelError(f"{path}: unexpected tensor {extra[0]!r}{more}: not part of a {family.label} "
+                         f"(general.architecture {family.name!r}) with this metadata")
     out = {}
     for name, shape in want.items():
         g = gguf_name(name)
         t = by_name.get(g)
         if t is None:
-            raise ModelError(f"{path}: tensor {g!r} is missing (the metadata implies it, shape {list(shape)})")
+            raise ModelError(f"{path}: tensor {g!r} is missing (a {family.label} with this metadata has it, "
+                             f"shape {list(shape)})")
         got = tuple(int(d) for d in reversed(t.shape.tolist()))
         if got != shape:
             raise ModelError(f"{path}: tensor {g!r} has shape {list(got)}, the metadata implies {list(shape)}")
@@ -347,7 +360,7 @@ def read_tensors(cfg: LlamaConfig, reader: Any, path: Path) -> dict[str, GGUFTen
             except (NotImplementedError, KeyError, ValueError):
                 raise ModelError(f"{path}: tensor {g!r} is GGML type {kind.name}, which llmrs cannot read "
                                  "(gguf cannot dequantize it); re-quantize the model to Q8_0, Q4_0 or F16") from None
-        heads = cfg.num_attention_heads if name.endswith("q_proj.weight") else \
-            cfg.num_key_value_heads if name.endswith("k_proj.weight") else 0
+        heads = 0 if not family.gguf_qk_interleaved else cfg.num_attention_heads if name.endswith("q_proj.weight") \
+            else cfg.num_key_value_heads if name.endswith("k_proj.weight") else 0
         out[name] = GGUFTensor(g, kind.name, NATIVE.get(kind, "f32"), shape, t.data, heads, str(path))
     return out

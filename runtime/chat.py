@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import jinja2
 import jinja2.ext
@@ -24,14 +24,22 @@ class ChatTemplate:
     bos_token: str = ""
     eos_token: str = ""
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               variables: Mapping[str, Any] | None = None) -> str:
+        """variables: more names the template reads, as apply_chat_template's keyword arguments
+        (Qwen3's `enable_thinking`: False writes an empty think block, so the model answers directly)."""
+        given = dict(variables or {})
+        taken = sorted(set(given) & {"messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception"})
+        if taken:
+            raise ChatTemplateError(f"chat template variable {taken[0]!r} is set by llmrs itself; "
+                                    "pass only the template's own switches (e.g. enable_thinking)")
         # the same environment settings as transformers: templates are written against them
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=[jinja2.ext.loopcontrols])
         env.globals["raise_exception"] = _raise
         try:
             template = env.from_string(self.source)
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            return template.render(**given, messages=messages, add_generation_prompt=add_generation_prompt,
                                    bos_token=self.bos_token, eos_token=self.eos_token)
         except ChatTemplateError:
             raise

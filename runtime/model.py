@@ -381,8 +381,10 @@ class Model:
         self._check_open()
         return self.tokenizer.decode(self._check_ids(tokens, "tokens"), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The conversation as the model's chat template writes it (transformers' apply_chat_template)."""
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """The conversation as the model's chat template writes it (transformers' apply_chat_template;
+        chat_template_kwargs are its keyword arguments, e.g. {"enable_thinking": False} for Qwen3)."""
         self._check_open()
         if self.chat_template is None:
             raise ChatTemplateError(f"{self.plan.path}: the plan has no chat template (a base model); "
@@ -391,7 +393,7 @@ class Model:
             if not isinstance(msg, Mapping) or not isinstance(msg.get("role"), str) \
                     or not isinstance(msg.get("content"), str):
                 raise ValueError(f"message {i} must have a string 'role' and a string 'content', got {msg!r}")
-        return self.chat_template.render([dict(m) for m in messages], add_generation_prompt)
+        return self.chat_template.render([dict(m) for m in messages], add_generation_prompt, chat_template_kwargs)
 
     # -- generation ----------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int | None = 256, temperature: float = 0.0,
@@ -420,11 +422,13 @@ class Model:
     def chat(self, messages: Sequence[Mapping[str, Any]], *, max_tokens: int | None = 256,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
              repetition_window: int = 64, seed: int | None = None,
-             stop: str | Sequence[str] | None = None) -> Completion:
+             stop: str | Sequence[str] | None = None,
+             chat_template_kwargs: Mapping[str, Any] | None = None) -> Completion:
         """The assistant's next turn after `messages` ([{"role": ..., "content": ...}, ...]), through
-        the model's chat template. Send the whole conversation each time: what is already in the
-        KV cache is not prefilled again."""
-        ids = self.tokenize(self.render_chat(messages), add_special_tokens=False)  # the template writes any BOS
+        the model's chat template (chat_template_kwargs: its switches, e.g. {"enable_thinking": False}).
+        Send the whole conversation each time: what is already in the KV cache is not prefilled again."""
+        rendered = self.render_chat(messages, chat_template_kwargs=chat_template_kwargs)
+        ids = self.tokenize(rendered, add_special_tokens=False)  # the template writes any BOS
         return self.generate(ids, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                              repetition_penalty=repetition_penalty, repetition_window=repetition_window,
                              seed=seed, stop=stop)

@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""Golden logits from Hugging Face transformers for a model folder, saved as .npz.
+"""Golden logits from Hugging Face transformers for a model folder (LlamaForCausalLM,
+Qwen3ForCausalLM, Qwen2ForCausalLM: whatever AutoModelForCausalLM reads), saved as .npz.
 
 Needs torch and transformers (tool-only; the test suite reads the .npz and never imports them):
     pip install torch==2.13.0 transformers
     python tools/make_golden.py tests/data/golden-a --prompt "Once upon a time" -o tests/data/golden-a.npz
 
+The committed Qwen data (tests/data/qwen*) is made by tools/make_qwen_data.sh.
+
 The file holds, in float32 on the CPU:
-    prompt_tokens  i32[n]        the prompt as tokenizer.json encodes it (BOS first)
+    prompt_tokens  i32[n]        the prompt as tokenizer.json encodes it (BOS first where it adds one)
     prefill_logits f32[n, V]     logits of every prompt position in one forward pass
     generated      i32[S+1]      greedy tokens: generated[0] from the prefill, then one per step
     decode_logits  f32[S, V]     row i: logits after feeding generated[i] with the KV cache
@@ -31,14 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torch
         import transformers
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
     except ImportError:
         sys.exit("make_golden.py needs torch and transformers: pip install torch==2.13.0 transformers")
     from tokenizers import Tokenizer
 
     torch.manual_seed(0)
     ids = Tokenizer.from_file(str(args.model_dir / "tokenizer.json")).encode(args.prompt).ids
-    model = LlamaForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         out = model(torch.tensor([ids]), use_cache=True)
         prefill = out.logits[0].float().numpy()

@@ -196,7 +196,7 @@ def _drop(key):
 def test_bad_gguf_files_are_one_line_errors(tmp_path, capsys):
     out = str(tmp_path / "x.plan.bin")
     cases = [
-        (_set("general.architecture", "qwen2"), "general.architecture is 'qwen2'; llmrs runs 'llama'"),
+        (_set("general.architecture", "gemma2"), "general.architecture is 'gemma2'; llmrs runs 'llama', 'qwen3', 'qwen2'"),
         (_drop("llama.embedding_length"), "metadata llama.embedding_length is missing"),
         (_set("llama.block_count", 3), "tensor 'blk.2.attn_norm.weight' is missing"),
         (lambda m, t: t.pop("blk.1.ffn_up.weight"), "tensor 'blk.1.ffn_up.weight' is missing"),

@@ -176,3 +176,13 @@ def patch(path: Path, key: str, fmt: str, value: Any, out: Path | None = None) -
     out = out or path
     out.write_bytes(bytes(raw))
     return out
+
+
+def rewrite_gguf(src: Path, out: Path, edit: Callable[[dict, dict], None]) -> Path:
+    """A copy of a GGUF (a converter's) through write_gguf, after edit(meta, tensors) changed it:
+    metadata as python values, tensors as (stored data, GGML type) by GGUF name."""
+    reader = gguf.GGUFReader(src)
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    tensors = {t.name: (np.array(t.data), t.tensor_type) for t in reader.tensors}
+    edit(meta, tensors)
+    return write_gguf(out, meta, tensors)

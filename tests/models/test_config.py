@@ -52,7 +52,7 @@ def test_eos_ids_merge_config_and_generation_config(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     ({"architectures": ["MistralForCausalLM"]}, "architecture MistralForCausalLM is not supported"),
-    ({"architectures": None, "model_type": "qwen2"}, "model_type 'qwen2' is not supported"),
+    ({"architectures": None, "model_type": "gemma2"}, "model_type 'gemma2' is not supported"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn' is not supported"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling type 'linear' is not supported"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "llama3 rope_scaling lacks low_freq_factor"),
