@@ -312,7 +312,7 @@ def test_kv_block_bytes_follow_each_dtype_layout():
 OPS = ["new", "new", "step", "step", "step", "fork", "truncate", "compact", "free"]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), n_ops=st.integers(5, 80), num_blocks=st.integers(4, 16),
        bs=st.sampled_from([1, 2, 4]), cache=st.booleans())
 def test_random_sharing_never_corrupts_a_sequence_or_leaks_a_block(seed, n_ops, num_blocks, bs, cache):
