@@ -2,28 +2,33 @@
 
 The serving engine runs one step graph of up to T token rows, each row with its own sequence,
 RoPE position and KV slot (DESIGN.md, "Many sequences, one graph"). Every step the Scheduler
-picks the rows: one token for each running sequence that is decoding, then chunks of prompts
-(chunked prefill), under a per-step token budget (max_batched_tokens: the graph's T) and a cap on
-sequences in flight (max_num_seqs). It owns the BlockManager (runtime/kv/paged.py), so the
-StepPlan it returns carries each row's KV slot, each sequence's block table and the block
-copies to do before the step; update() takes the sampled tokens back.
+picks the rows under a per-step token budget (max_batched_tokens: the graph's T) and a cap on
+running sequences (max_num_seqs): one token for each running sequence that is decoding, and
+chunks of prompts (chunked prefill) in what is left. It owns the BlockManager
+(runtime/kv/paged.py), so the StepPlan it returns carries each row's KV slot, each sequence's
+block table and the block copies to do before the step; update() takes the sampled tokens back.
 
-One rule for progress. Sequences are ranked by (priority DESC, arrival ASC), a fixed total order.
-A sequence short of blocks or of a seat (max_num_seqs) may preempt only running sequences ranked
-below it that have no rows in this step, the lowest first ("lowest priority, latest arrival").
-Preemption therefore only flows down the ranking, so it cannot cycle: the top-ranked unfinished
-sequence is never preempted and gets rows every step it is able to (its chunk shrinks to the
-blocks there are before anyone is preempted; preemption is for when not one token fits), and
-once it is done the next one is on top. A waiting sequence that cannot be admitted stops the
-admission of any waiting sequence ranked below it (head-of-line), so small late requests cannot
-starve a large early one; running sequences below it still get their rows. add() refuses a
-request that could not fit the pool even alone, so the top sequence always fits once every
-sequence below it has given its blocks back: every sequence finishes.
+Decodes first, in the budget. Before anything is placed, one row per decoding sequence (the
+top-ranked ones, if there are more than T) is held back from the budget: a prompt chunk only
+takes what the decodes leave, because the step's latency is what every running sequence waits
+for between tokens. In the plan, decode rows come first, then prompt chunks.
 
-Decodes go first because a step's latency is what every running sequence waits for between
-tokens; prompt chunks fill the rest of the budget. A running decode that finds no block and no
-one below it to preempt simply has no row this step (it keeps its KV; a sequence above it that
-needs blocks may take them by preempting it).
+Blocks and seats by rank. Sequences are ranked by (priority DESC, arrival ASC), a fixed total
+order, and one pass in that order gives each its rows and blocks. A chunk shrinks to the blocks
+there are; only when not one token fits does the sequence preempt, lowest-ranked first, a running
+sequence with no rows in this step: a running sequence any ranked below it, a waiting sequence
+(for blocks or for a seat) only one of lower priority, so that equal-priority requests are
+first come, first served without undoing work already running. A running sequence that gets no
+block keeps its KV and simply has no row this step.
+
+Why every sequence finishes. Preemption only flows down the ranking, so it cannot cycle: the
+top-ranked unfinished sequence is never preempted. If it runs, it is placed first and may take
+every block (add() refuses a request that could not fit the pool alone), so it gets rows each
+step unless the held-back decodes took the whole budget, and they finish. If it waits, the
+running sequences still get rows (the top running one may preempt all below it) and finish,
+while no waiting sequence ranked below it is admitted ahead of it (head-of-line), so it gets in.
+The tests assert that every step with work left schedules rows, and run random traffic on pools
+that hold the biggest request and little more.
 
 Preemption is by recompute (vLLM's default): the victim's blocks are freed and it waits again
 with its prompt and the outputs so far as the tokens to compute, its outputs kept. The prefix

@@ -459,7 +459,7 @@ class BlockManager:
                 or (k > 1 and (np.diff(keep, axis=-1) <= 0).any())):
             raise BlockError(f"sequence {seq_id!r}: keep_positions must be ascending committed KV indices "
                              f"(< {kv.num_committed}, none in flight)")
-        changed = (keep.reshape(-1, k) != np.arange(k)).any(axis=0)
+        changed = (keep.reshape(-1, k) != np.arange(k)).any(axis=0) if keep.size else np.zeros(0, bool)
         first_moved = int(np.argmax(changed)) if changed.any() else k
         # blocks past every kept entry go first, so the copies below can reuse them under pressure;
         # the rest of the tail holds sources and goes only after the moves are planned
@@ -493,7 +493,8 @@ class BlockManager:
                        self._query_tokens, self._hit_tokens)
 
     def check(self) -> None:
-        """Raise BlockError unless the pool is consistent and every refcount equals its holders."""
+        """Raise BlockError unless the pool is consistent and every refcount equals its holders
+        (O(num_blocks): for tests and debugging, not every step)."""
         self.pool.check()
         holders = [0] * self.pool.num_blocks
         for seq_id, kv in self._seqs.items():

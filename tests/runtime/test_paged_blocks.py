@@ -38,6 +38,8 @@ class FakeKV:
     def compact(self, seq_id, keep):
         c = self.m.compact(seq_id, keep)
         self.copy(c.copies)
+        if not c.dst_slots.size:
+            return c
         src = np.broadcast_to(c.src_slots.reshape(-1, c.dst_slots.size), (self.rows.shape[0], c.dst_slots.size))
         gathered = np.take_along_axis(self.rows, src.astype(np.int64), axis=1)
         self.rows[:, c.dst_slots] = gathered
@@ -351,7 +353,7 @@ def test_random_sharing_never_corrupts_a_sequence_or_leaks_a_block(seed, n_ops, 
                 expected[s] = [e[:n] for e in expected[s]]
             elif op == "compact" and m.num_slots(s):
                 n = m.num_slots(s)
-                k = int(rng.integers(1, n + 1))
+                k = int(rng.integers(0, n + 1))
                 keep = np.stack([np.sort(rng.choice(n, k, replace=False)) for _ in range(2)])
                 if rng.integers(2):
                     keep[1] = keep[0]
