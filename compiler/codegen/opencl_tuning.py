@@ -67,7 +67,10 @@ class OpenCLTuning:
     att_max_splits: int = 32         # (32 keys a split: 169 -> 238 us per step, round 6)
     att_dec_wg: int = 128            # attention_decode: keys per split and pass (64: neutral,
                                      # round 12; 256 and 512 threads slower, rounds 8-9)
-    att_dec_max_splits: int = 64     # and splits at most
+    att_dec_max_splits: int = 64     # and splits at most (attention_paged_rows too)
+    att_paged_rpw: int = 4           # attention_paged_tiles: rows a warp (16-row groups)
+    att_paged_scratch_bytes: int = 64 << 20   # attention_paged_rows' partials of a step's rows
+                                     # at most (splits halve until they fit; not measured)
     # -- the small kernels (not measured against other sizes) ---------------------------------
     norm_wg: int = 64                # rms_norm threads per row
     red_wg: int = 256                # softmax / argmax threads per row
