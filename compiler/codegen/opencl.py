@@ -546,9 +546,9 @@ def _slice(ctx: _Ctx, op: Op) -> None:
 def _gather(ctx: _Ctx, op: Op) -> None:
     x, rows = op.inputs
     d = ctx.shape(x)[1]
-    ctx.launches.append(Launch(op.name, "elementwise", "gather_rows", [], [_v(x), _v(rows), _v(op.outputs[0]), {"int": d}],
-                               local=ctx.tuning.elt_wg, groups=math.ceil(d / ctx.tuning.elt_wg),
-                               rows=ctx.shape(rows)[0]))
+    ctx.launches.append(Launch(op.name, "elementwise", "gather_rows", [],
+                               [_v(x), _v(rows), _v(op.outputs[0]), {"int": d}],
+                               local=ctx.tuning.elt_wg, groups=math.ceil(d / ctx.tuning.elt_wg), rows=ctx.shape(rows)[0]))
 
 
 def _reduce(ctx: _Ctx, op: Op) -> None:

@@ -21,13 +21,14 @@ import numpy as np
 
 from ...compiler.ir import Graph, IRError, storage_shape
 from ..plan import Plan
-from .base import Backend
+from .base import Backend, StepRows
 # the parts' public names, importable from here as before the split
 from .opencl_device import INSTALL_OPENCL, OpenCLError, _cl, list_devices, pick_device
 from .opencl_launch import GREEDY_MAX_STEPS, Bound, CommandBuffer, DirectLaunches, bind_program
 from .opencl_memory import (ALIGN, DeviceMemory, Region, from_split_blocks, naive_layout, pack_weights,
                             split_region, to_split_blocks)
 from .opencl_program import build_program, cache_dir, device_options, patch_wgmma_ptx
+from .opencl_step import StepShape, check_step
 
 COMMAND_BUFFERS_KEPT = 8  # recorded launch lists kept (one per phase and size), oldest dropped
 
@@ -103,6 +104,7 @@ class OpenCLBackend(Backend):
         self.step_buf = cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, 16)   # greedy steps advance it
         self._in_flight: list[np.ndarray] = []
         self._limits: dict[str, tuple[int, int, int | None]] = {}
+        self._step_shape: StepShape | None = None   # the step graph's bounds, read on its first step
         self._sized: dict[tuple[str, int, bool], list[Any]] = {}
         self._command_buffers: dict[tuple[Any, ...], CommandBuffer] = {}
         self._prepared: dict[tuple[Any, ...], list[Any]] = {}
@@ -285,6 +287,28 @@ class OpenCLBackend(Backend):
         for _ in range(repeat):
             for kern, gsize, lsize in launches:
                 launch(queue, kern, gsize, lsize)
+
+    def run_step(self, rows: StepRows) -> np.ndarray:
+        """One step of the plan's "step" graph (compiler/ir.py "Step graphs"): its rows checked
+        (opencl_step.py), written into the arena as the graph's inputs, the kernels enqueued;
+        float32 [r, vocab], the logits of rows.logit_rows in their order."""
+        cl = _cl()
+        g = self.graphs.get("step")
+        if g is None:
+            raise OpenCLError("this plan has no step graph (many sequences a step); recompile it with one")
+        if self._step_shape is None:
+            self._step_shape = StepShape.of(g)
+        inputs = check_step(rows, self._step_shape)
+        n = len(inputs["tokens"])
+        cl.enqueue_fill_buffer(self.queue, self.step_buf, np.array([n, 0, 0, 0], np.int32), 0, 16)
+        for name, arr in inputs.items():
+            buf, off = self.locate("step", name)
+            self._in_flight.append(arr)   # released by the blocking read below
+            cl.enqueue_copy(self.queue, buf, arr, dst_offset=off, is_blocking=False)
+        self._enqueue_launches(("step", n, "logits", self.scoring), self._step_launches("step", n))
+        out = self.read_value("step", g.outputs[0], rows=len(rows.logit_rows))
+        self._in_flight.clear()
+        return out.astype(np.float32, copy=False)
 
     def run_greedy_steps(self, token: int, n_past: int, start_pos: int, n: int) -> np.ndarray:
         """n greedy decode steps enqueued back to back, one read at the end: step i feeds the

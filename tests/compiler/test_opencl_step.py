@@ -49,7 +49,8 @@ class PagedAttention:
             need = math.ceil(max(lens) / bs)
             self.tables[i, :need] = [free.pop() for _ in range(need)]
         g = self.g = Graph("step", T, meta={})
-        for name, shape in (("q", (T, h * hd)), ("row_seq", (T,)), ("ctx_len", (T,)), ("block_tables", self.tables.shape)):
+        for name, shape in (("q", (T, h * hd)), ("row_seq", (T,)), ("ctx_len", (T,)),
+                            ("block_tables", self.tables.shape)):
             g.add_value(name, shape, "f32" if name == "q" else "i32", kind="input")
         self.caches = {}
         for name in ("kc", "vc"):
