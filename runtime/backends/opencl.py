@@ -105,7 +105,8 @@ class OpenCLBackend(Backend):
         self._in_flight: list[np.ndarray] = []
         self._limits: dict[str, tuple[int, int, int | None]] = {}
         self._step_shape: StepShape | None = None   # the step graph's bounds, read on its first step
-        self._sized: dict[tuple[str, int, bool], list[Any]] = {}
+        self._paged_tiles: bool | None = None        # whether it has attention_paged_tiles (likewise)
+        self._sized: dict[tuple[str, int, bool, frozenset[str]], list[Any]] = {}
         self._command_buffers: dict[tuple[Any, ...], CommandBuffer] = {}
         self._prepared: dict[tuple[Any, ...], list[Any]] = {}
         self.use_command_buffers = ("cl_khr_command_buffer" in self.device.extensions.split()
@@ -208,12 +209,14 @@ class OpenCLBackend(Backend):
             self._limits[phase] = (g.T, slots, vocab)
         return self._limits[phase]
 
-    def _step_launches(self, phase: str, n_tokens: int) -> list[tuple[Any, tuple[int, int], tuple[int, int]]]:
-        """(kernel, global size, local size) of every launch of a step, computed once per size."""
-        key = (phase, n_tokens, self.scoring)
+    def _step_launches(self, phase: str, n_tokens: int,
+                       idle: frozenset[str] = frozenset()) -> list[tuple[Any, tuple[int, int], tuple[int, int]]]:
+        """(kernel, global size, local size) of every launch of a step, computed once per size;
+        kernels named in `idle` (with nothing to do this step) left out."""
+        key = (phase, n_tokens, self.scoring, idle)
         if key not in self._sized:
             self._sized[key] = [(b.kernel, b.global_size(n_tokens), (b.local, 1)) for b in self.launches[phase]
-                                if self.scoring or not b.scores]
+                                if (self.scoring or not b.scores) and b.kernel.function_name not in idle]
         return self._sized[key]
 
     def enqueue(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int, kernels: bool = True) -> None:
@@ -305,10 +308,27 @@ class OpenCLBackend(Backend):
             buf, off = self.locate("step", name)
             self._in_flight.append(arr)   # released by the blocking read below
             cl.enqueue_copy(self.queue, buf, arr, dst_offset=off, is_blocking=False)
-        self._enqueue_launches(("step", n, "logits", self.scoring), self._step_launches("step", n))
+        idle = self._idle_paged_kernels(inputs["row_seq"][:n])
+        self._enqueue_launches(("step", n, "logits", self.scoring, idle), self._step_launches("step", n, idle))
         out = self.read_value("step", g.outputs[0], rows=len(rows.logit_rows))
         self._in_flight.clear()
         return out.astype(np.float32, copy=False)
+
+    def _idle_paged_kernels(self, row_seq: np.ndarray) -> frozenset[str]:
+        """The paged attention kernel with no row this step, left out of its launches (a row
+        with a neighbour row of its sequence is the tiles kernel's where the plan has one, any
+        other the rows kernel's: attention_paged.cl): decode steps skip the tiles kernel, a
+        prompt alone the rows kernel. Either would only have returned at once."""
+        if self._paged_tiles is None:
+            self._paged_tiles = any(b.kernel.function_name == "attention_paged_tiles" for b in self.launches["step"])
+        if not self._paged_tiles:
+            return frozenset()
+        same = row_seq[1:] == row_seq[:-1]
+        in_run = np.zeros(len(row_seq), bool)
+        in_run[1:] |= same
+        in_run[:-1] |= same
+        return frozenset(({"attention_paged_tiles"} if not in_run.any() else set())
+                         | ({"attention_paged_rows"} if in_run.all() else set()))
 
     def run_greedy_steps(self, token: int, n_past: int, start_pos: int, n: int) -> np.ndarray:
         """n greedy decode steps enqueued back to back, one read at the end: step i feeds the

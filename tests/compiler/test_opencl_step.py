@@ -5,17 +5,20 @@ store at per-row slots, and the gather of the logit rows."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from llmrs.compiler import quant
-from llmrs.compiler.codegen.opencl import generate, paged_splits
+from llmrs.compiler.codegen.opencl import generate, lower_graph, paged_splits
 from llmrs.compiler.codegen.opencl_tuning import OpenCLTuning
 from llmrs.compiler.interpret import OPS, Interpreter, Step
 from llmrs.compiler.ir import Graph
+from llmrs.compiler.pipeline import CompileOptions, run_passes
 from llmrs.compiler.rope import rope_inv_freq
+from llmrs.models.step import step_graph
 
 from .test_opencl_kernels import OneOp, _close, _rand, _storage
 
@@ -139,6 +142,20 @@ def test_paged_splits_halve_to_keep_the_partials_of_a_step_within_the_budget():
     assert paged_splits(TUNING, 16, 8, 64, 1 << 20) == TUNING.att_dec_max_splits
     big = paged_splits(TUNING, 512, 32, 128, 1 << 20)                       # 1B-sized prefill chunk
     assert 4 * 512 * 32 * big * 130 <= TUNING.att_paged_scratch_bytes < 4 * 512 * 32 * 2 * big * 130
+
+
+@pytest.mark.parametrize("weights", ["q4_0", "f16"])
+def test_a_1b_step_graph_runs_every_matmul_in_the_tiled_kernel_and_pages_every_attention(llama_1b_graphs, weights):
+    """Row invariance starts with the kernels chosen: by a graph's rows, never a step's, so a
+    step graph's matmuls are all matmul_tiled (no decode matvec for a step of one row), its
+    attention the paged pair (not the contiguous kernels, tensor-core body included)."""
+    prefill, _ = llama_1b_graphs
+    g = run_passes(step_graph(prefill, max_seqs=16, block_size=16), CompileOptions(weights=weights))
+    kernels = Counter(launch.kernel for launch in lower_graph(g))
+    layers = 16
+    assert kernels["matmul_tiled"] == 6 * layers + 1 and kernels["matvec"] == 0   # q k v o gate_up down; head
+    assert kernels["attention_paged_rows"] == kernels["attention_paged_tiles"] == layers
+    assert kernels["attention_tiled"] == kernels["attention_decode"] == kernels["attention_split"] == 0
 
 
 def test_rope_at_per_row_positions_matches_interpreter():
