@@ -397,10 +397,13 @@ def paged_splits(tuning: OpenCLTuning, m: int, h: int, hd: int, slots: int) -> i
     return splits
 
 
-def paged_tiles(m: int, hd: int) -> bool:
+def paged_tiles(tuning: OpenCLTuning, m: int, hd: int) -> bool:
     """Whether runs of rows of one sequence go to attention_paged_tiles: a step of several rows
-    whose staged K, V and q fit local memory (head_dim <= 128: 41 KB)."""
-    return m > 1 and hd <= 128
+    whose staged K (rows padded by 16 bytes), V and q, and the portable reductions' floats, fit
+    att_paged_local_bytes (head_dim 128: 41 KB; 256 does not fit NVIDIA's 48 KB)."""
+    rows = tuning.att_dec_wg // 32 * tuning.att_paged_rpw
+    local = 16 * (32 * (hd // 4 + 1) + 32 * hd // 4 + rows * hd // 4) + 4 * tuning.att_dec_wg
+    return m > 1 and local <= tuning.att_paged_local_bytes
 
 
 def _paged_attention(ctx: _Ctx, op: Op, kv: str) -> None:
@@ -416,7 +419,7 @@ def _paged_attention(ctx: _Ctx, op: Op, kv: str) -> None:
     wg = tuning.att_dec_wg
     options = [f"-DHEAD_DIM={hd}", *_kv_options(kv), f"-DKV_BLOCK={a['block_size']}", f"-DATT_WG={wg}",
                f"-DATT_SPLITS={splits}"]
-    tiles = paged_tiles(m, hd)
+    tiles = paged_tiles(tuning, m, hd)
     if tiles:
         options += ["-DATT_TILES", f"-DATT_RPW={tuning.att_paged_rpw}"]
     args = [_v(q), _v(k), _v(v), _v(op.outputs[0]), _v(row_seq), _v(ctx_len), _v(tables)]

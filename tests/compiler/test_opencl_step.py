@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from llmrs.compiler import quant
-from llmrs.compiler.codegen.opencl import generate, lower_graph, paged_splits
-from llmrs.compiler.codegen.opencl_tuning import OpenCLTuning
+from llmrs.compiler.codegen.opencl import generate, lower_graph, paged_splits, paged_tiles
+from llmrs.compiler.codegen.opencl_tuning import DeviceKind, OpenCLTuning, tuning_for
 from llmrs.compiler.interpret import OPS, Interpreter, Step
 from llmrs.compiler.ir import Graph
 from llmrs.compiler.pipeline import CompileOptions, run_passes
@@ -142,6 +142,14 @@ def test_paged_splits_halve_to_keep_the_partials_of_a_step_within_the_budget():
     assert paged_splits(TUNING, 16, 8, 64, 1 << 20) == TUNING.att_dec_max_splits
     big = paged_splits(TUNING, 512, 32, 128, 1 << 20)                       # 1B-sized prefill chunk
     assert 4 * 512 * 32 * big * 130 <= TUNING.att_paged_scratch_bytes < 4 * 512 * 32 * 2 * big * 130
+
+
+def test_the_tiles_kernel_takes_the_heads_whose_staged_chunk_fits_the_devices_local_memory():
+    # NVIDIA's 48 KB: head_dim 128 (41 KB), not 256; a 32 KB device (Adreno): 64 (21 KB), not 128
+    assert paged_tiles(TUNING, 16, 128) and not paged_tiles(TUNING, 16, 256)
+    small = tuning_for(DeviceKind((0, 0), local_mem_bytes=32 << 10))
+    assert paged_tiles(small, 16, 64) and not paged_tiles(small, 16, 128)
+    assert not paged_tiles(TUNING, 1, 64)                 # a step of one row: the rows kernel alone
 
 
 @pytest.mark.parametrize("weights", ["q4_0", "f16"])
