@@ -17,7 +17,7 @@
 // the two kernels took the row. Both run one arithmetic per row, fixed by L:
 //   chunks of 32 entries, lane i scoring entry 32 c + i; nch = ceil(L / 32) chunks, P =
 //   ceil(nch / (NW * ATT_SPLITS)) chunks a slot: slot s holds chunks [s P, (s + 1) P), taken in
-//   order with an online softmax (chunk_softmax; then the V rows summed entry by entry, fma);
+//   order with an online softmax (CHUNK_SOFTMAX; then the V rows summed entry by entry, fma);
 //   NW consecutive slots make a group, folded in order (fold), and the groups fold in order
 //   into the row's total; o = total o / total l.
 // A row with a neighbour row of the same sequence (a run: a prompt chunk) goes to the tiles
