@@ -59,13 +59,14 @@ from ..ir import Graph, IRError, Op
 from .opencl_tuning import OpenCLTuning
 
 FORMAT = 1
-FAMILIES = ("matvec", "matmul", "attention", "attention_scores", "norm", "rope", "embedding", "elementwise",
-            "reduce", "kv_compact")
+FAMILIES = ("matvec", "matmul", "attention", "attention_paged", "attention_scores", "norm", "rope", "embedding",
+            "elementwise", "reduce", "kv_compact")
 # templates/opencl/ files before a family's kernels (shared parts), and the files of its kernel
 # bodies where they are several (default: the family's own file)
 _PRELUDE = {"matvec": ("common", "matmul_common"), "matmul": ("common", "matmul_common", "matmul")}
 _BODIES = {"matmul": ("matmul_fp32", "matmul_mma", "matmul_async", "matmul_wgmma"),
-           "attention": ("attention", "attention_decode", "attention_tiled", "attention_mma")}
+           "attention": ("attention", "attention_decode", "attention_tiled", "attention_mma"),
+           "attention_paged": ("attention_paged", "attention_paged_rows", "attention_paged_tiles")}
 KV_TYPES = ("f32", "f16", "q8_0")
 FLOAT_TYPES = ("f32", "f16", "bf16")
 WEIGHT_TYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q8_0")
@@ -354,6 +355,9 @@ def _attention(ctx: _Ctx, op: Op) -> None:
           f"multiple of 4 (they read K/V rows 4 values at a time) of at most {4 * tuning.att_wg}")
     kvh = a["n_kv_heads"]
     _need(h % kvh == 0, op, f"n_heads {h} is not a multiple of n_kv_heads {kvh}")
+    if "block_size" in a:
+        _paged_attention(ctx, op, kv)
+        return
     if len(op.inputs) == 5:
         _attention_scores(ctx, op, kv)
     options = [f"-DHEAD_DIM={hd}", *_kv_options(kv), f"-DATT_WG={tuning.att_wg}"]
@@ -380,6 +384,52 @@ def _attention(ctx: _Ctx, op: Op) -> None:
                                    options + [f"-DATT_SPLITS={splits}"],
                                    args + [{"scratch": scratch}] + scalars,
                                    local=tuning.att_wg, groups=h * splits, rows=m))
+
+
+def paged_splits(tuning: OpenCLTuning, m: int, h: int, hd: int, slots: int) -> int:
+    """Work-groups a row and head of attention_paged_rows at most: a group per att_dec_wg
+    entries of the whole cache, at most att_dec_max_splits, halved while the partials of m
+    rows (scratch) would pass att_paged_scratch_bytes. Fixed by the graph, never by a step: a
+    row's arithmetic depends on it (attention_paged.cl)."""
+    splits = max(1, min(tuning.att_dec_max_splits, math.ceil(slots / tuning.att_dec_wg)))
+    while splits > 1 and 4 * m * h * splits * (hd + 2) > tuning.att_paged_scratch_bytes:
+        splits //= 2
+    return splits
+
+
+def paged_tiles(tuning: OpenCLTuning, m: int, hd: int) -> bool:
+    """Whether runs of rows of one sequence go to attention_paged_tiles: a step of several rows
+    whose staged K (rows padded by 16 bytes), V and q, and the portable reductions' floats, fit
+    att_paged_local_bytes (head_dim 128: 41 KB; 256 does not fit NVIDIA's 48 KB)."""
+    rows = tuning.att_dec_wg // 32 * tuning.att_paged_rpw
+    local = 16 * (32 * (hd // 4 + 1) + 32 * hd // 4 + rows * hd // 4) + 4 * tuning.att_dec_wg
+    return m > 1 and local <= tuning.att_paged_local_bytes
+
+
+def _paged_attention(ctx: _Ctx, op: Op, kv: str) -> None:
+    """A step graph's attention through block tables (attention_paged*.cl): rows with a
+    neighbour row of their sequence in attention_paged_tiles (where it is on), the others in
+    attention_paged_rows; the same bits either way."""
+    tuning, a = ctx.tuning, op.attrs
+    q, k, v, row_seq, ctx_len, tables = op.inputs
+    m = ctx.shape(q)[0]
+    hd, h, kvh = a["head_dim"], a["n_heads"], a["n_kv_heads"]
+    _need(hd <= 256, op, f"head_dim {hd}: the paged attention kernels hold at most 256 dims (8 a lane)")
+    splits = paged_splits(tuning, m, h, hd, ctx.shape(k)[0])
+    wg = tuning.att_dec_wg
+    options = [f"-DHEAD_DIM={hd}", *_kv_options(kv), f"-DKV_BLOCK={a['block_size']}", f"-DATT_WG={wg}",
+               f"-DATT_SPLITS={splits}"]
+    tiles = paged_tiles(tuning, m, hd)
+    if tiles:
+        options += ["-DATT_TILES", f"-DATT_RPW={tuning.att_paged_rpw}"]
+    args = [_v(q), _v(k), _v(v), _v(op.outputs[0]), _v(row_seq), _v(ctx_len), _v(tables)]
+    scalars = [{"int": h}, {"int": kvh}, {"float": float(a["scale"])}, {"int": m}, {"int": ctx.shape(tables)[1]}]
+    scratch = 4 * m * h + 4 * m * h * splits * (hd + 2)   # counters, then partials
+    ctx.launches.append(Launch(op.name, "attention_paged", "attention_paged_rows", options,
+                               args + [{"scratch": scratch}] + scalars, local=wg, groups=h * splits, rows=m))
+    if tiles:
+        ctx.launches.append(Launch(op.name, "attention_paged", "attention_paged_tiles", options, args + scalars,
+                                   local=wg, groups=h, rows=m, row_tile=wg // 32 * tuning.att_paged_rpw))
 
 
 def _attention_scores(ctx: _Ctx, op: Op, kv: str) -> None:
@@ -443,23 +493,25 @@ def _rms_norm(ctx: _Ctx, op: Op) -> None:
 
 def _rope(ctx: _Ctx, op: Op) -> None:
     a = op.attrs
-    _need(len(op.inputs) == 2, op, "needs the folded inv_freq constant as its second input "
-          "(run the fold pass before OpenCL codegen)")
+    _need(len(op.inputs) >= 2 and ctx.dtype(op.inputs[1]) == "f32", op, "needs the folded inv_freq constant "
+          "as its second input (run the fold pass before OpenCL codegen)")
     m = ctx.shape(op.inputs[0])[0]
     pairs = a["n_heads"] * a["head_dim"] // 2
-    ctx.launches.append(Launch(op.name, "rope", "rope", ["-DKV_T=f32"],
+    positions = op.inputs[2:]                           # a step graph's (rope.cl STEP_ROWS)
+    ctx.launches.append(Launch(op.name, "rope", "rope", ["-DKV_T=f32"] + (["-DSTEP_ROWS"] if positions else []),
                                [_v(op.inputs[0]), _v(op.inputs[1]), _v(op.outputs[0]),
-                                {"int": a["n_heads"]}, {"int": a["head_dim"]}],
+                                {"int": a["n_heads"]}, {"int": a["head_dim"]}, *map(_v, positions)],
                                local=ctx.tuning.elt_wg, groups=math.ceil(pairs / ctx.tuning.elt_wg), rows=m))
 
 
 def _kv_store(ctx: _Ctx, op: Op) -> None:
-    src, cache = op.inputs
+    src, cache, *slots = op.inputs                      # slots: a step graph's (rope.cl STEP_ROWS)
     m, width = ctx.shape(src)
     kv = _kv_type(ctx, op, cache)
     threads = width // 32 if kv == "q8_0" else width    # q8_0: one thread per 32-value block
-    ctx.launches.append(Launch(op.name, "rope", "kv_store", _kv_options(kv),
-                               [_v(src), _v(cache), {"int": width}],
+    at = [_v(slots[0]), {"int": ctx.shape(cache)[0]}] if slots else []
+    ctx.launches.append(Launch(op.name, "rope", "kv_store", _kv_options(kv) + (["-DSTEP_ROWS"] if slots else []),
+                               [_v(src), _v(cache), {"int": width}, *at],
                                local=ctx.tuning.elt_wg, groups=math.ceil(threads / ctx.tuning.elt_wg), rows=m))
 
 
@@ -494,6 +546,14 @@ def _slice(ctx: _Ctx, op: Op) -> None:
                                local=ctx.tuning.elt_wg, groups=math.ceil(d / ctx.tuning.elt_wg), rows=1))
 
 
+def _gather(ctx: _Ctx, op: Op) -> None:
+    x, rows = op.inputs
+    d = ctx.shape(x)[1]
+    ctx.launches.append(Launch(op.name, "elementwise", "gather_rows", [],
+                               [_v(x), _v(rows), _v(op.outputs[0]), {"int": d}],
+                               local=ctx.tuning.elt_wg, groups=math.ceil(d / ctx.tuning.elt_wg), rows=ctx.shape(rows)[0]))
+
+
 def _reduce(ctx: _Ctx, op: Op) -> None:
     m, d = ctx.shape(op.inputs[0])
     ctx.launches.append(Launch(op.name, "reduce", op.kind, [f"-DRED_WG={ctx.tuning.red_wg}"],
@@ -505,7 +565,7 @@ LOWER = {
     "matmul": _matmul, "fused_matmul": _matmul, "attention": _attention, "rms_norm": _rms_norm,
     "rope": _rope, "kv_store": _kv_store, "embedding": _embedding, "add": _elementwise,
     "mul": _elementwise, "silu": _elementwise, "silu_mul": _elementwise, "slice": _slice,
-    "softmax": _reduce, "argmax": _reduce,
+    "gather": _gather, "softmax": _reduce, "argmax": _reduce,
 }
 
 

@@ -67,7 +67,12 @@ class OpenCLTuning:
     att_max_splits: int = 32         # (32 keys a split: 169 -> 238 us per step, round 6)
     att_dec_wg: int = 128            # attention_decode: keys per split and pass (64: neutral,
                                      # round 12; 256 and 512 threads slower, rounds 8-9)
-    att_dec_max_splits: int = 64     # and splits at most
+    att_dec_max_splits: int = 64     # and splits at most (attention_paged_rows too)
+    att_paged_rpw: int = 4           # attention_paged_tiles: rows a warp (16-row groups)
+    att_paged_local_bytes: int = 48 << 10   # and its local memory at most: wider heads leave
+                                     # every row to attention_paged_rows (NVIDIA's 48 KB)
+    att_paged_scratch_bytes: int = 64 << 20   # attention_paged_rows' partials of a step's rows
+                                     # at most (splits halve until they fit; not measured)
     # -- the small kernels (not measured against other sizes) ---------------------------------
     norm_wg: int = 64                # rms_norm threads per row
     red_wg: int = 256                # softmax / argmax threads per row
@@ -107,9 +112,10 @@ def tuning_for(device: DeviceKind) -> OpenCLTuning:
     """The tuning for a device kind: the H100 / H200 values, with what follows from the device's
     properties. Without tensor cores no body computes two token tiles at once (they take a pair
     one tile after the other: half the groups, the same work), so tiles stay unpaired; the
-    longest quantized decode row follows local memory; 512-thread matvec groups need a device
-    that takes them."""
+    longest quantized decode row and the paged tiles kernel's heads follow local memory;
+    512-thread matvec groups need a device that takes them."""
     tuning = OpenCLTuning()
     mv_max_k = (device.local_mem_bytes - _MV_RESERVED_LOCAL) * 4 // 5 // 32 * 32
     return replace(tuning, tile_pair_f16=tuning.tile_pair_f16 and device.tensor_cores,
-                   mv_max_k=mv_max_k, mv_wg_quant=min(tuning.mv_wg_quant, device.max_work_group_size))
+                   mv_max_k=mv_max_k, mv_wg_quant=min(tuning.mv_wg_quant, device.max_work_group_size),
+                   att_paged_local_bytes=min(tuning.att_paged_local_bytes, device.local_mem_bytes))

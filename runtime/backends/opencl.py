@@ -21,13 +21,14 @@ import numpy as np
 
 from ...compiler.ir import Graph, IRError, storage_shape
 from ..plan import Plan
-from .base import Backend
+from .base import Backend, StepRows
 # the parts' public names, importable from here as before the split
 from .opencl_device import INSTALL_OPENCL, OpenCLError, _cl, list_devices, pick_device
 from .opencl_launch import GREEDY_MAX_STEPS, Bound, CommandBuffer, DirectLaunches, bind_program
 from .opencl_memory import (ALIGN, DeviceMemory, Region, from_split_blocks, naive_layout, pack_weights,
                             split_region, to_split_blocks)
 from .opencl_program import build_program, cache_dir, device_options, patch_wgmma_ptx
+from .opencl_step import StepShape, check_step
 
 COMMAND_BUFFERS_KEPT = 8  # recorded launch lists kept (one per phase and size), oldest dropped
 
@@ -103,7 +104,9 @@ class OpenCLBackend(Backend):
         self.step_buf = cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, 16)   # greedy steps advance it
         self._in_flight: list[np.ndarray] = []
         self._limits: dict[str, tuple[int, int, int | None]] = {}
-        self._sized: dict[tuple[str, int, bool], list[Any]] = {}
+        self._step_shape: StepShape | None = None   # the step graph's bounds, read on its first step
+        self._paged_tiles: bool | None = None        # whether it has attention_paged_tiles (likewise)
+        self._sized: dict[tuple[str, int, bool, frozenset[str]], list[Any]] = {}
         self._command_buffers: dict[tuple[Any, ...], CommandBuffer] = {}
         self._prepared: dict[tuple[Any, ...], list[Any]] = {}
         self.use_command_buffers = ("cl_khr_command_buffer" in self.device.extensions.split()
@@ -206,12 +209,14 @@ class OpenCLBackend(Backend):
             self._limits[phase] = (g.T, slots, vocab)
         return self._limits[phase]
 
-    def _step_launches(self, phase: str, n_tokens: int) -> list[tuple[Any, tuple[int, int], tuple[int, int]]]:
-        """(kernel, global size, local size) of every launch of a step, computed once per size."""
-        key = (phase, n_tokens, self.scoring)
+    def _step_launches(self, phase: str, n_tokens: int,
+                       idle: frozenset[str] = frozenset()) -> list[tuple[Any, tuple[int, int], tuple[int, int]]]:
+        """(kernel, global size, local size) of every launch of a step, computed once per size;
+        kernels named in `idle` (with nothing to do this step) left out."""
+        key = (phase, n_tokens, self.scoring, idle)
         if key not in self._sized:
             self._sized[key] = [(b.kernel, b.global_size(n_tokens), (b.local, 1)) for b in self.launches[phase]
-                                if self.scoring or not b.scores]
+                                if (self.scoring or not b.scores) and b.kernel.function_name not in idle]
         return self._sized[key]
 
     def enqueue(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int, kernels: bool = True) -> None:
@@ -285,6 +290,45 @@ class OpenCLBackend(Backend):
         for _ in range(repeat):
             for kern, gsize, lsize in launches:
                 launch(queue, kern, gsize, lsize)
+
+    def run_step(self, rows: StepRows) -> np.ndarray:
+        """One step of the plan's "step" graph (compiler/ir.py "Step graphs"): its rows checked
+        (opencl_step.py), written into the arena as the graph's inputs, the kernels enqueued;
+        float32 [r, vocab], the logits of rows.logit_rows in their order."""
+        cl = _cl()
+        g = self.graphs.get("step")
+        if g is None:
+            raise OpenCLError("this plan has no step graph (many sequences a step); recompile it with one")
+        if self._step_shape is None:
+            self._step_shape = StepShape.of(g)
+        inputs = check_step(rows, self._step_shape)
+        n = len(inputs["tokens"])
+        cl.enqueue_fill_buffer(self.queue, self.step_buf, np.array([n, 0, 0, 0], np.int32), 0, 16)
+        for name, arr in inputs.items():
+            buf, off = self.locate("step", name)
+            self._in_flight.append(arr)   # released by the blocking read below
+            cl.enqueue_copy(self.queue, buf, arr, dst_offset=off, is_blocking=False)
+        idle = self._idle_paged_kernels(inputs["row_seq"][:n])
+        self._enqueue_launches(("step", n, "logits", self.scoring, idle), self._step_launches("step", n, idle))
+        out = self.read_value("step", g.outputs[0], rows=len(rows.logit_rows))
+        self._in_flight.clear()
+        return out.astype(np.float32, copy=False)
+
+    def _idle_paged_kernels(self, row_seq: np.ndarray) -> frozenset[str]:
+        """The paged attention kernel with no row this step, left out of its launches (a row
+        with a neighbour row of its sequence is the tiles kernel's where the plan has one, any
+        other the rows kernel's: attention_paged.cl): decode steps skip the tiles kernel, a
+        prompt alone the rows kernel. Either would only have returned at once."""
+        if self._paged_tiles is None:
+            self._paged_tiles = any(b.kernel.function_name == "attention_paged_tiles" for b in self.launches["step"])
+        if not self._paged_tiles:
+            return frozenset()
+        same = row_seq[1:] == row_seq[:-1]
+        in_run = np.zeros(len(row_seq), bool)
+        in_run[1:] |= same
+        in_run[:-1] |= same
+        return frozenset(({"attention_paged_tiles"} if not in_run.any() else set())
+                         | ({"attention_paged_rows"} if in_run.all() else set()))
 
     def run_greedy_steps(self, token: int, n_past: int, start_pos: int, n: int) -> np.ndarray:
         """n greedy decode steps enqueued back to back, one read at the end: step i feeds the

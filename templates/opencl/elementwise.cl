@@ -35,3 +35,13 @@ __kernel void last_row(__global const int* step, gin xb, ulong x_off, gout yb, u
     size_t src = (size_t)(STEP_N_TOKENS(step) - 1) * D + d;
     ((__global float*)(yb + y_off))[d] = ((__global const float*)(xb + x_off))[src];
 }
+
+// gather: y[r] = x[rows[r]], a step graph's rows that need logits.   Grid: (D, R).
+// Row ids were range-checked on the host (runtime/backends/opencl_step.py).
+__kernel void gather_rows(__global const int* step, gin xb, ulong x_off, gin rb, ulong r_off,
+                          gout yb, ulong y_off, int D) {
+    int d = get_global_id(0), r = get_global_id(1);
+    if (d >= D) return;
+    size_t src = (size_t)((__global const int*)(rb + r_off))[r] * D + d;
+    ((__global float*)(yb + y_off))[(size_t)r * D + d] = ((__global const float*)(xb + x_off))[src];
+}

@@ -1,0 +1,100 @@
+"""A step of a plan's "step" graph (compiler/ir.py "Step graphs") on OpenCL: its rows checked
+against the graph, then written into the arena as the graph's inputs.
+
+The kernels read every index as given (an attention row follows its block table into the cache;
+only kv_store drops a slot outside the cache), so each one is checked here first, and a bad one
+is refused in one line naming the field, the row and the bound. Nothing here is OpenCL's own:
+another back end can check its steps with the same function.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...compiler.ir import Graph, IRError
+from .base import StepRows
+
+ROW_FIELDS = ("positions", "slots", "row_seq", "ctx_len")   # int32 [n] each, beside tokens [n]
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step's checks read of a step graph."""
+    rows: int            # T: rows a step at most
+    seqs: int            # B: rows of block_tables, and logit rows at most
+    table_width: int     # M: blocks a sequence at most
+    block_size: int
+    slots: int           # S: the KV cache's rows
+    vocab: int | None    # the embedding's rows (token ids below it)
+
+    @staticmethod
+    def of(g: Graph) -> "StepShape":
+        B, M = g.values["block_tables"].shape
+        bs = next(op.attrs["block_size"] for op in g.ops if op.kind == "attention")
+        vocab = next((g.values[op.inputs[0]].shape[0] for op in g.ops if op.kind == "embedding"), None)
+        return StepShape(g.T, B, M, bs, M * bs, vocab)
+
+
+def _ints(name: str, a: np.ndarray, ndim: int) -> np.ndarray:
+    a = np.asarray(a)
+    if a.ndim != ndim or (a.size and not np.issubdtype(a.dtype, np.integer)):
+        raise IRError(f"step: {name} must be a {ndim}-D array of integers, got {a.dtype}{list(a.shape)}")
+    i32 = np.iinfo(np.int32)
+    _within(name, a.reshape(-1), i32.min, i32.max, "the kernels' int32")   # before the cast can wrap
+    return np.ascontiguousarray(a, dtype=np.int32)
+
+
+def _within(name: str, a: np.ndarray, lo: int, hi: int, what: str) -> None:
+    """Every a[i] in lo..hi, else one line naming the first that is not."""
+    bad = np.flatnonzero((a < lo) | (a > hi))
+    if bad.size:
+        i = int(bad[0])
+        raise IRError(f"step: {name}[{i}] = {int(a[i])} is outside {lo}..{hi} ({what})")
+
+
+def check_step(rows: StepRows, shape: StepShape) -> dict[str, np.ndarray]:
+    """The step's inputs as the graph holds them: int32, block_tables [b, M] (columns past the
+    given ones 0), logit_rows padded with 0 to B. Raises IRError on the first bad value."""
+    tokens = _ints("tokens", rows.tokens, 1)
+    n = len(tokens)
+    if not 1 <= n <= shape.rows:
+        raise IRError(f"step: the step graph takes 1..{shape.rows} rows a step, got {n}")
+    out = {"tokens": tokens}
+    for name in ROW_FIELDS:
+        out[name] = _ints(name, getattr(rows, name), 1)
+        if len(out[name]) != n:
+            raise IRError(f"step: {name} has {len(out[name])} rows and tokens {n}; give one a row")
+    given = _ints("block_tables", rows.block_tables, 2)
+    b, m = given.shape
+    if not 1 <= b <= shape.seqs or m > shape.table_width:
+        raise IRError(f"step: block_tables is [{b}, {m}]; the step graph takes 1..{shape.seqs} sequences "
+                      f"of at most {shape.table_width} blocks")
+    picked = _ints("logit_rows", rows.logit_rows, 1)
+    if not 1 <= len(picked) <= min(shape.seqs, n):
+        raise IRError(f"step: logit_rows has {len(picked)} rows; give 1..{min(shape.seqs, n)} "
+                      f"(at most one a sequence, and no more than the step's {n} rows)")
+    if shape.vocab is not None:
+        _within("tokens", tokens, 0, shape.vocab - 1, "the vocabulary")
+    _within("positions", out["positions"], 0, np.iinfo(np.int32).max, "positions count from 0")
+    _within("slots", out["slots"], 0, shape.slots - 1, "the KV cache's rows")
+    _within("row_seq", out["row_seq"], 0, b - 1, f"the {b} rows of block_tables")
+    _within("ctx_len", out["ctx_len"], 1, m * shape.block_size, f"{m} blocks of {shape.block_size}")
+    _within("logit_rows", picked, 0, n - 1, "the step's rows")
+    # the table entries a row reads: blocks 0 .. (ctx_len - 1) // block_size of its sequence
+    used = np.arange(m)[None, :] <= ((out["ctx_len"] - 1) // shape.block_size)[:, None]
+    entries = given[out["row_seq"]]
+    bad = np.argwhere(used & ((entries < 0) | (entries >= shape.slots // shape.block_size)))
+    if bad.size:
+        t, j = (int(x) for x in bad[0])
+        raise IRError(f"step: block_tables[{int(out['row_seq'][t])}, {j}] = {int(entries[t, j])}, read by row {t}, "
+                      f"is outside 0..{shape.slots // shape.block_size - 1} (the cache's blocks)")
+    tables = np.zeros((b, shape.table_width), np.int32)
+    tables[:, :m] = given
+    out["block_tables"] = tables
+    out["logit_rows"] = np.zeros(shape.seqs, np.int32)
+    out["logit_rows"][:len(picked)] = picked
+    return out
+
+
+__all__ = ["ROW_FIELDS", "StepShape", "check_step"]

@@ -1,0 +1,228 @@
+"""The step graph's OpenCL kernels (compiler/ir.py "Step graphs") against the interpreter, on
+PoCL, on random non-zero data: paged attention through shuffled block tables (its rows kernel
+and its tiles kernel, which must give a row the same bits), RoPE at per-row positions, the KV
+store at per-row slots, and the gather of the logit rows."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from llmrs.compiler import quant
+from llmrs.compiler.codegen.opencl import generate, lower_graph, paged_splits, paged_tiles
+from llmrs.compiler.codegen.opencl_tuning import DeviceKind, OpenCLTuning, tuning_for
+from llmrs.compiler.interpret import OPS, Interpreter, Step
+from llmrs.compiler.ir import Graph
+from llmrs.compiler.pipeline import CompileOptions, run_passes
+from llmrs.compiler.rope import rope_inv_freq
+from llmrs.models.step import step_graph
+
+from .test_opencl_kernels import OneOp, _close, _rand, _storage
+
+cl = pytest.importorskip("pyopencl")
+from llmrs.runtime.backends.opencl import OpenCLBackend  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("opencl_device")
+TUNING = OpenCLTuning()
+
+# the ctx_len of each sequence's rows in the step, in step order: a run of two at the start, a
+# prompt chunk crossing block boundaries, a decode row deep in the cache (several groups, so
+# partials fold through the ticket), a run deep in the cache, a lone row, a prompt's start
+SEQS = [[5, 6], list(range(40, 49)), [700], list(range(300, 304)), [33], list(range(1, 9))]
+
+
+class PagedAttention:
+    """One paged attention op on the device, its caches and block tables written once; each
+    run() is a step of other rows."""
+
+    def __init__(self, h: int, kvh: int, hd: int, kv: str, bs: int, tuning: OpenCLTuning = TUNING,
+                 T: int = 40, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        self.rng, self.T, self.h, self.hd = rng, T, h, hd
+        slots = bs * math.ceil(1600 / bs)
+        blocks = slots // bs
+        # each sequence's blocks drawn from a shuffled pool; entries past them are garbage the
+        # kernels must never follow
+        free = list(rng.permutation(blocks))
+        self.tables = np.full((len(SEQS) + 1, blocks), 1 << 30, np.int32)
+        for i, lens in enumerate(SEQS):
+            need = math.ceil(max(lens) / bs)
+            self.tables[i, :need] = [free.pop() for _ in range(need)]
+        g = self.g = Graph("step", T, meta={})
+        for name, shape in (("q", (T, h * hd)), ("row_seq", (T,)), ("ctx_len", (T,)),
+                            ("block_tables", self.tables.shape)):
+            g.add_value(name, shape, "f32" if name == "q" else "i32", kind="input")
+        self.caches = {}
+        for name in ("kc", "vc"):
+            g.add_value(name, (slots, kvh, hd), kv, kind="state")
+            self.caches[name] = _storage(_rand(rng, slots, kvh, hd), kv)
+        g.add_value("o", (T, h * hd), "f32")
+        self.op = g.add_op("attention", ["q", "kc", "vc", "row_seq", "ctx_len", "block_tables"], ["o"], n_heads=h,
+                           n_kv_heads=kvh, head_dim=hd, scale=1.0 / math.sqrt(hd), block_size=bs)
+        g.outputs = ["o"]
+        g.verify()
+        program = generate({"step": g}, tuning)
+        self.splits = paged_splits(tuning, T, h, hd, slots)
+        self.be = OpenCLBackend.from_graphs({"step": g}, program)
+        self.kernels = [b.kernel.function_name for b in self.be.launches["step"]]
+        for name, arr in self.caches.items():
+            self.be.write_value("step", name, arr)
+        self.be.write_value("step", "block_tables", self.tables)
+
+    def rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """q, row_seq, ctx_len of a step of every sequence's rows (SEQS)."""
+        row_seq = np.array([i for i, lens in enumerate(SEQS) for _ in lens], np.int32)
+        ctx_len = np.array([n for lens in SEQS for n in lens], np.int32)
+        return _rand(self.rng, len(row_seq), self.h * self.hd, scale=0.5), row_seq, ctx_len
+
+    def run(self, q: np.ndarray, row_seq: np.ndarray, ctx_len: np.ndarray) -> np.ndarray:
+        n = len(row_seq)
+        for name, arr in (("q", q), ("row_seq", row_seq), ("ctx_len", ctx_len)):
+            full = np.zeros((self.T, *arr.shape[1:]), arr.dtype)
+            full[:n] = arr
+            self.be.write_value("step", name, full)
+        self.be.enqueue("step", np.zeros(n, np.int32), 0, 0)
+        return self.be.read_value("step", "o", rows=n)
+
+    def want(self, q: np.ndarray, row_seq: np.ndarray, ctx_len: np.ndarray) -> np.ndarray:
+        it = Interpreter(self.g)
+        (o,) = OPS["attention"](it, self.op, Step(len(q), 0, 0), q, self.caches["kc"], self.caches["vc"],
+                                row_seq, ctx_len, self.tables)
+        return o
+
+
+# (n_heads, n_kv_heads, head_dim, KV type, block size): GQA, MQA and MHA; f16, f32 and q8_0
+# caches; blocks of a chunk's 32 entries or fewer, more, or neither (12); head_dim 16 and 100
+# (the golden models': no multiple of 32) and 256 (past the tiles kernel's local memory)
+CASES = [(8, 2, 64, "f16", 16), (4, 1, 128, "f32", 64), (6, 6, 32, "q8_0", 8), (4, 2, 16, "f32", 12),
+         (8, 1, 100, "f16", 16), (2, 1, 256, "f16", 32)]
+IDS = [f"{h}.{k}x{d}-{t}-b{b}" for h, k, d, t, b in CASES]
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_paged_attention_through_shuffled_block_tables_matches_interpreter(case):
+    pa = PagedAttention(*case)
+    q, row_seq, ctx_len = pa.rows()
+    _close(pa.run(q, row_seq, ctx_len), pa.want(q, row_seq, ctx_len), 1e-4)
+    tiles = case[2] <= 128
+    assert pa.kernels == ["attention_paged_rows"] + ["attention_paged_tiles"] * tiles
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]], ids=[IDS[0], IDS[2], IDS[4]])
+def test_a_row_alone_gets_the_bits_it_gets_among_other_rows_from_either_kernel(case):
+    """Each row of a mixed step run again alone (the rows kernel, where the run rows had the
+    tiles kernel), and the step again with its sequences in reverse order: bit for bit."""
+    pa = PagedAttention(*case)
+    q, row_seq, ctx_len = pa.rows()
+    batch = pa.run(q, row_seq, ctx_len)
+    for t in range(len(q)):
+        alone = pa.run(q[t:t + 1], row_seq[t:t + 1], ctx_len[t:t + 1])
+        np.testing.assert_array_equal(alone[0], batch[t], err_msg=f"row {t} (ctx_len {ctx_len[t]})")
+    order = np.concatenate([np.flatnonzero(row_seq == s) for s in reversed(range(len(SEQS)))])
+    np.testing.assert_array_equal(pa.run(q[order], row_seq[order], ctx_len[order]), batch[order])
+
+
+def test_paged_attention_with_several_chunks_a_slot_matches_interpreter_and_keeps_its_bits():
+    """Two groups a row at most: a slot takes several chunks, so the tiles kernel folds slots
+    and groups mid-run (the 300-entry run: 10 chunks, 2 a slot, 2 groups)."""
+    pa = PagedAttention(8, 2, 64, "f16", 16, tuning=replace(TUNING, att_dec_max_splits=2))
+    assert pa.splits == 2
+    q, row_seq, ctx_len = pa.rows()
+    batch = pa.run(q, row_seq, ctx_len)
+    _close(batch, pa.want(q, row_seq, ctx_len), 1e-4)
+    for t in np.flatnonzero(ctx_len >= 300):
+        np.testing.assert_array_equal(pa.run(q[t:t + 1], row_seq[t:t + 1], ctx_len[t:t + 1])[0], batch[t])
+
+
+def test_paged_splits_halve_to_keep_the_partials_of_a_step_within_the_budget():
+    assert paged_splits(TUNING, 16, 8, 64, 2048) == 16                     # a group per 128 entries
+    assert paged_splits(TUNING, 16, 8, 64, 1 << 20) == TUNING.att_dec_max_splits
+    big = paged_splits(TUNING, 512, 32, 128, 1 << 20)                       # 1B-sized prefill chunk
+    assert 4 * 512 * 32 * big * 130 <= TUNING.att_paged_scratch_bytes < 4 * 512 * 32 * 2 * big * 130
+
+
+def test_the_tiles_kernel_takes_the_heads_whose_staged_chunk_fits_the_devices_local_memory():
+    # NVIDIA's 48 KB: head_dim 128 (41 KB), not 256; a 32 KB device (Adreno): 64 (21 KB), not 128
+    assert paged_tiles(TUNING, 16, 128) and not paged_tiles(TUNING, 16, 256)
+    small = tuning_for(DeviceKind((0, 0), local_mem_bytes=32 << 10))
+    assert paged_tiles(small, 16, 64) and not paged_tiles(small, 16, 128)
+    assert not paged_tiles(TUNING, 1, 64)                 # a step of one row: the rows kernel alone
+
+
+@pytest.mark.parametrize("weights", ["q4_0", "f16"])
+def test_a_1b_step_graph_runs_every_matmul_in_the_tiled_kernel_and_pages_every_attention(llama_1b_graphs, weights):
+    """Row invariance starts with the kernels chosen: by a graph's rows, never a step's, so a
+    step graph's matmuls are all matmul_tiled (no decode matvec for a step of one row), its
+    attention the paged pair (not the contiguous kernels, tensor-core body included)."""
+    prefill, _ = llama_1b_graphs
+    g = run_passes(step_graph(prefill, max_seqs=16, block_size=16), CompileOptions(weights=weights))
+    kernels = Counter(launch.kernel for launch in lower_graph(g))
+    layers = 16
+    assert kernels["matmul_tiled"] == 6 * layers + 1 and kernels["matvec"] == 0   # q k v o gate_up down; head
+    assert kernels["attention_paged_rows"] == kernels["attention_paged_tiles"] == layers
+    assert kernels["attention_tiled"] == kernels["attention_decode"] == kernels["attention_split"] == 0
+
+
+def test_rope_at_per_row_positions_matches_interpreter():
+    rng = np.random.default_rng(31)
+    h, hd, T = 3, 32, 7
+    b = OneOp(T, name="step")
+    x = b.act("x", _rand(rng, T, h * hd))
+    inv = b.param("inv_freq", rope_inv_freq(hd, 10000.0, None), "f32", kind="const")
+    positions = b.act("positions", np.array([4000, 3, 17, 0, 999, 2, 5]), "i32")
+    y = b.out("y", (T, h * hd))
+    got, want = b.run("rope", [x, inv, positions], [y], 6, n_heads=h, head_dim=hd, theta=10000.0, scaling=None)
+    _close(got[0], want[0], 1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
+def test_kv_store_at_per_row_slots_matches_interpreter(kv_dtype):
+    rng = np.random.default_rng(32)
+    kvh, hd, s, T = 2, 32, 24, 6
+    b = OneOp(T, name="step")
+    src = b.act("src", _rand(rng, T, kvh * hd))
+    cache = b.state("cache", _rand(rng, s, kvh, hd), kv_dtype)
+    slots = b.act("slots", np.array([17, 3, 22, 9, 0, 1]), "i32")
+    c2 = b.out("cache2", (s, kvh, hd), kv_dtype, alias="cache")
+    got, want = b.run("kv_store", [src, cache, slots], [c2], 5)
+    np.testing.assert_array_equal(got[0], want[0])
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "q8_0"])
+def test_kv_store_drops_a_slot_outside_the_cache_and_writes_nothing_beside_it(kv_dtype):
+    """The runtime refuses such slots; a kernel given one anyway writes neither the cache nor
+    the state after it (slot S would be its first row), nor before it (slot -1)."""
+    rng = np.random.default_rng(33)
+    kvh, hd, s = 1, 32, 8
+    b = OneOp(4, name="step")
+    src = b.act("src", _rand(rng, 4, kvh * hd))
+    b.state("guard_lo", _rand(rng, s, kvh, hd), kv_dtype)
+    cache = b.state("cache", _rand(rng, s, kvh, hd), kv_dtype)
+    b.state("guard_hi", _rand(rng, s, kvh, hd), kv_dtype)
+    slots = b.act("slots", np.array([s, 2, -1, 1 << 20]), "i32")
+    c2 = b.out("cache2", (s, kvh, hd), kv_dtype, alias="cache")
+    b.g.add_op("kv_store", [src, cache, slots], [c2])
+    b.g.inputs, b.g.outputs = [], [c2]
+    b.g.verify()
+    be = OpenCLBackend.from_graphs({"step": b.g}, generate({"step": b.g}, TUNING))
+    for name, arr in b.data.items():
+        be.write_value("step", name, arr)
+    be.enqueue("step", np.zeros(4, np.int32), 0, 0)
+    want = b.data["cache"].copy()
+    want[2] = _storage(b.data["src"][1].reshape(kvh, hd), kv_dtype)
+    np.testing.assert_array_equal(be.read_value("step", "cache"), want)
+    for guard in ("guard_lo", "guard_hi"):
+        np.testing.assert_array_equal(be.read_value("step", guard), b.data[guard])
+
+
+def test_gather_of_the_logit_rows_matches_interpreter():
+    rng = np.random.default_rng(34)
+    b = OneOp(9, name="step")
+    x = b.act("x", _rand(rng, 9, 70))
+    rows = b.act("logit_rows", np.array([8, 0, 3, 3]), "i32")
+    y = b.out("y", (4, 70))
+    got, want = b.run("gather", [x, rows], [y], 9)
+    np.testing.assert_array_equal(got[0], want[0])

@@ -1,0 +1,211 @@
+"""The OpenCL back end's run_step on PoCL: a golden model's step graph (models/step.py, through
+every compiler pass) with several sequences sharing each step, against the interpreter running
+the same graph; a sequence's greedy tokens and its logits' bits whatever shares its steps; and
+every bad index of a step refused in one line before the device runs."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from llmrs.compiler.codegen.opencl import generate
+from llmrs.compiler.interpret import Interpreter
+from llmrs.compiler.ir import IRError
+from llmrs.compiler.pipeline import CompileOptions, run_passes
+from llmrs.models.llama import build_graphs, load_model
+from llmrs.models.step import step_graph
+from llmrs.runtime.backends.base import StepRows
+from llmrs.runtime.backends.opencl_step import StepShape, check_step
+
+from ..conftest import DATA, rel_err
+
+cl = pytest.importorskip("pyopencl")
+from llmrs.runtime.backends.opencl import OpenCLBackend, OpenCLError  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("opencl_device")
+BS = 4   # tokens a block
+
+
+def _compiled(model: str, weights: str, kv: str, T: int, seqs: int, with_prefill: bool = False) -> dict[str, Any]:
+    """The model's graphs after every pass: "step" (and "prefill", "decode" if asked), sharing one
+    KV layout."""
+    prefill, decode = build_graphs(load_model(DATA / model), prefill_T=T, max_seq_len=64, kv_dtype=kv)
+    opts = CompileOptions(weights=weights, kv_type=kv)
+    graphs = {"step": run_passes(step_graph(prefill, max_seqs=seqs, block_size=BS), opts)}
+    if with_prefill:
+        graphs.update(prefill=run_passes(prefill, opts), decode=run_passes(decode, opts))
+    return graphs
+
+
+def _backend(graphs: dict[str, Any]) -> OpenCLBackend:
+    return OpenCLBackend.from_graphs(graphs, generate(graphs))
+
+
+class Pool:
+    """A naive paged layout, as a scheduler keeps one: each sequence takes blocks from a
+    shuffled list as it grows."""
+
+    def __init__(self, n_blocks: int, rng: np.random.Generator):
+        self.free = [int(b) for b in rng.permutation(n_blocks)]
+        self.tables: dict[int, list[int]] = {}
+        self.length: dict[int, int] = {}
+
+    def rows(self, rows: list[tuple[int, int]], seqs: list[int], logit_rows: list[int]) -> StepRows:
+        """rows: (sequence, token) in step order, each sequence's rows its next positions;
+        seqs: the sequences in block-table order."""
+        pos, slots = [], []
+        for seq, _ in rows:
+            p = self.length.get(seq, 0)
+            self.length[seq] = p + 1
+            table = self.tables.setdefault(seq, [])
+            while len(table) <= p // BS:
+                table.append(self.free.pop())
+            pos.append(p)
+            slots.append(table[p // BS] * BS + p % BS)
+        width = max(len(self.tables[s]) for s in seqs)     # narrower than the graph's: padded
+        tables = np.full((len(seqs), width), -1, np.int32)  # entries no row reads: anything
+        for i, s in enumerate(seqs):
+            tables[i, :len(self.tables[s])] = self.tables[s]
+        i32 = lambda a: np.array(a, np.int32)   # noqa: E731
+        return StepRows(tokens=i32([t for _, t in rows]), positions=i32(pos), slots=i32(slots),
+                        row_seq=i32([seqs.index(s) for s, _ in rows]), ctx_len=i32([p + 1 for p in pos]),
+                        block_tables=tables, logit_rows=i32(logit_rows))
+
+
+def _interpret(ip: Interpreter, state: dict, rows: StepRows) -> np.ndarray:
+    inputs = check_step(rows, StepShape.of(ip.graph))   # the arrays the device gets
+    return ip.run(inputs, state, n_past=0)[ip.graph.outputs[0]][:len(rows.logit_rows)]
+
+
+# (model, weights, KV type): head_dim 16 with GQA; q4_0 weights (their activations quantized per
+# row) with an f16 cache; head_dim 100 with MQA
+MODELS = [("golden-a", "f32", "f32"), ("golden-b", "q4_0", "f16"), ("golden-c", "f32", "f32")]
+
+
+@pytest.mark.parametrize("model,weights,kv", MODELS)
+def test_interleaved_sequences_match_the_interpreter_and_their_greedy_tokens_a_run_alone(model, weights, kv):
+    """Three prompts of 7, 3 and 10 tokens: the second joins in the first's step, the third
+    mid-run; prompt chunks beside decode rows, rows in another order than the tables."""
+    graphs = _compiled(model, weights, kv, T=16, seqs=4)
+    be, ip = _backend(graphs), Interpreter(graphs["step"])
+    state = ip.new_state()
+    rng = np.random.default_rng(41)
+    vocab = graphs["step"].values[graphs["step"].outputs[0]].shape[1]
+    prompts = [rng.integers(0, vocab, n).tolist() for n in (7, 3, 10)]
+    pool, made = Pool(16, rng), {0: [], 1: [], 2: []}
+
+    def step(rows: list[tuple[int, int]], seqs: list[int], logits_of: list[int]) -> None:
+        """One step on both; the rows in logits_of (each a sequence's last) get a token."""
+        sr = pool.rows(rows, seqs, logits_of)
+        got, want = be.run_step(sr), _interpret(ip, state, sr)
+        assert got.shape == want.shape == (len(logits_of), vocab)
+        assert rel_err(got, want) <= 1e-4
+        for r, logits in zip(logits_of, got):
+            assert int(np.argmax(logits)) == int(np.argmax(want[logits_of.index(r)]))
+            made[rows[r][0]].append(int(np.argmax(logits)))
+
+    step([(0, t) for t in prompts[0]] + [(1, t) for t in prompts[1][:2]], [0, 1], [6])
+    step([(0, made[0][-1]), (1, prompts[1][2])] + [(2, t) for t in prompts[2][:5]], [0, 1, 2], [0, 1])
+    step([(2, t) for t in prompts[2][5:]] + [(1, made[1][-1]), (0, made[0][-1])], [0, 1, 2], [4, 5, 6])
+    for order in ([2, 0, 1], [1, 2, 0], [0, 1, 2]):
+        step([(s, made[s][-1]) for s in order], [0, 2, 1], [0, 1, 2])
+
+    for s, prompt in enumerate(prompts):   # each alone: its prompt in one step, then its tokens
+        be.reset()
+        alone, want = Pool(16, np.random.default_rng(s)), made[s]
+        logits = be.run_step(alone.rows([(0, t) for t in prompt], [0], [len(prompt) - 1]))
+        tokens = [int(np.argmax(logits[0]))]
+        for tok in want[:-1]:
+            tokens.append(int(np.argmax(be.run_step(alone.rows([(0, tok)], [0], [0]))[0])))
+        assert tokens == want, f"sequence {s}"
+
+
+def test_a_sequences_logits_are_bit_identical_alone_and_in_a_batch_of_8():
+    """8 sequences (prompts of 1 to 5 tokens) decode 3 tokens in steps of all of them; each
+    again alone: the same bits every step, whether its prompt runs in one step (as in the
+    batch) or a token a step (its rows then in the rows kernel, not the tiles kernel)."""
+    graphs = _compiled("golden-b", "q4_0", "f16", T=32, seqs=8)
+    be = _backend(graphs)
+    rng = np.random.default_rng(42)
+    vocab = graphs["step"].values["logits"].shape[1]
+    prompts = [rng.integers(0, vocab, n).tolist() for n in (3, 1, 5, 2, 4, 5, 1, 3)]
+    pool = Pool(16, rng)
+    rows = [(s, t) for s, p in enumerate(prompts) for t in p]
+    last = np.cumsum([len(p) for p in prompts]) - 1
+    batch = [be.run_step(pool.rows(rows, list(range(8)), last.tolist()))]
+    for _ in range(3):
+        tokens = [int(np.argmax(x)) for x in batch[-1]]
+        batch.append(be.run_step(pool.rows([(s, tokens[s]) for s in range(8)], list(range(8)), list(range(8)))))
+    for s, prompt in enumerate(prompts):
+        be.reset()
+        alone = Pool(16, np.random.default_rng(100 + s))    # other blocks, the same entries
+        if s % 2:
+            for t in prompt:
+                got = [be.run_step(alone.rows([(0, t)], [0], [0]))[0]]
+        else:
+            got = [be.run_step(alone.rows([(0, t) for t in prompt], [0], [len(prompt) - 1]))[0]]
+        for k in range(3):
+            got.append(be.run_step(alone.rows([(0, int(np.argmax(batch[k][s])))], [0], [0]))[0])
+        for k, logits in enumerate(got):
+            np.testing.assert_array_equal(logits, batch[k][s], err_msg=f"sequence {s}, step {k}")
+
+
+def test_a_sequence_alone_with_the_identity_table_continues_the_prefill_graphs_cache():
+    """The step graph reads the KV states the prefill and decode graphs write: a sequence whose
+    table is [0, 1, 2, ...] continues where prefill left it, as the decode graph does."""
+    graphs = _compiled("golden-b", "q4_0", "f16", T=8, seqs=2, with_prefill=True)
+    be = _backend(graphs)
+    prompt = np.array([3, 17, 250, 9, 42, 7, 101], np.int32)
+    be.run("prefill", prompt, 0, 0)
+    want = be.run("decode", np.array([5], np.int32), len(prompt), len(prompt))
+    n = len(prompt)
+    identity = np.arange(64 // BS, dtype=np.int32)[None, :]
+    one = lambda a: np.array([a], np.int32)   # noqa: E731
+    got = be.run_step(StepRows(tokens=one(5), positions=one(n), slots=one(n), row_seq=one(0), ctx_len=one(n + 1),
+                               block_tables=identity, logit_rows=one(0)))
+    assert rel_err(got, want) <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def small_step() -> tuple[OpenCLBackend, StepRows]:
+    graphs = _compiled("golden-a", "f32", "f32", T=8, seqs=2)
+    pool = Pool(16, np.random.default_rng(43))
+    return _backend(graphs), pool.rows([(0, 5), (0, 6), (1, 7)], [0, 1], [1, 2])
+
+
+# one bad value a case: (field, value, what the message says); S = 64 slots, 16 blocks of 4, 2
+# sequences of the step, 3 rows, a vocabulary of 384
+BAD = [("tokens", [5, 384, 7], r"tokens\[1\] = 384 is outside 0..383 \(the vocabulary\)"),
+       ("positions", [0, -3, 0], r"positions\[1\] = -3 is outside 0..2147483647"),
+       ("slots", [1, 64, 2], r"slots\[1\] = 64 is outside 0..63 \(the KV cache's rows\)"),
+       ("row_seq", [0, 0, 2], r"row_seq\[2\] = 2 is outside 0..1 \(the 2 rows of block_tables\)"),
+       ("ctx_len", [1, 0, 1], r"ctx_len\[1\] = 0 is outside 1..4"),
+       ("ctx_len", [1, 2, 5], r"ctx_len\[2\] = 5 is outside 1..4 \(1 blocks of 4\)"),
+       ("block_tables", [[3], [16]], r"block_tables\[1, 0\] = 16, read by row 2, is outside 0..15"),
+       ("logit_rows", [1, 3], r"logit_rows\[1\] = 3 is outside 0..2 \(the step's rows\)"),
+       ("logit_rows", [0, 1, 2], r"logit_rows has 3 rows; give 1..2"),
+       ("slots", [1, 2], r"slots has 2 rows and tokens 3; give one a row"),
+       ("positions", [0, 1 << 40, 2], r"positions\[1\] = 1099511627776 is outside -2147483648..2147483647"),
+       ("block_tables", np.zeros((3, 1), np.int32), r"block_tables is \[3, 1\]; the step graph takes 1..2 sequences"),
+       ("ctx_len", [1.0, 2.0, 1.0], r"ctx_len must be a 1-D array of integers, got float64\[3\]")]
+
+
+@pytest.mark.parametrize("field,value,message", BAD, ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(BAD)])
+def test_a_step_with_a_bad_index_is_refused_in_one_line(small_step, field, value, message):
+    be, good = small_step
+    with pytest.raises(IRError, match=message) as e:
+        be.run_step(replace(good, **{field: np.asarray(value)}))
+    assert "\n" not in str(e.value)
+
+
+def test_too_many_rows_and_a_plan_without_a_step_graph_are_refused(small_step):
+    be, good = small_step
+    nine = np.arange(9, dtype=np.int32)
+    with pytest.raises(IRError, match="takes 1..8 rows a step, got 9"):
+        be.run_step(replace(good, tokens=nine))
+    graphs = _compiled("golden-a", "f32", "f32", T=8, seqs=2, with_prefill=True)
+    del graphs["step"]
+    with pytest.raises(OpenCLError, match="this plan has no step graph"):
+        _backend(graphs).run_step(good)
