@@ -625,9 +625,11 @@ class MatmulEmitter:
         # q4_1: sum of m_w * s_x per (row, token), one scalar FMA a block beside the 32-value dot
         mins = [[kb.var(F32, kb.f32(0.0)) for _ in range(tt)] for _ in rows] if q4_1 else None
         # i8mm: rows and tokens in pairs, one smmla per 8 values of a block gives all 4 (row,
-        # token) dot products of a pair of each; accumulators <4 x f32> per pair of pairs
-        mm = s.quantized and kb.target.int8_matmul and tt % 2 == 0 and len(rows) % 2 == 0
-        pair_accs = [[kb.var(vec(F32, 4), ir.Constant(vec(F32, 4), [0.0] * 4)) for _ in range(tt // 2)]
+        # token) dot products of a pair of each; accumulators <4 x f32> per pair of pairs. In
+        # prefill a lone tail token goes with a copy of itself, so each (row, token) sums in one
+        # order whatever the step's token count (batch invariance: a step graph's rows)
+        mm = s.quantized and kb.target.int8_matmul and s.T > 1 and len(rows) % 2 == 0
+        pair_accs = [[kb.var(vec(F32, 4), ir.Constant(vec(F32, 4), [0.0] * 4)) for _ in range((tt + 1) // 2)]
                      for _ in range(len(rows) // 2)] if mm else None
         if s.quantized:
             with kb.loop(0, self.nb) as blk:
@@ -651,14 +653,15 @@ class MatmulEmitter:
                         if q4_1:
                             b.store(kb.fma(ms[r], xs, b.load(mins[r][t])), mins[r][t])
                 if mm:
-                    smmla_pairs(kb, ws, xs_, pair_accs)
+                    smmla_pairs(kb, ws, xs_ + xs_[-1:] * (tt % 2), pair_accs)
             if mm:
                 ys = [[None] * tt for _ in rows]
                 for rp, row_accs in enumerate(pair_accs):
                     for tp, acc in enumerate(row_accs):
                         v = b.load(acc)
                         for j, (r, t) in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
-                            ys[2 * rp + r][2 * tp + t] = b.extract_element(v, ir.Constant(I32, j))
+                            if 2 * tp + t < tt:
+                                ys[2 * rp + r][2 * tp + t] = b.extract_element(v, ir.Constant(I32, j))
                 if q4_1:
                     ys = [[b.fadd(ys[r][t], b.load(mins[r][t])) for t in range(tt)] for r in range(len(rows))]
                 return ys
@@ -687,7 +690,9 @@ class MatmulEmitter:
         zero = ir.Constant(vec(F32, 16), [0.0] * 16)
         # the accumulator's lanes only meet in the final hsum, so on AVX2 (two ymm per <16 x f32>)
         # a prefill tile folds the halves into one <8 x f32>: half the registers it holds
-        acc8 = AVX2_PREFILL_ACC8 and tt > 1 and group_isa(kb.target) == "avx2"
+        # (every tile of a prefill kernel, its one-token tail too: a row sums in one order
+        # whatever the step's token count)
+        acc8 = AVX2_PREFILL_ACC8 and s.T > 1 and group_isa(kb.target) == "avx2"
         acc_zero = ir.Constant(vec(F32, 8), [0.0] * 8) if acc8 else zero
         accs = [[kb.var(acc_zero.type, acc_zero) for _ in range(tt)] for _ in rows]
         quads = [list(range(i, min(i + 4, len(rows)))) for i in range(0, len(rows), 4)]
