@@ -66,7 +66,10 @@ def _kernel_key(g: Graph, op: Op) -> str:
 
 def logit_row_ops(g: Graph) -> set[int]:
     """Indices of the ops that work on a step graph's gathered logit rows: the gather and every
-    op reading what it (or such an op) made. Empty in graphs without a gather."""
+    op reading what it (or such an op) made. Empty in other graphs (a step graph's one op alone,
+    as llmrs-check runs it, takes n_tokens, which its kernel caps at its rows)."""
+    if "logit_rows" not in g.inputs:
+        return set()
     gathered: set[str] = set()
     found = set()
     for i, op in enumerate(g.ops):

@@ -56,6 +56,13 @@ def _shape(graph: Graph, name: str) -> tuple[int, ...]:
     return graph.values[name].shape
 
 
+def _at_most(kb: KernelBuilder, rows: int) -> ir.Value:
+    """n_tokens, but never past a value's `rows` (a step graph's logit rows are fewer than its
+    tokens: compiler/codegen/llvm.py)."""
+    most = kb.i64(rows)
+    return kb.b.select(kb.b.icmp_unsigned(">", kb.n_tokens, most), most, kb.n_tokens)
+
+
 def _embedding(kb: KernelBuilder, graph: Graph, op: Op) -> None:
     table, tokens, out = kb.bufs
     b, vw = kb.b, kb.vw
@@ -86,7 +93,7 @@ def _rms_norm(kb: KernelBuilder, graph: Graph, op: Op) -> None:
     b = kb.b
     d = _shape(graph, op.inputs[0])[1]
     wdt = graph.values[op.inputs[1]].dtype
-    lo, hi = kb.split(kb.n_tokens)
+    lo, hi = kb.split(_at_most(kb, _shape(graph, op.inputs[0])[0]))
     with kb.loop(lo, hi) as t:
         row = b.mul(t, kb.i64(d * 4))
         den = rms_scale_row(kb, x, row, d, float(op.attrs["eps"]))
@@ -220,11 +227,11 @@ def _kv_store(kb: KernelBuilder, graph: Graph, op: Op) -> None:
 
 def _gather(kb: KernelBuilder, graph: Graph, op: Op) -> None:
     """y[r] = x[rows[r]] for the first n_tokens rows of y (a step function passes its logit row
-    count); an index past x's rows copies row 0 instead of reading outside x."""
+    count; at most all of them); an index past x's rows copies row 0 instead of reading outside x."""
     x, rows, out = kb.bufs
     b = kb.b
     T, d = _shape(graph, op.inputs[0])
-    lo, hi = kb.split(kb.n_tokens)
+    lo, hi = kb.split(_at_most(kb, _shape(graph, op.inputs[1])[0]))
     with kb.loop(lo, hi) as r:
         src = _row_index(kb, rows, r)
         src = b.select(b.icmp_unsigned("<", src, kb.i64(T)), src, kb.i64(0))

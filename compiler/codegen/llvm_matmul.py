@@ -528,6 +528,14 @@ class MatmulEmitter:
         tiles and prefetch 1 KB ahead, 2.79 ms with 1 row and the prefetch, 2.13 ms without it."""
         return self.s.T == 1 and self.s.wdtype == "q8_0" and group_isa(self.kb.target) == "avx2"
 
+    @property
+    def n_rows(self) -> ir.Value:
+        """The step's rows, at most x's: a step graph's head has fewer rows than the step's tokens
+        (compiler/codegen/llvm.py passes it the logit rows), and no count may take it past them."""
+        kb = self.kb
+        most = kb.i64(self.s.T)
+        return kb.b.select(kb.b.icmp_unsigned(">", kb.n_tokens, most), most, kb.n_tokens)
+
     def emit(self) -> None:
         self.prepare()
         if self.team_prepare:
@@ -547,7 +555,7 @@ class MatmulEmitter:
             return
         # one item = one unit over one chunk of tokens, chunk-major (unit-major, to reuse a unit's
         # rows from L2 for its next chunk, measured no faster: prefill is bound by the dot products)
-        n = kb.n_tokens
+        n = self.n_rows
         n_chunks = b.udiv(b.add(n, kb.i64(TOKEN_CHUNK - 1)), kb.i64(TOKEN_CHUNK))
         with kb.shared_loop(b.mul(n_chunks, kb.i64(units)), max(1, grain // 16)) as item:
             u = b.urem(item, kb.i64(units))
@@ -580,7 +588,7 @@ class MatmulEmitter:
         b = kb.b
         if not s.quantized and not s.prologue:
             return
-        lo, hi = kb.split(kb.n_tokens) if self.team_prepare else (kb.i64(0), kb.n_tokens if s.T > 1 else kb.i64(1))
+        lo, hi = kb.split(self.n_rows) if self.team_prepare else (kb.i64(0), self.n_rows if s.T > 1 else kb.i64(1))
         with kb.loop(lo, hi) as t:
             row_off = b.mul(t, kb.i64(s.K * 4))
             den = rms_scale_row(kb, self.x, row_off, s.K, s.eps) if s.prologue else None
