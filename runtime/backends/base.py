@@ -45,13 +45,13 @@ def _ints(name: str, value: object, ndim: int) -> np.ndarray:
     if arr.ndim != ndim or (arr.size and arr.dtype.kind not in "iu"):
         raise StepRowsError(f"step rows: {name} must be a {ndim}-d array of integers, got "
                             f"{arr.dtype}{list(arr.shape)}")
-    return arr.astype(np.int64)
+    return arr
 
 
 def _within(name: str, arr: np.ndarray, lo: int, hi: int, what: str) -> None:
-    bad = np.flatnonzero((arr < lo) | (arr > hi))
-    if bad.size:
-        at = np.unravel_index(bad[0], arr.shape)
+    # min and max first: a step is checked every few milliseconds, and is nearly always good
+    if arr.size and (int(arr.min()) < lo or int(arr.max()) > hi):
+        at = np.unravel_index(np.flatnonzero((arr < lo) | (arr > hi))[0], arr.shape)
         raise StepRowsError(f"step rows: {name}[{', '.join(map(str, at))}] = {arr[at]} is outside {lo}..{hi} "
                             f"({what})")
 
@@ -80,10 +80,11 @@ def check_step_rows(rows: StepRows, shape: StepShape) -> StepRows:
     _within("ctx_len", per_row["ctx_len"], 1, shape.blocks_per_seq * shape.block_size, "KV entries a row attends")
     _within("block_tables", tables, 0, shape.n_blocks - 1, "the cache's blocks")
     _within("logit_rows", picked, 0, n - 1, "the step's rows")
-    if len(np.unique(per_row["slots"])) != n:
+    if n > 1 and len(np.unique(per_row["slots"])) != n:
         raise StepRowsError("step rows: two rows write the same KV slot; give each row its own slot")
-    as32 = {k: v.astype(np.int32) for k, v in per_row.items()}
-    return StepRows(**as32, block_tables=tables.astype(np.int32), logit_rows=picked.astype(np.int32))
+    as32 = {k: np.ascontiguousarray(v, np.int32) for k, v in per_row.items()}
+    return StepRows(**as32, block_tables=np.ascontiguousarray(tables, np.int32),
+                    logit_rows=np.ascontiguousarray(picked, np.int32))
 
 
 class Backend(ABC):

@@ -184,6 +184,11 @@ class CpuBackend(Backend):
         self._io: dict[str, _StepIO] = {}   # filled on a phase's first run: not every graph has logits
         step = self.graphs.get(STEP)
         self._step_shape = StepShape.of(step) if step is not None else None
+        if step is not None:    # where run_step writes each input and reads the logits, in elements
+            arena = self.layouts[STEP]["arena"]
+            self._arena_i32, self._arena_f32 = self.arena.view(np.int32), self.arena.view(np.float32)
+            self._step_inputs = [(name, arena[name] // 4) for name in STEP_INPUTS]
+            self._step_logits = (arena[step.outputs[0]] // 4, step.values[step.outputs[0]].shape[1])
 
     def reset(self) -> None:
         self.kv[:] = 0
@@ -228,16 +233,13 @@ class CpuBackend(Backend):
             raise CpuBackendError(f"{getattr(self.plan, 'path', 'the plan')}: no step graph (compiled with "
                                   "max_num_seqs 0, or by an older llmrs); recompile it to run many sequences")
         rows = check_step_rows(rows, self._step_shape)
-        arena = self.layouts[STEP]["arena"]
-        for name in STEP_INPUTS:
+        for name, at in self._step_inputs:
             data = getattr(rows, name).reshape(-1)
-            self.arena[arena[name]:arena[name] + 4 * len(data)].view(np.int32)[:] = data
+            self._arena_i32[at:at + len(data)] = data
         r = len(rows.logit_rows)
         self._team_call(self._steps[STEP], len(rows.tokens), r, 0)
-        g = self.graphs[STEP]
-        out = g.values[g.outputs[0]]
-        off = self.layouts[STEP]["arena"][out.name]
-        return self.arena[off:off + r * out.shape[1] * 4].view(np.float32).reshape(r, -1).copy()
+        at, vocab = self._step_logits
+        return self._arena_f32[at:at + r * vocab].reshape(r, vocab).copy()
 
     def _team_call(self, step, n_tokens: int, n_past: int, start_pos: int) -> None:
         """One step function run by the whole team: thread 0 here, the others in the pool."""
