@@ -29,9 +29,6 @@ DECODE_ROWS = 8         # weight rows per tile in decode on the grouped q4_0 pat
 # 34 tok/s, two tiles ahead 37, 8 rows one tile ahead (9.2 KB) 39, two tiles ahead 36)
 SHARED_PREPARE = True   # prefill in a step: the team quantizes / normalizes x together (MatmulEmitter)
 ONE_ROW_TILES = True    # a prefill-shaped kernel (a step graph's) given one row takes decode's tiles
-TEAM_PREPARE_ROWS = 8   # ... but a step of at most this many rows (decode rows of a few sequences in
-# a step graph) each thread prepares itself, sparing the barrier: a row takes well under a barrier's
-# microsecond or two, and a step graph has one such matmul for each of ~6 kernels a layer
 AVX2_DECODE_ROWS = 1    # the same on AVX2: one row a tile, so a thread's rows are one sequential
 # stream, as llama.cpp's gemv reads them (AMD EPYC Zen 3, Llama-3.2-1B all-Q4_0, interleaved in one
 # process, 2 threads: 4 rows 32.4 tok/s, 2 rows 33.0, 1 row 39.3 (38.5 without the prefetch);
@@ -508,7 +505,10 @@ class MatmulEmitter:
             # the barrier block sits WORK_OFFSET bytes before the work counter; the step function
             # stored the scratch base at SCRATCH_BASE_OFFSET of it (compiler/codegen/llvm.py)
             base = kb.b.load(kb.at(kb.work, SCRATCH_BASE_OFFSET - WORK_OFFSET), typ=ir.PointerType())
-            self.team = kb.b.icmp_unsigned(">", kb.n_tokens, kb.i64(TEAM_PREPARE_ROWS))
+            # one row each thread prepares itself, as decode does, sparing the barrier (more rows:
+            # the team, or each thread would redo all of them; SmolLM2, 2 threads: one row through
+            # a step graph 2.99 -> 2.94 ms, 8 rows 8.67 -> 8.92 ms had it been 8)
+            self.team = kb.b.icmp_unsigned(">", kb.n_tokens, kb.i64(1))
             scratch = kb.b.select(self.team, base, scratch)
         self.xf = scratch                                              # f32[T, K] (float weights)
         if spec.quantized:                                             # see scratch_layout
