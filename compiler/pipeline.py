@@ -186,5 +186,6 @@ def compile_phases(model: LlamaModel | str | Path, opts: CompileOptions = Compil
     kv = {name: g.meta.get("layout", {}).get("kv") for name, g in graphs.items()}
     for name, layout in kv.items():
         if layout != kv["decode"]:
-            raise IRError(f"plan_memory gave {name} and decode different KV-cache offsets; they must share one KV region")
+            raise IRError(f"plan_memory gave {name} and decode different KV-cache offsets; they must share one "
+                          "KV region")
     return graphs

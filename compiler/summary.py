@@ -82,8 +82,9 @@ def summarize(cfg: LlamaConfig, graphs: dict[str, Graph], info, seconds: float) 
     if step is not None:
         B, M = step.values["block_tables"].shape
         bs = step.kv_slots // M
+        arena = step.meta.get("layout", {}).get("arena_bytes", 0)
         lines.append(f"step graph    up to {B} sequences, {step.T} tokens a step, KV in blocks of {bs} tokens: "
-                     f"{step.kernel_count()} kernels, arena {fmt_bytes(step.meta.get('layout', {}).get('arena_bytes', 0))}")
+                     f"{step.kernel_count()} kernels, arena {fmt_bytes(arena)}")
     lines += [
         f"arena shared  {fmt_bytes(s['arena_bytes'])} (max of the phases)",
         f"KV cache      {fmt_bytes(s['kv_bytes'])} (+ {fmt_bytes(s['kv_score_bytes'])} of eviction scores)",

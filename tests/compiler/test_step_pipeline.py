@@ -53,9 +53,9 @@ def test_a_block_size_that_does_not_divide_the_cache_is_one_line_naming_the_opti
     assert compile_main([str(DATA / "golden-a"), "-o", str(tmp_path / "p.bin"), "--max-seq-len", "40",
                          "--block-size", "16", "-q"]) == 2
     err_line = capsys.readouterr().err
-    assert err_line == ("llmrs-compile: error: --block-size 16 does not divide the KV cache's 40 slots (--max-seq-len); "
-                        "give --max-seq-len a multiple of 16, another --block-size, or --max-num-seqs 0 for a plan "
-                        "without a step graph\n")
+    assert err_line == ("llmrs-compile: error: --block-size 16 does not divide the KV cache's 40 slots "
+                        "(--max-seq-len); give --max-seq-len a multiple of 16, another --block-size, or "
+                        "--max-num-seqs 0 for a plan without a step graph\n")
     assert not (tmp_path / "p.bin").exists()
 
 
