@@ -253,6 +253,9 @@ class CpuBackend(Backend):
     def run(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
         if self._closed:    # the team is gone: thread 0 would wait at its first barrier forever
             raise CpuBackendError("the CPU back end is closed; load the plan again")
+        if phase == STEP:   # its rows' positions, slots and tables come only through run_step's checks
+            raise CpuBackendError("graph 'step' runs through run_step (each row needs its position, KV slot and "
+                                  "block table)")
         io = self._io.get(phase)
         if io is None:
             g = self.graphs.get(phase)

@@ -77,6 +77,16 @@ def test_opencl_names_the_back_end_that_runs_step_graphs(plan, opencl_device):
         be.close()
 
 
+def test_the_cpu_runs_the_step_graph_only_through_run_step(plan):
+    cpu = CpuBackend(plan, threads=1)
+    try:
+        with pytest.raises(CpuBackendError, match=r"^graph 'step' runs through run_step \(each row needs its "
+                                                  r"position, KV slot and block table\)$"):
+            cpu.run("step", np.array([3], np.int32), 0, 0)
+    finally:
+        cpu.close()
+
+
 def _bad(rows: StepRows, **change) -> StepRows:
     return StepRows(**{**rows.__dict__, **change})
 
