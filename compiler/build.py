@@ -15,7 +15,7 @@ from ..models.llama import input_files, load_model
 from ..options import OptionError
 from .outputs import check_output_dir, check_output_file
 from .passes.quantize import Conversion
-from .pipeline import CompileOptions, compile_graphs
+from .pipeline import CompileOptions, compile_phases
 from .plan import write_graph_plan
 from .summary import fmt_bytes, summarize
 
@@ -40,9 +40,14 @@ def _cpu_sections(graphs, triples: tuple[str, ...]) -> dict[str, bytes | str]:
     return sections
 
 
+# phases the OpenCL code generator has kernels for: the step graph's paged attention, KV slots and
+# row gather come to OpenCL separately, and until then an OpenCL back end runs prefill and decode
+OPENCL_PHASES = ("prefill", "decode")
+
+
 def _opencl_sections(graphs, triples: tuple[str, ...]) -> dict[str, bytes | str]:
     from .codegen import opencl
-    return {"opencl": json.dumps(opencl.generate(graphs))}
+    return {"opencl": json.dumps(opencl.generate({p: g for p, g in graphs.items() if p in OPENCL_PHASES}))}
 
 
 def code_sections(graphs, targets: tuple[str, ...],
@@ -141,8 +146,10 @@ def compile_plan(model: str | os.PathLike, out: str | os.PathLike, options: Comp
     conversions: dict[str, Conversion] = {}
     opts = replace(opts, weights=opts.weights or ("q4_0" if loaded.path.is_dir() else "native"),
                    on_convert=lambda c: conversions.__setitem__(c.tensor, c))
-    prefill, decode = compile_graphs(loaded, opts)
-    graphs = {"prefill": prefill, "decode": decode}
+    if "cpu" not in opts.target and "step" not in OPENCL_PHASES:
+        opts = replace(opts, max_num_seqs=0)    # no back end of the plan would run a step graph
+    graphs = compile_phases(loaded, opts)
+    decode = graphs["decode"]
     sections, left_out = code_sections(graphs, opts.target, opts.triple)
     kept = [t for t in opts.target if t not in left_out]
     for target, why in left_out.items():

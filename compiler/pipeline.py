@@ -1,17 +1,19 @@
-"""The compiler as one list of passes: a model (folder or GGUF) -> prefill and decode graphs ready for codegen.
+"""The compiler as one list of passes: a model (folder or GGUF) -> the plan's graphs ready for codegen.
 
     verify ▸ quantize ▸ fold ▸ fuse ▸ schedule ▸ plan_memory
 
-Every pass is Graph -> Graph; each runs on both phases, and the graph is checked after each so a
-broken rewrite is reported under the pass that made it.
+Every pass is Graph -> Graph; each runs on every phase (prefill, decode, and the step graph that
+serves many sequences at once, models/step.py), and the graph is checked after each so a broken
+rewrite is reported under the pass that made it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from ..models.llama import LlamaModel, build_graphs, load_model
+from ..models.step import step_graph
 from ..options import OptionError, option, whole
 from .outputs import write_output
 from .ir import QK, Graph, IRError
@@ -54,6 +56,12 @@ class CompileOptions:
     kv_type: str = option("f16", "KV cache format (default f16)", choices=KV_TYPES)
     max_seq_len: int | None = option(2048, "KV cache length in tokens (default 2048)", metavar="N", type=int)
     prefill_chunk: int = option(128, "tokens per prefill step (default 128)", metavar="T")
+    max_num_seqs: int = option(8, "sequences one step of the plan's step graph serves (continuous batching; "
+                               "at most --prefill-chunk, the rows of a step); 0 leaves the step graph out "
+                               "(default 8)", metavar="N")
+    block_size: int | None = option(None, "KV-cache block in tokens, the step graph's unit of paged attention; "
+                                    "must divide --max-seq-len (default: 16, or the largest power of 2 below 16 "
+                                    "that divides it)", metavar="TOKENS", type=int)
     target: tuple[str, ...] = option(TARGETS, "back ends to generate code for: cpu, opencl or both, "
                                      "comma-separated (default both)", metavar="TARGETS", type=parse_targets)
     triple: tuple[str, ...] = option((), "LLVM target triple for prebuilt CPU code, repeatable (default: this "
@@ -80,13 +88,16 @@ class CompileOptions:
                 raise OptionError(f"{{0}} {dt!r}: choose one of {', '.join(WEIGHT_CHOICES)}", name)
         if self.kv_type not in KV_TYPES:
             raise OptionError(f"{{0}} {self.kv_type!r}: choose one of {', '.join(KV_TYPES)}", "kv_type")
-        for name in ("max_seq_len", "prefill_chunk"):
+        for name in ("max_seq_len", "prefill_chunk", "block_size"):
             value = getattr(self, name)
-            if value is None and name == "max_seq_len":
+            if value is None and name != "prefill_chunk":
                 continue
             if not whole(value) or not 1 <= value <= MAX_POSITIONS:
                 raise OptionError(f"{{0}} must be a whole number from 1 to {MAX_POSITIONS} (positions are 32-bit), "
                                   f"got {value!r}", name)
+        if not whole(self.max_num_seqs) or not 0 <= self.max_num_seqs <= MAX_POSITIONS:
+            raise OptionError(f"{{0}} must be a whole number from 0 (no step graph) to {MAX_POSITIONS}, "
+                              f"got {self.max_num_seqs!r}", "max_num_seqs")
         bad = [t for t in self.target if t not in TARGETS]
         if bad or not self.target or not all(isinstance(t, str) for t in self.target):
             raise OptionError(f"{{0}} {','.join(map(str, self.target))!r}: choose from {', '.join(TARGETS)} "
@@ -137,6 +148,29 @@ def run_passes(g: Graph, opts: CompileOptions) -> Graph:
 
 def compile_graphs(model: LlamaModel | str | Path, opts: CompileOptions = CompileOptions()) -> tuple[Graph, Graph]:
     """(prefill, decode) after every pass; the two phases share the KV-cache layout."""
+    graphs = compile_phases(model, replace(opts, max_num_seqs=0))
+    return graphs["prefill"], graphs["decode"]
+
+
+DEFAULT_BLOCK = 16
+
+
+def _block_size(opts: CompileOptions, slots: int) -> int:
+    """opts.block_size, which must divide the cache; by default DEFAULT_BLOCK, or the largest power
+    of 2 below it dividing the cache (a 40-token cache: 8), so no cache length needs the option."""
+    if opts.block_size is None:
+        return next(b for b in (16, 8, 4, 2, 1) if b <= DEFAULT_BLOCK and slots % b == 0)
+    if slots % opts.block_size:
+        raise OptionError(f"{{0}} {opts.block_size} does not divide the KV cache's {slots} slots ({{1}}); give "
+                          f"{{1}} a multiple of {opts.block_size}, another {{0}}, or {{2}} 0 for a plan without "
+                          "a step graph", "block_size", "max_seq_len", "max_num_seqs")
+    return opts.block_size
+
+
+def compile_phases(model: LlamaModel | str | Path, opts: CompileOptions = CompileOptions()) -> dict[str, Graph]:
+    """The plan's graphs after every pass: prefill, decode and, unless opts.max_num_seqs is 0, the
+    step graph (for up to min(max_num_seqs, prefill_chunk) sequences a step, made from the built
+    prefill graph). All of them share one KV-cache layout."""
     opts.check()
     if not isinstance(model, LlamaModel):
         model = load_model(model)
@@ -144,9 +178,14 @@ def compile_graphs(model: LlamaModel | str | Path, opts: CompileOptions = Compil
     if opts.kv_type == "q8_0" and hd % QK:
         raise IRError(f"--kv-type q8_0 stores each head's row in {QK}-value blocks, but head_dim is {hd}; "
                       "use --kv-type f16")
-    built = build_graphs(model, opts.prefill_chunk, opts.max_seq_len, opts.kv_type)
-    prefill, decode = (run_passes(g, opts) for g in built)
-    kv = [g.meta.get("layout", {}).get("kv") for g in (prefill, decode)]
-    if kv[0] != kv[1]:
-        raise IRError("plan_memory gave prefill and decode different KV-cache offsets; they must share one KV region")
-    return prefill, decode
+    prefill, decode = build_graphs(model, opts.prefill_chunk, opts.max_seq_len, opts.kv_type)
+    built = {"prefill": prefill, "decode": decode}
+    if opts.max_num_seqs:
+        built["step"] = step_graph(prefill, min(opts.max_num_seqs, prefill.T), _block_size(opts, prefill.kv_slots))
+    graphs = {name: run_passes(g, opts) for name, g in built.items()}
+    kv = {name: g.meta.get("layout", {}).get("kv") for name, g in graphs.items()}
+    for name, layout in kv.items():
+        if layout != kv["decode"]:
+            raise IRError(f"plan_memory gave {name} and decode different KV-cache offsets; they must share one "
+                          "KV region")
+    return graphs

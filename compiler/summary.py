@@ -78,8 +78,15 @@ def summarize(cfg: LlamaConfig, graphs: dict[str, Graph], info, seconds: float) 
         a, n, lb = (s[f"{phase}_{k}"] for k in ("arena_bytes", "naive_bytes", "lower_bound_bytes"))
         lines.append(f"arena {phase:<8}{fmt_bytes(a)}   naive sum {fmt_bytes(n)} ({ratio(n, a)} of arena), "
                      f"lower bound {fmt_bytes(lb)} (arena = {ratio(a, lb)} of it)")
+    step = graphs.get("step")
+    if step is not None:
+        B, M = step.values["block_tables"].shape
+        bs = step.kv_slots // M
+        arena = step.meta.get("layout", {}).get("arena_bytes", 0)
+        lines.append(f"step graph    up to {B} sequences, {step.T} tokens a step, KV in blocks of {bs} tokens: "
+                     f"{step.kernel_count()} kernels, arena {fmt_bytes(arena)}")
     lines += [
-        f"arena shared  {fmt_bytes(s['arena_bytes'])} (max of both phases)",
+        f"arena shared  {fmt_bytes(s['arena_bytes'])} (max of the phases)",
         f"KV cache      {fmt_bytes(s['kv_bytes'])} (+ {fmt_bytes(s['kv_score_bytes'])} of eviction scores)",
         f"time          {seconds:.1f} s",
     ]

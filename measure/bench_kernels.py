@@ -195,6 +195,8 @@ def time_kernels(plan: Any, backend: str, ceilings: dict[str, float], context: i
 
     kernels = plan_kernels(plan.graphs())
     program = json.loads(bytes(plan.section("opencl")).decode()) if backend == "opencl" else None
+    if program is not None:     # the graphs its code holds (a step graph's kernels may be CPU-only)
+        kernels = [k for k in kernels if k.phase in program["graphs"]]
     bw = ceilings.get("device_copy_gbps" if backend == "opencl" else "read_gbs")
     gemm = ceilings.get("gemm_gflops") if backend == "cpu" else None
     out = []

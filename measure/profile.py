@@ -189,6 +189,9 @@ class Profiler(Backend):
     def run_argmax(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
         return self._step(self._backend.run_argmax, phase, tokens, n_past, start_pos)
 
+    def run_step(self, rows: Any) -> np.ndarray:
+        return self._backend.run_step(rows)
+
     def reset(self) -> None:
         self._backend.reset()
 

@@ -155,6 +155,7 @@ class Plan:
             _check_attrs(phase, g, fail)
             _check_layout(phase, g, fail)
         _check_run_keys(manifest, plan._graphs, fail)
+        _check_step(plan._graphs, fail)
         return plan
 
     def _build_graphs(self, fail) -> dict[str, Graph]:
@@ -211,6 +212,12 @@ class Plan:
             runs_on = ", ".join(opts.get("targets") or ()) or "no back end"
             return f"no {label} code: {why}; the plan runs on {runs_on}"
         return f"no {label} code (compiled without --target {backend}); recompile with it"
+
+    def step_shape(self) -> "StepShape | None":
+        """What the plan's step graph takes (checked at open), or None for a plan without one
+        (compiled with max_num_seqs 0, or by an llmrs before step graphs)."""
+        g = self._graphs.get(STEP)
+        return None if g is None else StepShape.of(g)
 
     def tokenizer(self) -> Any:
         """The plan's tokenizer (a `tokenizers.Tokenizer`); a PlanError if it has none or its
@@ -423,6 +430,68 @@ def _check_run_keys(m: dict[str, Any], graphs: dict[str, Graph], fail) -> None:
     for key in ("chat_template", "bos_token", "eos_token"):
         if m.get(key) is not None and not isinstance(m[key], str):
             raise fail(f"manifest {key} is not text; recompile the plan")
+
+
+# -- the step graph (compiler/ir.py "Step graphs"; models/step.py makes it) -----------------------
+
+STEP = "step"
+STEP_INPUTS = ("tokens", "positions", "slots", "row_seq", "ctx_len", "block_tables", "logit_rows")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step graph takes: up to `rows` tokens a step, from up to `seqs` sequences whose KV
+    entries lie in the cache's `n_blocks` blocks of `block_size` slots (a sequence's block table
+    `blocks_per_seq` long); logits come back for up to `seqs` rows. Token ids index `vocab`."""
+    rows: int
+    seqs: int
+    block_size: int
+    blocks_per_seq: int
+    n_blocks: int
+    vocab: int
+
+    @property
+    def slots(self) -> int:
+        return self.n_blocks * self.block_size
+
+    @staticmethod
+    def of(g: Graph) -> "StepShape":
+        """The shape of step graph g; a ValueError naming what is wrong if g is not one."""
+        if tuple(g.inputs) != STEP_INPUTS:
+            raise ValueError(f"its inputs are {', '.join(g.inputs)}, not {', '.join(STEP_INPUTS)}")
+        T, v = g.T, g.values
+        tables, picked = v["block_tables"].shape, v["logit_rows"].shape
+        for name in STEP_INPUTS[:5]:
+            if v[name].shape != (T,) or v[name].dtype != "i32":
+                raise ValueError(f"input {name} is {v[name].dtype}{list(v[name].shape)}, not i32[{T}]")
+        sizes = {op.attrs.get("block_size") for op in g.ops if op.kind == "attention"}
+        slots = g.kv_slots
+        if len(sizes) != 1 or not _is_int(bs := next(iter(sizes))) or bs < 1 or slots is None or slots % bs:
+            raise ValueError(f"its attention ops' block sizes {sorted(map(str, sizes))} are not one divisor of "
+                             f"the {slots}-slot KV cache")
+        if len(tables) != 2 or tables[1] * bs != slots or picked != (tables[0],) or not 1 <= tables[0] <= T:
+            raise ValueError(f"block_tables {list(tables)} and logit_rows {list(picked)} do not fit {T} rows "
+                             f"and {slots // bs} blocks of {bs}")
+        embed = next((op for op in g.ops if op.kind == "embedding"), None)
+        if embed is None or g.values[g.outputs[0]].shape[0] != tables[0]:
+            raise ValueError("it has no embedding or its logits are not one row per sequence")
+        return StepShape(T, tables[0], bs, tables[1], slots // bs, v[embed.inputs[0]].shape[0])
+
+
+def _check_step(graphs: dict[str, Graph], fail) -> None:
+    """A step graph is one the runtime can fill (its inputs as models/step.py makes them) and
+    shares the decode graph's KV layout, as every graph of a plan does."""
+    g = graphs.get(STEP)
+    if g is None:
+        return
+    try:
+        StepShape.of(g)
+    except (ValueError, KeyError) as e:
+        raise fail(f"graph {STEP!r} is not a step graph: {e}; recompile the plan") from None
+    decode = graphs.get("decode")
+    lay, want = g.meta.get("layout"), decode.meta.get("layout") if decode else None
+    if lay is not None and want is not None and (lay["kv"] != want["kv"] or lay["kv_bytes"] != want["kv_bytes"]):
+        raise fail(f"graph {STEP!r} lays out the KV cache unlike graph 'decode'; recompile the plan")
 
 
 # -- the weights' checksum, in the background ---------------------------------------------------

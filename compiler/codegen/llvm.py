@@ -7,6 +7,10 @@
                        ptr barrier,        // u32[64], zeroed once; shared by the thread team
                        i64 n_tokens, i64 n_past, i64 start_pos, i64 tid, i64 nth)
 
+A step graph (compiler/ir.py "Step graphs") has no n_past or start_pos: its function takes the
+number of logit rows r in n_past's place, and the gather of those rows and every kernel after it
+(final norm, head) run on r rows instead of n_tokens.
+
 Each of nth threads calls it with its id; every kernel does its share of rows, and the threads
 meet at a spinning barrier between kernels, so a step is one foreign call per thread. A matmul's
 last eighth of rows is handed out a few at a time from a counter shared by the team (the
@@ -26,7 +30,7 @@ from .llvm_builder import I32, I64, PTR, SCRATCH_BASE_OFFSET, VOID, WORK_OFFSET
 from .llvm_kernels import CodegenError, emit_op, op_scratch_bytes
 from .llvm_target import Target, emit
 
-PHASES = ("prefill", "decode")
+PHASES = ("prefill", "decode", "step")
 ALIGN = 64
 
 
@@ -58,6 +62,21 @@ def _kernel_key(g: Graph, op: Op) -> str:
         return (v.shape, v.dtype, alias_dtype, v.kind in ("param", "const"))
     return json.dumps([op.kind, g.T, [val(i) for i in op.inputs], [val(o) for o in op.outputs],
                        sorted((k, repr(a)) for k, a in op.attrs.items())])
+
+
+def logit_row_ops(g: Graph) -> set[int]:
+    """Indices of the ops that work on a step graph's gathered logit rows: the gather and every
+    op reading what it (or such an op) made. Empty in other graphs (a step graph's one op alone,
+    as llmrs-check runs it, takes n_tokens, which its kernel caps at its rows)."""
+    if "logit_rows" not in g.inputs:
+        return set()
+    gathered: set[str] = set()
+    found = set()
+    for i, op in enumerate(g.ops):
+        if op.kind == "gather" or gathered.intersection(op.inputs):
+            found.add(i)
+            gathered.update(op.outputs)
+    return found
 
 
 SPINS = 2000             # pause-spins before a waiting thread sleeps on the futex
@@ -214,13 +233,15 @@ def build_module(graphs: Mapping[str, Graph] | Sequence[Graph], target: Target, 
                 off, base = lay["arena"][name], arena
             return b.gep(base, [ir.Constant(I64, off)], source_etype=ir.IntType(8))
 
+        on_logit_rows = logit_row_ops(g)
         for i, op in enumerate(g.ops):
             key = _kernel_key(g, op)
             if key not in kernels:
                 kernels[key] = emit_op(module, target, g, op, f"k{len(kernels)}.{op.kind}", internal=True,
                                        shared_work=True)
             args = [ptr(n) for n in op.inputs + op.outputs]
-            b.call(kernels[key], args + [n_tokens, n_past, start_pos, tid, nth, my_scratch, work])
+            rows = n_past if i in on_logit_rows else n_tokens
+            b.call(kernels[key], args + [rows, n_past, start_pos, tid, nth, my_scratch, work])
             b.call(barrier, [bar, nth])   # after the last kernel too: it zeroes work for the next step
             stamp_at(i + 1)
         b.ret_void()

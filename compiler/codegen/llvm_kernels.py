@@ -56,6 +56,13 @@ def _shape(graph: Graph, name: str) -> tuple[int, ...]:
     return graph.values[name].shape
 
 
+def _at_most(kb: KernelBuilder, rows: int) -> ir.Value:
+    """n_tokens, but never past a value's `rows` (a step graph's logit rows are fewer than its
+    tokens: compiler/codegen/llvm.py)."""
+    most = kb.i64(rows)
+    return kb.b.select(kb.b.icmp_unsigned(">", kb.n_tokens, most), most, kb.n_tokens)
+
+
 def _embedding(kb: KernelBuilder, graph: Graph, op: Op) -> None:
     table, tokens, out = kb.bufs
     b, vw = kb.b, kb.vw
@@ -86,7 +93,7 @@ def _rms_norm(kb: KernelBuilder, graph: Graph, op: Op) -> None:
     b = kb.b
     d = _shape(graph, op.inputs[0])[1]
     wdt = graph.values[op.inputs[1]].dtype
-    lo, hi = kb.split(kb.n_tokens)
+    lo, hi = kb.split(_at_most(kb, _shape(graph, op.inputs[0])[0]))
     with kb.loop(lo, hi) as t:
         row = b.mul(t, kb.i64(d * 4))
         den = rms_scale_row(kb, x, row, d, float(op.attrs["eps"]))
@@ -149,9 +156,26 @@ def _slice(kb: KernelBuilder, graph: Graph, op: Op) -> None:
         kb.store(kb.load(vec(F32, kb.vw), x, b.add(b.mul(last, kb.i64(d * 4)), off)), out, off)
 
 
-def _inv_freq_ptr(kb: KernelBuilder, op: Op) -> tuple[ir.Value, str]:
+def _step_index(graph: Graph, op: Op, at: int) -> bool:
+    """Whether op.inputs[at] is one of a step graph's i32 row indices (compiler/ir.py "Step graphs")."""
+    return len(op.inputs) > at and graph.values[op.inputs[at]].dtype == "i32"
+
+
+def _row_index(kb: KernelBuilder, buf: ir.Value, t: ir.Value) -> ir.Value:
+    """i32 entry t of a step graph's row-index input, as i64."""
+    return kb.b.sext(kb.load(I32, buf, kb.b.mul(t, kb.i64(4))), ir.IntType(64))
+
+
+def _called_not_inlined(kb: KernelBuilder) -> None:
+    """A step graph's RoPE and KV store run once a layer, unfused: inlined into the step function
+    at each of those calls, they doubled LLVM's time for the whole plan (SmolLM2, 30 layers: the
+    step function alone 4.1 s); a call costs nothing beside the kernel."""
+    kb.fn.attributes.add("noinline")
+
+
+def _inv_freq_ptr(kb: KernelBuilder, graph: Graph, op: Op) -> tuple[ir.Value, str]:
     """The folded inv_freq input, or a constant table made from the op's RoPE attributes."""
-    if len(op.inputs) > 1:
+    if len(op.inputs) > 1 and not _step_index(graph, op, 1):
         return kb.bufs[1], "f32"
     a = op.attrs
     table = rope_inv_freq(a["head_dim"], a["theta"], a.get("scaling"))
@@ -166,23 +190,56 @@ def _rope(kb: KernelBuilder, graph: Graph, op: Op) -> None:
     x, out = kb.bufs[0], kb.bufs[-1]
     b = kb.b
     h, hd = op.attrs["n_heads"], op.attrs["head_dim"]
-    inv, inv_dt = _inv_freq_ptr(kb, op)
+    inv, inv_dt = _inv_freq_ptr(kb, graph, op)
+    positions = kb.bufs[len(op.inputs) - 1] if _step_index(graph, op, len(op.inputs) - 1) else None
+    if positions is not None:
+        _called_not_inlined(kb)
     lo, hi = kb.split(b.mul(kb.n_tokens, kb.i64(h)))
     with kb.loop(lo, hi) as i:
         t = b.udiv(i, kb.i64(h))
+        pos = b.add(kb.start_pos, t) if positions is None else _row_index(kb, positions, t)
         off = b.mul(i, kb.i64(hd * 4))   # rows of [T, H*hd] are heads laid end to end
-        rope_row(kb, kb.at(x, off), kb.at(out, off), b.add(kb.start_pos, t), inv, inv_dt, hd)
+        rope_row(kb, kb.at(x, off), kb.at(out, off), pos, inv, inv_dt, hd)
 
 
 def _kv_store(kb: KernelBuilder, graph: Graph, op: Op) -> None:
+    """Row t to cache row n_past + t, or in a step graph to slots[t]; a slot outside the cache
+    stores nothing (the back ends refuse such a step before it runs: this keeps the kernel from
+    ever writing outside the cache whatever it is given)."""
     src, cache = kb.bufs[0], kb.bufs[1]
     b = kb.b
-    _, kvh, hd = _shape(graph, op.inputs[1])
+    S, kvh, hd = _shape(graph, op.inputs[1])
     dt = cache_dtype(graph, op.inputs[1])
+    slots = kb.bufs[2] if len(op.inputs) == 3 else None
+    if slots is not None:
+        _called_not_inlined(kb)
     lo, hi = kb.split(b.mul(kb.n_tokens, kb.i64(kvh)))
     with kb.loop(lo, hi) as i:
         t, kh = b.udiv(i, kb.i64(kvh)), b.urem(i, kb.i64(kvh))
-        store_cache_row(kb, kb.at(src, b.mul(i, kb.i64(hd * 4))), cache, b.add(kb.n_past, t), kh, kvh, hd, dt)
+        row = kb.at(src, b.mul(i, kb.i64(hd * 4)))
+        if slots is None:
+            store_cache_row(kb, row, cache, b.add(kb.n_past, t), kh, kvh, hd, dt)
+        else:
+            slot = _row_index(kb, slots, t)
+            with kb.if_(b.icmp_unsigned("<", slot, kb.i64(S))):
+                store_cache_row(kb, row, cache, slot, kh, kvh, hd, dt)
+
+
+def _gather(kb: KernelBuilder, graph: Graph, op: Op) -> None:
+    """y[r] = x[rows[r]] for the first n_tokens rows of y (a step function passes its logit row
+    count; at most all of them); an index past x's rows copies row 0 instead of reading outside x."""
+    x, rows, out = kb.bufs
+    b = kb.b
+    T, d = _shape(graph, op.inputs[0])
+    lo, hi = kb.split(_at_most(kb, _shape(graph, op.inputs[1])[0]))
+    with kb.loop(lo, hi) as r:
+        src = _row_index(kb, rows, r)
+        src = b.select(b.icmp_unsigned("<", src, kb.i64(T)), src, kb.i64(0))
+
+        def copy(j: ir.Value, lanes: int) -> None:
+            val = kb.load(vec(F32, lanes), x, b.mul(b.add(b.mul(src, kb.i64(d)), j), kb.i64(4)))
+            kb.store(val, out, b.mul(b.add(b.mul(r, kb.i64(d)), j), kb.i64(4)))
+        kb.for_chunks(d, copy)
 
 
 def load_kv(kb: KernelBuilder, dtype: str, cache: ir.Value, slot: ir.Value, kh: ir.Value,
@@ -215,13 +272,90 @@ def head_chunks(hd: int, lanes: int) -> list[tuple[int, int]]:
     return chunks
 
 
+class _CausalSlots:
+    """Where row t's keys are in a prefill or decode graph: slots 0 .. n_past + t, in order."""
+
+    def __init__(self, kb: KernelBuilder):
+        self.kb = kb
+
+    def row(self, t: ir.Value) -> ir.Value:
+        """Entries row t attends (this sets up the row for chunk())."""
+        return self.kb.b.add(self.kb.b.add(self.kb.n_past, t), self.kb.i64(1))
+
+    def chunk(self, s0: ir.Value, lanes: int, length: ir.Value) -> list[tuple[ir.Value, ir.Value, ir.Value]]:
+        """(slot, live, slot to prefetch) of entries s0 .. s0 + lanes - 1: past `length` an entry
+        is not live and reads the chunk's first slot (always written) instead."""
+        b, out = self.kb.b, []
+        for j in range(lanes):
+            slot = b.add(s0, self.kb.i64(j))
+            live = b.icmp_signed("<", slot, length)
+            out.append((b.select(live, slot, s0), live, b.add(slot, self.kb.i64(ATTN_PREFETCH_SLOTS))))
+        return out
+
+
+class _PagedSlots:
+    """Where row t's keys are in a step graph (compiler/ir.py "Step graphs"): logical entry j at
+    block_tables[row_seq[t], j // bs] * bs + j % bs. Where bs is a multiple of the chunk (16 and
+    L = 8 or 16), a chunk lies in one block: one table lookup a chunk, and the identity table
+    costs a load and a multiply-add per chunk over the contiguous kernel. Indices from the step's
+    inputs are clamped into range (sequence row, entry count, block id), so no input makes the
+    kernel read outside the table or the cache; the back ends refuse such steps before they run."""
+
+    def __init__(self, kb: KernelBuilder, graph: Graph, op: Op):
+        self.kb = kb
+        self.row_seq, self.ctx_len, self.tables = kb.bufs[3:6]
+        self.B, self.M = _shape(graph, op.inputs[5])
+        self.bs = op.attrs["block_size"]
+        self.n_blocks = _shape(graph, op.inputs[1])[0] // self.bs
+        self.table_row: ir.Value | None = None
+
+    def row(self, t: ir.Value) -> ir.Value:
+        kb, b = self.kb, self.kb.b
+        seq = _row_index(kb, self.row_seq, t)
+        seq = b.select(b.icmp_unsigned("<", seq, kb.i64(self.B)), seq, kb.i64(0))
+        self.table_row = kb.at(self.tables, b.mul(seq, kb.i64(self.M * 4)))
+        length = _row_index(kb, self.ctx_len, t)
+        most = kb.i64(self.M * self.bs)
+        return b.select(b.icmp_signed(">", length, most), most, length)
+
+    def _first_slot(self, entry: ir.Value) -> ir.Value:
+        """Cache slot of logical entry `entry` (< M * bs)."""
+        kb, b = self.kb, self.kb.b
+        block = _row_index(kb, self.table_row, b.udiv(entry, kb.i64(self.bs)))
+        block = b.select(b.icmp_unsigned("<", block, kb.i64(self.n_blocks)), block, kb.i64(0))
+        return b.add(b.mul(block, kb.i64(self.bs)), b.urem(entry, kb.i64(self.bs)))
+
+    def _ahead(self, entry: ir.Value) -> ir.Value:
+        kb, b = self.kb, self.kb.b
+        last = kb.i64(self.M * self.bs - 1)
+        at = b.add(entry, kb.i64(ATTN_PREFETCH_SLOTS))
+        return self._first_slot(b.select(b.icmp_signed(">", at, last), last, at))
+
+    def chunk(self, s0: ir.Value, lanes: int, length: ir.Value) -> list[tuple[ir.Value, ir.Value, ir.Value]]:
+        kb, b, out = self.kb, self.kb.b, []
+        whole = self.bs % lanes == 0 and ATTN_PREFETCH_SLOTS % lanes == 0
+        if whole:
+            base, ahead = self._first_slot(s0), self._ahead(s0)
+        for j in range(lanes):
+            entry = b.add(s0, kb.i64(j))
+            live = b.icmp_signed("<", entry, length)
+            if whole:
+                slot = b.add(base, kb.i64(j))
+                out.append((b.select(live, slot, base), live, b.add(ahead, kb.i64(j))))
+            else:
+                out.append((self._first_slot(b.select(live, entry, s0)), live, self._ahead(entry)))
+        return out
+
+
 def _attention(kb: KernelBuilder, graph: Graph, op: Op) -> None:
     """Causal GQA with an online softmax. One work item is one token and E query heads of one KV
     group (E = 2 where the group allows): each K/V vector is loaded and converted once for the E
     heads, whose independent FMA chains keep the core busy. KV slots go in blocks of L (the
     vector width; 16 on AVX-512): L scores per head, one max and one vector exp per block (not
     two scalar exps per slot), and each head's output row stays in registers, as L-wide pieces
-    plus narrower ones where L does not divide head_dim."""
+    plus narrower ones where L does not divide head_dim. A step graph's attention (attr
+    block_size) reads each row's keys through its sequence's block table (_PagedSlots); a row's
+    result depends on its own entries only, summed in one order whatever else is in the step."""
     q, k_cache, v_cache = kb.bufs[:3]
     out = kb.bufs[len(op.inputs)]
     b = kb.b
@@ -241,6 +375,7 @@ def _attention(kb: KernelBuilder, graph: Graph, op: Op) -> None:
     def splats(x: ir.Value) -> dict[int, ir.Value]:
         return {w: kb.splat(x, w) for w in zeros}
 
+    where = _PagedSlots(kb, graph, op) if "block_size" in a else _CausalSlots(kb)
     lo, hi = kb.split(b.mul(kb.n_tokens, kb.i64(h // E)))
     with kb.loop(lo, hi) as i:
         t, hh = b.udiv(i, kb.i64(h // E)), b.mul(b.urem(i, kb.i64(h // E)), kb.i64(E))
@@ -253,23 +388,20 @@ def _attention(kb: KernelBuilder, graph: Graph, op: Op) -> None:
                 b.store(zeros[w], x)
             b.store(kb.f32(-math.inf), m[e])
             b.store(kb.f32(0.0), total[e])
-        length = b.add(b.add(kb.n_past, t), kb.i64(1))
+        length = where.row(t)
         with kb.loop(0, length, lanes) as s0:
-            # past `length` a lane reads slot s0 (always written) and scores -inf
+            # past `length` a lane reads a slot that is always written and scores -inf
             slots = []
             scores = [ir.Constant(fvec, None) for _ in range(E)]
-            for j in range(lanes):
-                slot = b.add(s0, kb.i64(j))
+            for j, (slot, live, ahead_slot) in enumerate(where.chunk(s0, lanes, length)):
                 # K/V rows of later slots: a head's rows are kvh rows apart, a stride the hardware
                 # prefetcher follows poorly, and the caches come from DRAM (the weights stream
                 # through the LLC between layers)
                 for cache, dt in ((k_cache, kdt), (v_cache, vdt)):
                     rb = cache_row_bytes(dt, hd)
-                    ahead = kb.idx((slot, kvh * rb), (kh, rb), (ATTN_PREFETCH_SLOTS * kvh * rb, 1))
+                    ahead = kb.idx((ahead_slot, kvh * rb), (kh, rb))
                     for line in range(0, rb, 64):
                         prefetch(kb, cache, b.add(ahead, kb.i64(line)))
-                live = b.icmp_signed("<", slot, length)
-                slot = b.select(live, slot, s0)
                 kv = [load_kv(kb, kdt, k_cache, slot, kh, kvh, hd, kb.i64(off), w) for off, w in chunks]
                 for e in range(E):
                     dot = zero
@@ -307,7 +439,7 @@ def _attention(kb: KernelBuilder, graph: Graph, op: Op) -> None:
             base = b.mul(b.add(row0, kb.i64(e)), kb.i64(hd * 4))
             for x, (off, w) in zip(acc[e], chunks):
                 kb.store(b.fdiv(b.load(x), inv[w]), out, b.add(base, kb.i64(off * 4)))
-    if len(op.inputs) == 5:
+    if len(op.inputs) == 5 and "block_size" not in a:
         # no barrier between: both parts only read q and the caches, and write disjoint outputs
         _attention_scores(kb, graph, op)
 
@@ -410,4 +542,5 @@ _EMITTERS = {
     "rope": _rope,
     "kv_store": _kv_store,
     "attention": _attention,
+    "gather": _gather,
 }

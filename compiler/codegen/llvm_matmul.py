@@ -28,6 +28,7 @@ DECODE_ROWS = 8         # weight rows per tile in decode on the grouped q4_0 pat
 # (measured on Llama-3.2-1B, 1 thread, same run: 4 rows with the prefetch one tile ahead (4.6 KB)
 # 34 tok/s, two tiles ahead 37, 8 rows one tile ahead (9.2 KB) 39, two tiles ahead 36)
 SHARED_PREPARE = True   # prefill in a step: the team quantizes / normalizes x together (MatmulEmitter)
+ONE_ROW_TILES = True    # a prefill-shaped kernel (a step graph's) given one row takes decode's tiles
 AVX2_DECODE_ROWS = 1    # the same on AVX2: one row a tile, so a thread's rows are one sequential
 # stream, as llama.cpp's gemv reads them (AMD EPYC Zen 3, Llama-3.2-1B all-Q4_0, interleaved in one
 # process, 2 threads: 4 rows 32.4 tok/s, 2 rows 33.0, 1 row 39.3 (38.5 without the prefetch);
@@ -498,10 +499,17 @@ class MatmulEmitter:
         self.team_prepare = (SHARED_PREPARE and kb.work is not None and spec.T > 1
                              and (spec.quantized or spec.prologue))
         scratch = kb.scratch
+        self.one_row = spec.T == 1                  # tiles for one row (decode's); emit() may set it
+        self.team: ir.Value | None = None          # i1: the team prepares this step's rows together
         if self.team_prepare:
             # the barrier block sits WORK_OFFSET bytes before the work counter; the step function
             # stored the scratch base at SCRATCH_BASE_OFFSET of it (compiler/codegen/llvm.py)
-            scratch = kb.b.load(kb.at(kb.work, SCRATCH_BASE_OFFSET - WORK_OFFSET), typ=ir.PointerType())
+            base = kb.b.load(kb.at(kb.work, SCRATCH_BASE_OFFSET - WORK_OFFSET), typ=ir.PointerType())
+            # one row each thread prepares itself, as decode does, sparing the barrier (more rows:
+            # the team, or each thread would redo all of them; SmolLM2, 2 threads: one row through
+            # a step graph 2.99 -> 2.94 ms, 8 rows 8.67 -> 8.92 ms had it been 8)
+            self.team = kb.b.icmp_unsigned(">", kb.n_tokens, kb.i64(1))
+            scratch = kb.b.select(self.team, base, scratch)
         self.xf = scratch                                              # f32[T, K] (float weights)
         if spec.quantized:                                             # see scratch_layout
             at = scratch_layout(spec)
@@ -515,7 +523,7 @@ class MatmulEmitter:
     def tile_rows(self) -> int:
         # decode: more rows in flight per thread hide DRAM latency, and each tile's horizontal
         # sums are spread over more bytes; prefill keeps R x TOKEN_TILE accumulators in registers
-        if self.s.T == 1 and self.grouped:
+        if self.one_row and self.grouped:
             return DECODE_ROWS if group_isa(self.kb.target) == "vnni512" else AVX2_DECODE_ROWS
         return 1 if self.q8_stream else 4
 
@@ -526,28 +534,60 @@ class MatmulEmitter:
         4 interleaved rows 612 bytes apart (SmolLM2's lm_head) stall it. Measured on an AMD EPYC
         (Zen 3, 2 threads, one process, medians of 9): lm_head [49152, 576] 3.95 ms with 4-row
         tiles and prefetch 1 KB ahead, 2.79 ms with 1 row and the prefetch, 2.13 ms without it."""
-        return self.s.T == 1 and self.s.wdtype == "q8_0" and group_isa(self.kb.target) == "avx2"
+        return self.one_row and self.s.wdtype == "q8_0" and group_isa(self.kb.target) == "avx2"
+
+    @property
+    def n_rows(self) -> ir.Value:
+        """The step's rows, at most x's: a step graph's head has fewer rows than the step's tokens
+        (compiler/codegen/llvm.py passes it the logit rows), and no count may take it past them."""
+        kb = self.kb
+        most = kb.i64(self.s.T)
+        return kb.b.select(kb.b.icmp_unsigned(">", kb.n_tokens, most), most, kb.n_tokens)
 
     def emit(self) -> None:
         self.prepare()
         if self.team_prepare:
-            self.kb.team_barrier()   # every row prepared before any thread's tiles read them
+            with self.kb.if_(self.team):     # the same branch on every thread: n_tokens is the team's
+                self.kb.team_barrier()       # every row prepared before any thread's tiles read them
+        kb, b = self.kb, self.kb.b
+        if self.s.T == 1:
+            self.one_row_loop()
+            return
+        if not ONE_ROW_TILES:
+            self.rows_loop()
+            return
+        # a step of one row (one sequence decoding through a step graph) walks the weights as a
+        # decode graph does (its tile rows, prefetch and shares); each row's sums are the same
+        # either way, so its result does not depend on the step's row count
+        with b.if_else(b.icmp_unsigned("==", self.n_rows, kb.i64(1))) as (one, many):
+            with one:
+                self.one_row = True
+                self.one_row_loop()
+                self.one_row = False
+            with many:
+                self.rows_loop()
+
+    def units(self) -> int:
+        """Work items over the weight rows: one head (rope_kv_store), or one tile of rows."""
         s = self.s
         if s.epilogue == "rope_kv_store":
-            units, self.unit_rows = s.n_heads + 2 * s.n_kv_heads, s.head_dim
-        elif s.epilogue == "silu_mul":
-            units, self.unit_rows = s.N // 2 // self._rows_per_tile(s.N // 2, max(1, self.tile_rows // 2)), 0
-        else:
-            units, self.unit_rows = s.N // self._rows_per_tile(s.N, self.tile_rows), 0
+            return s.n_heads + 2 * s.n_kv_heads
+        if s.epilogue == "silu_mul":
+            return s.N // 2 // self._rows_per_tile(s.N // 2, max(1, self.tile_rows // 2))
+        return s.N // self._rows_per_tile(s.N, self.tile_rows)
+
+    def one_row_loop(self) -> None:
+        units = self.units()
+        with self.kb.shared_loop(units, self.grain(units)) as u:
+            self.unit(u, self.kb.i64(0), 1)
+
+    def rows_loop(self) -> None:
         kb, b = self.kb, self.kb.b
+        units = self.units()
         grain = self.grain(units)
-        if s.T == 1:
-            with kb.shared_loop(units, grain) as u:
-                self.unit(u, kb.i64(0), 1)
-            return
         # one item = one unit over one chunk of tokens, chunk-major (unit-major, to reuse a unit's
         # rows from L2 for its next chunk, measured no faster: prefill is bound by the dot products)
-        n = kb.n_tokens
+        n = self.n_rows
         n_chunks = b.udiv(b.add(n, kb.i64(TOKEN_CHUNK - 1)), kb.i64(TOKEN_CHUNK))
         with kb.shared_loop(b.mul(n_chunks, kb.i64(units)), max(1, grain // 16)) as item:
             u = b.urem(item, kb.i64(units))
@@ -580,7 +620,10 @@ class MatmulEmitter:
         b = kb.b
         if not s.quantized and not s.prologue:
             return
-        lo, hi = kb.split(kb.n_tokens) if self.team_prepare else (kb.i64(0), kb.n_tokens if s.T > 1 else kb.i64(1))
+        lo, hi = kb.i64(0), self.n_rows if s.T > 1 else kb.i64(1)
+        if self.team_prepare:
+            share = kb.split(hi)
+            lo, hi = b.select(self.team, share[0], lo), b.select(self.team, share[1], hi)
         with kb.loop(lo, hi) as t:
             row_off = b.mul(t, kb.i64(s.K * 4))
             den = rms_scale_row(kb, self.x, row_off, s.K, s.eps) if s.prologue else None
@@ -625,9 +668,11 @@ class MatmulEmitter:
         # q4_1: sum of m_w * s_x per (row, token), one scalar FMA a block beside the 32-value dot
         mins = [[kb.var(F32, kb.f32(0.0)) for _ in range(tt)] for _ in rows] if q4_1 else None
         # i8mm: rows and tokens in pairs, one smmla per 8 values of a block gives all 4 (row,
-        # token) dot products of a pair of each; accumulators <4 x f32> per pair of pairs
-        mm = s.quantized and kb.target.int8_matmul and tt % 2 == 0 and len(rows) % 2 == 0
-        pair_accs = [[kb.var(vec(F32, 4), ir.Constant(vec(F32, 4), [0.0] * 4)) for _ in range(tt // 2)]
+        # token) dot products of a pair of each; accumulators <4 x f32> per pair of pairs. In
+        # prefill a lone tail token goes with a copy of itself, so each (row, token) sums in one
+        # order whatever the step's token count (batch invariance: a step graph's rows)
+        mm = s.quantized and kb.target.int8_matmul and s.T > 1 and len(rows) % 2 == 0
+        pair_accs = [[kb.var(vec(F32, 4), ir.Constant(vec(F32, 4), [0.0] * 4)) for _ in range((tt + 1) // 2)]
                      for _ in range(len(rows) // 2)] if mm else None
         if s.quantized:
             with kb.loop(0, self.nb) as blk:
@@ -651,14 +696,15 @@ class MatmulEmitter:
                         if q4_1:
                             b.store(kb.fma(ms[r], xs, b.load(mins[r][t])), mins[r][t])
                 if mm:
-                    smmla_pairs(kb, ws, xs_, pair_accs)
+                    smmla_pairs(kb, ws, xs_ + xs_[-1:] * (tt % 2), pair_accs)
             if mm:
                 ys = [[None] * tt for _ in rows]
                 for rp, row_accs in enumerate(pair_accs):
                     for tp, acc in enumerate(row_accs):
                         v = b.load(acc)
                         for j, (r, t) in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
-                            ys[2 * rp + r][2 * tp + t] = b.extract_element(v, ir.Constant(I32, j))
+                            if 2 * tp + t < tt:
+                                ys[2 * rp + r][2 * tp + t] = b.extract_element(v, ir.Constant(I32, j))
                 if q4_1:
                     ys = [[b.fadd(ys[r][t], b.load(mins[r][t])) for t in range(tt)] for r in range(len(rows))]
                 return ys
@@ -687,7 +733,9 @@ class MatmulEmitter:
         zero = ir.Constant(vec(F32, 16), [0.0] * 16)
         # the accumulator's lanes only meet in the final hsum, so on AVX2 (two ymm per <16 x f32>)
         # a prefill tile folds the halves into one <8 x f32>: half the registers it holds
-        acc8 = AVX2_PREFILL_ACC8 and tt > 1 and group_isa(kb.target) == "avx2"
+        # (every tile of a prefill kernel, its one-token tail too: a row sums in one order
+        # whatever the step's token count)
+        acc8 = AVX2_PREFILL_ACC8 and s.T > 1 and group_isa(kb.target) == "avx2"
         acc_zero = ir.Constant(vec(F32, 8), [0.0] * 8) if acc8 else zero
         accs = [[kb.var(acc_zero.type, acc_zero) for _ in range(tt)] for _ in rows]
         quads = [list(range(i, min(i + 4, len(rows)))) for i in range(0, len(rows), 4)]

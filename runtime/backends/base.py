@@ -2,9 +2,10 @@
 back end (cpu, opencl, reference, hybrid). Every back end implements all of it; callers never
 probe for a method, and no back end reads another's private state.
 
-A back end holds one plan's graphs ("prefill", "decode") bound to its memory and keeps the KV
-cache between steps. Positions belong to the caller (runtime/engine.py): `n_past` is the cache
-slots in use, `start_pos` the RoPE position of the step's first token.
+A back end holds one plan's graphs ("prefill", "decode", and "step" where the plan has one) bound
+to its memory and keeps the KV cache between steps. Positions belong to the caller
+(runtime/engine.py): `n_past` is the cache slots in use, `start_pos` the RoPE position of the
+step's first token. In a step (run_step) every row says its own position, KV slot and sequence.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from ..plan import StepShape
 
 if TYPE_CHECKING:
     from ...compiler.ir import Graph
@@ -32,6 +35,58 @@ class StepRows:
     logit_rows: np.ndarray      # [r] rows whose logits come back (r <= B)
 
 
+class StepRowsError(ValueError):
+    """Step rows the plan's step graph cannot run (an index outside the cache, the table or the
+    step); one line naming the field. Raised before anything runs."""
+
+
+def _ints(name: str, value: object, ndim: int) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.ndim != ndim or (arr.size and arr.dtype.kind not in "iu"):
+        raise StepRowsError(f"step rows: {name} must be a {ndim}-d array of integers, got "
+                            f"{arr.dtype}{list(arr.shape)}")
+    return arr
+
+
+def _within(name: str, arr: np.ndarray, lo: int, hi: int, what: str) -> None:
+    # min and max first: a step is checked every few milliseconds, and is nearly always good
+    if arr.size and (int(arr.min()) < lo or int(arr.max()) > hi):
+        at = np.unravel_index(np.flatnonzero((arr < lo) | (arr > hi))[0], arr.shape)
+        raise StepRowsError(f"step rows: {name}[{', '.join(map(str, at))}] = {arr[at]} is outside {lo}..{hi} "
+                            f"({what})")
+
+
+def check_step_rows(rows: StepRows, shape: StepShape) -> StepRows:
+    """rows as int32 arrays, after checking every index against the step graph's shape, so no
+    kernel is handed one that reads or writes outside its buffers; StepRowsError otherwise."""
+    per_row = {n: _ints(n, getattr(rows, n), 1) for n in ("tokens", "positions", "slots", "row_seq", "ctx_len")}
+    tables, picked = _ints("block_tables", rows.block_tables, 2), _ints("logit_rows", rows.logit_rows, 1)
+    n = len(per_row["tokens"])
+    if not 1 <= n <= shape.rows:
+        raise StepRowsError(f"step rows: a step takes 1..{shape.rows} rows, got {n}")
+    for name, arr in per_row.items():
+        if len(arr) != n:
+            raise StepRowsError(f"step rows: {name} has {len(arr)} entries for {n} tokens")
+    b = tables.shape[0]
+    if not 1 <= b <= shape.seqs or tables.shape[1] != shape.blocks_per_seq:
+        raise StepRowsError(f"step rows: block_tables is {list(tables.shape)}; give [1..{shape.seqs}, "
+                            f"{shape.blocks_per_seq}] (a row of block ids per sequence)")
+    if not 1 <= len(picked) <= shape.seqs:
+        raise StepRowsError(f"step rows: logit_rows has {len(picked)} entries; give 1..{shape.seqs}")
+    _within("tokens", per_row["tokens"], 0, shape.vocab - 1, "the vocabulary")
+    _within("positions", per_row["positions"], 0, 2**31 - 1, "RoPE positions")
+    _within("slots", per_row["slots"], 0, shape.slots - 1, "the KV cache's slots")
+    _within("row_seq", per_row["row_seq"], 0, b - 1, "rows of block_tables")
+    _within("ctx_len", per_row["ctx_len"], 1, shape.blocks_per_seq * shape.block_size, "KV entries a row attends")
+    _within("block_tables", tables, 0, shape.n_blocks - 1, "the cache's blocks")
+    _within("logit_rows", picked, 0, n - 1, "the step's rows")
+    if n > 1 and len(np.unique(per_row["slots"])) != n:
+        raise StepRowsError("step rows: two rows write the same KV slot; give each row its own slot")
+    as32 = {k: np.ascontiguousarray(v, np.int32) for k, v in per_row.items()}
+    return StepRows(**as32, block_tables=np.ascontiguousarray(tables, np.int32),
+                    logit_rows=np.ascontiguousarray(picked, np.int32))
+
+
 class Backend(ABC):
     name: str                    # what --stats prints ("cpu", "opencl", "reference", "hybrid (...)")
     device_name: str             # the OpenCL device's name; "" where everything runs on the host
@@ -45,6 +100,13 @@ class Backend(ABC):
     @abstractmethod
     def run_argmax(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
         """The same step; int32 [rows], each row's argmax (the first of equal maxima, as numpy)."""
+
+    @abstractmethod
+    def run_step(self, rows: StepRows) -> np.ndarray:
+        """One step of the plan's "step" graph: f32 [len(rows.logit_rows), vocab], the logits of
+        the chosen rows. A row's logits are the same whatever else is in the step. Bad rows raise
+        StepRowsError; a plan without a step graph, or a back end that cannot run one, a
+        one-line error saying what to use instead."""
 
     @abstractmethod
     def reset(self) -> None:
@@ -63,4 +125,4 @@ class Backend(ABC):
         """Release threads and device resources; calling it again does nothing."""
 
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "StepRows", "StepRowsError", "check_step_rows"]

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...compiler.ir import Graph, storage_shape
-from ..plan import Plan
-from .base import Backend
+from ..plan import STEP, STEP_INPUTS, Plan, StepShape
+from .base import Backend, StepRows, check_step_rows
 from .cpu_native import NativeCode, NativeCodeError, host_triple
 from .options import MAX_THREADS
 
@@ -182,6 +182,13 @@ class CpuBackend(Backend):
         self._bases = [a.ctypes.data for a in (self.arena, self.weight_table, self.kv, self.scratch,
                                                self.barrier)]
         self._io: dict[str, _StepIO] = {}   # filled on a phase's first run: not every graph has logits
+        step = self.graphs.get(STEP)
+        self._step_shape = StepShape.of(step) if step is not None else None
+        if step is not None:    # where run_step writes each input and reads the logits, in elements
+            arena = self.layouts[STEP]["arena"]
+            self._arena_i32, self._arena_f32 = self.arena.view(np.int32), self.arena.view(np.float32)
+            self._step_inputs = [(name, arena[name] // 4) for name in STEP_INPUTS]
+            self._step_logits = (arena[step.outputs[0]] // 4, step.values[step.outputs[0]].shape[1])
 
     def reset(self) -> None:
         self.kv[:] = 0
@@ -217,9 +224,38 @@ class CpuBackend(Backend):
             self._pool = None
         self._closed = True
 
+    def run_step(self, rows: StepRows) -> np.ndarray:
+        """The step graph on rows: every input written at its arena offset (checked first), the
+        logit row count passed where a step graph has no n_past (compiler/codegen/llvm.py)."""
+        if self._closed:
+            raise CpuBackendError("the CPU back end is closed; load the plan again")
+        if self._step_shape is None:
+            raise CpuBackendError(f"{getattr(self.plan, 'path', 'the plan')}: no step graph (compiled with "
+                                  "max_num_seqs 0, or by an older llmrs); recompile it to run many sequences")
+        rows = check_step_rows(rows, self._step_shape)
+        for name, at in self._step_inputs:
+            data = getattr(rows, name).reshape(-1)
+            self._arena_i32[at:at + len(data)] = data
+        r = len(rows.logit_rows)
+        self._team_call(self._steps[STEP], len(rows.tokens), r, 0)
+        at, vocab = self._step_logits
+        return self._arena_f32[at:at + r * vocab].reshape(r, vocab).copy()
+
+    def _team_call(self, step, n_tokens: int, n_past: int, start_pos: int) -> None:
+        """One step function run by the whole team: thread 0 here, the others in the pool."""
+        args = (*self._bases, n_tokens, n_past, start_pos)
+        futures = [self._pool.submit(step, *args, t, self.threads) for t in range(1, self.threads)] \
+            if self._pool else []
+        step(*args, 0, self.threads)
+        for f in futures:
+            f.result()
+
     def run(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
         if self._closed:    # the team is gone: thread 0 would wait at its first barrier forever
             raise CpuBackendError("the CPU back end is closed; load the plan again")
+        if phase == STEP:   # its rows' positions, slots and tables come only through run_step's checks
+            raise CpuBackendError("graph 'step' runs through run_step (each row needs its position, KV slot and "
+                                  "block table)")
         io = self._io.get(phase)
         if io is None:
             g = self.graphs.get(phase)
@@ -235,13 +271,7 @@ class CpuBackend(Backend):
         if io.seq is not None and n_past + n > io.seq:
             raise CpuBackendError(f"KV cache holds {io.seq} tokens; {n_past} + {n} do not fit")
         self.arena[io.tokens_offset:io.tokens_offset + 4 * n].view(np.int32)[:] = tokens
-        step = self._steps[phase]
-        args = (*self._bases, n, n_past, start_pos)
-        futures = [self._pool.submit(step, *args, t, self.threads) for t in range(1, self.threads)] \
-            if self._pool else []
-        step(*args, 0, self.threads)
-        for f in futures:
-            f.result()
+        self._team_call(self._steps[phase], n, n_past, start_pos)
         rows = n if io.rows_follow_tokens else io.out_rows
         off = io.out_offset
         return self.arena[off:off + rows * io.out_cols * 4].view(np.float32).reshape(rows, -1).copy()

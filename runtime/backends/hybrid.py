@@ -35,7 +35,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..kv.store import NEVER
-from .base import Backend
+from .base import Backend, StepRows
 from .cpu import CpuBackend
 from .opencl import OpenCLBackend
 from .opencl_device import OpenCLError, pick_device
@@ -278,6 +278,11 @@ class HybridBackend(Backend):
 
     def run_argmax(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
         return self._steps(phase, tokens, n_past, start_pos, argmax=True)
+
+    def run_step(self, rows: StepRows) -> np.ndarray:
+        """On the side that holds the cache now: a step's rows carry one position each, so the
+        schedule has no one position to switch at, and the cache stays where it is."""
+        return self.backends[self.active].run_step(rows)
 
     def reset(self) -> None:
         if self._maps is not None:

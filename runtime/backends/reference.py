@@ -5,7 +5,8 @@ import numpy as np
 
 from ...compiler.interpret import Interpreter
 from ...compiler.ir import Graph
-from .base import Backend
+from ..plan import STEP, STEP_INPUTS, StepShape
+from .base import Backend, StepRows, check_step_rows
 
 
 class ReferenceBackend(Backend):
@@ -21,6 +22,15 @@ class ReferenceBackend(Backend):
     def run(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
         it = self.interpreters[phase]
         out = it.run({"tokens": tokens}, self.state, n_past=n_past, start_pos=start_pos)
+        return np.asarray(out[it.graph.outputs[0]], dtype=np.float32)
+
+    def run_step(self, rows: StepRows) -> np.ndarray:
+        it = self.interpreters.get(STEP)
+        if it is None:
+            raise ValueError("the plan has no step graph (compiled with max_num_seqs 0, or by an older llmrs); "
+                             "recompile it to run many sequences")
+        rows = check_step_rows(rows, StepShape.of(it.graph))
+        out = it.run({name: getattr(rows, name) for name in STEP_INPUTS}, self.state, n_past=0)
         return np.asarray(out[it.graph.outputs[0]], dtype=np.float32)
 
     def run_argmax(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:

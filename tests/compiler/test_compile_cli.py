@@ -149,7 +149,7 @@ def test_a_kv_cache_larger_than_memory_is_refused_before_compiling(tmp_path, cap
     import llmrs.compiler.build as build
 
     monkeypatch.setattr(build, "physical_memory", lambda: 8 << 30)
-    monkeypatch.setattr(build, "compile_graphs", lambda *a: (_ for _ in ()).throw(AssertionError("compiled")))
+    monkeypatch.setattr(build, "compile_phases", lambda *a: (_ for _ in ()).throw(AssertionError("compiled")))
     out = tmp_path / "p.bin"
     # golden-a: 2 layers x (K + V of 2 heads x 16 f16 + 2 f32 eviction scores) = 272 bytes a token
     _one_line_error(capsys, [str(DATA / "golden-a"), "-o", str(out), "--max-seq-len", str(10**9)],

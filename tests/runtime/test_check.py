@@ -16,9 +16,10 @@ from ..conftest import DATA, unavailable
 
 
 def _compile(tmp: Path, model: str, *flags: str) -> Path:
+    """Without a step graph: tests/runtime/test_step_check.py checks one."""
     out = tmp / f"{model}{''.join(flags).replace('-', '_')}.bin"
     assert compile_main([str(DATA / model), "-o", str(out), "--max-seq-len", "48", "--prefill-chunk", "12",
-                         "-q", *flags]) == 0
+                         "--max-num-seqs", "0", "-q", *flags]) == 0
     return out
 
 

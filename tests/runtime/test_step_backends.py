@@ -1,0 +1,147 @@
+"""Backend.run_step on every back end (runtime/backends/base.py): cpu and reference give the
+interpreter's logits, hybrid runs it on the side holding the cache, OpenCL names the back end
+that runs step graphs; bad rows are one-line errors naming the field, refused before anything
+runs; a plan without a step graph says to recompile."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llmrs.compiler.cli import main as compile_main
+from llmrs.runtime.backends import BackendOptions, open_backend
+from llmrs.runtime.backends.base import StepRows, StepRowsError
+from llmrs.runtime.backends.cpu import CpuBackend, CpuBackendError
+from llmrs.runtime.backends.reference import ReferenceBackend
+from llmrs.runtime.plan import Plan
+
+from ..conftest import DATA, rel_err
+from .step_driver import Blocks
+
+
+def _compile(out, *flags: str) -> Plan:
+    assert compile_main([str(DATA / "golden-a"), "-o", str(out), "--weights", "f32", "--kv-type", "f32",
+                         "--max-seq-len", "32", "--prefill-chunk", "8", "-q", *flags]) == 0
+    return Plan.open(out)
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory) -> Plan:
+    """golden-a for both targets: a 32-slot cache in 8 blocks of 4, up to 3 sequences a step."""
+    return _compile(tmp_path_factory.mktemp("step-be") / "golden-a.plan.bin", "--target", "cpu,opencl",
+                    "--block-size", "4", "--max-num-seqs", "3")
+
+
+def _steps(plan: Plan) -> list[StepRows]:
+    """Two sequences' prompts (5 and 3 tokens) in one step, then one decode row each."""
+    rng = np.random.default_rng(3)
+    blocks = Blocks(plan.step_shape(), rng)
+    a, b = rng.integers(3, 384, 5), rng.integers(3, 384, 3)
+    first = blocks.rows([(0, int(t)) for t in a] + [(1, int(t)) for t in b], [4, 7])
+    return [first, blocks.rows([(1, 9), (0, 11)], [0, 1])]
+
+
+def test_cpu_and_reference_run_steps_as_the_interpreter(plan):
+    ref = ReferenceBackend(plan.graphs())
+    cpu = CpuBackend(plan, threads=2)
+    try:
+        for rows in _steps(plan):
+            got, want = cpu.run_step(rows), ref.run_step(rows)
+            assert got.shape == want.shape == (2, 384) and got.dtype == np.float32
+            assert rel_err(got, want) <= 1e-4
+    finally:
+        cpu.close()
+
+
+def test_hybrid_runs_a_step_on_the_side_that_holds_the_cache(plan, opencl_device):
+    steps = _steps(plan)
+    ref = ReferenceBackend(plan.graphs())
+    want = [ref.run_step(rows) for rows in steps]
+    on_cpu = open_backend(plan, "hybrid", BackendOptions(threads=2, hybrid_kv="copy"))
+    try:
+        assert on_cpu.active == "cpu"
+        assert all(rel_err(on_cpu.run_step(rows), w) <= 1e-4 for rows, w in zip(steps, want))
+        on_cpu.use("opencl")
+        with pytest.raises(Exception, match=r"^the OpenCL back end does not run step graphs .*; use --backend cpu$"):
+            on_cpu.run_step(steps[0])
+    finally:
+        on_cpu.close()
+
+
+def test_opencl_names_the_back_end_that_runs_step_graphs(plan, opencl_device):
+    be = open_backend(plan, "opencl")
+    try:
+        with pytest.raises(Exception) as err:
+            be.run_step(_steps(plan)[0])
+        assert str(err.value).endswith("use --backend cpu") and "\n" not in str(err.value)
+    finally:
+        be.close()
+
+
+def test_the_cpu_runs_the_step_graph_only_through_run_step(plan):
+    cpu = CpuBackend(plan, threads=1)
+    try:
+        with pytest.raises(CpuBackendError, match=r"^graph 'step' runs through run_step \(each row needs its "
+                                                  r"position, KV slot and block table\)$"):
+            cpu.run("step", np.array([3], np.int32), 0, 0)
+    finally:
+        cpu.close()
+
+
+def _bad(rows: StepRows, **change) -> StepRows:
+    return StepRows(**{**rows.__dict__, **change})
+
+
+BAD = [
+    ({"tokens": [1, 2, 400]}, "tokens[2] = 400 is outside 0..383 (the vocabulary)"),
+    ({"positions": [0, -1, 2]}, "positions[1] = -1 is outside 0..2147483647 (RoPE positions)"),
+    ({"slots": [0, 1, 32]}, "slots[2] = 32 is outside 0..31 (the KV cache's slots)"),
+    ({"slots": [5, 6, 5]}, "two rows write the same KV slot; give each row its own slot"),
+    ({"row_seq": [0, 2, 0]}, "row_seq[1] = 2 is outside 0..1 (rows of block_tables)"),
+    ({"ctx_len": [1, 0, 3]}, "ctx_len[1] = 0 is outside 1..32 (KV entries a row attends)"),
+    ({"ctx_len": [1, 2, 33]}, "ctx_len[2] = 33 is outside 1..32 (KV entries a row attends)"),
+    ({"block_tables": np.full((2, 8), 8)}, "block_tables[0, 0] = 8 is outside 0..7 (the cache's blocks)"),
+    ({"block_tables": np.zeros((4, 8), np.int32)}, "block_tables is [4, 8]; give [1..3, 8] (a row of block ids per sequence)"),
+    ({"block_tables": np.zeros((2, 7), np.int32)}, "block_tables is [2, 7]; give [1..3, 8]"),
+    ({"logit_rows": [0, 3]}, "logit_rows[1] = 3 is outside 0..2 (the step's rows)"),
+    ({"logit_rows": [0, 1, 2, 0]}, "logit_rows has 4 entries; give 1..3"),
+    ({"ctx_len": [1, 2]}, "ctx_len has 2 entries for 3 tokens"),
+    ({"tokens": np.zeros(9, np.int32)}, "a step takes 1..8 rows, got 9"),
+    ({"positions": [0.5, 1, 2]}, "positions must be a 1-d array of integers, got float64[3]"),
+]
+
+
+@pytest.mark.parametrize("kind", ["cpu", "reference"])
+@pytest.mark.parametrize("change,says", BAD, ids=[s.split(" ")[0] + str(i) for i, (_, s) in enumerate(BAD)])
+def test_bad_rows_are_one_line_errors_naming_the_field_and_nothing_runs(plan, kind, change, says):
+    good = StepRows(np.array([3, 4, 5]), np.array([0, 1, 0]), np.array([0, 1, 4]), np.array([0, 0, 1]),
+                    np.array([1, 2, 1]), np.array([[0] + [7] * 7, [1] + [7] * 7]), np.array([1, 2]))
+    be = open_backend(plan, kind, BackendOptions(threads=2) if kind == "cpu" else BackendOptions())
+    cache = (lambda: be.kv.copy()) if kind == "cpu" else (lambda: {k: v.copy() for k, v in be.state.items()})
+    try:
+        be.run_step(good)
+        before = cache()
+        with pytest.raises(StepRowsError) as err:
+            be.run_step(_bad(good, **change))
+        assert str(err.value).startswith(f"step rows: {says}") and "\n" not in str(err.value)
+        after = cache()
+        if kind == "cpu":
+            np.testing.assert_array_equal(after, before)
+        else:
+            assert all(np.array_equal(after[k], v) for k, v in before.items())
+    finally:
+        be.close()
+
+
+def test_a_plan_without_a_step_graph_asks_to_be_recompiled(tmp_path):
+    plan = _compile(tmp_path / "no-step.plan.bin", "--target", "cpu", "--max-num-seqs", "0")
+    assert plan.step_shape() is None and "step" not in plan.graphs()
+    rows = _steps(_compile(tmp_path / "step.plan.bin", "--target", "cpu", "--block-size", "4"))[0]
+    cpu = CpuBackend(plan, threads=1)
+    try:
+        with pytest.raises(CpuBackendError, match=r"no step graph \(compiled with max_num_seqs 0, or by an older "
+                                                  r"llmrs\); recompile it to run many sequences$"):
+            cpu.run_step(rows)
+    finally:
+        cpu.close()
+    with pytest.raises(ValueError, match="^the plan has no step graph"):
+        ReferenceBackend(plan.graphs()).run_step(rows)
