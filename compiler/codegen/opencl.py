@@ -333,11 +333,15 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     if rope_heads:
         mv_rows, mv_split = heads[2], 1
         options.append("-DROPE_HEADS")
-    elif qk_norm:
+    elif qk_norm:   # a group per head or so: float weights too take the larger groups of quantized
+        # ones, more warps (fewer rows each) on a head (H100 f16 Qwen3-0.6B qkv: see qk_norm_rows)
+        mv_wg = max(mv_wg, tuning.mv_wg_quant)
         mv_rows, mv_split = qk_norm_rows(mv_wg, heads[2], "-DKV_Q8_0" in options), 1
     else:
         mv_wg, mv_rows, mv_split = matvec_shape(tuning, k, n, quantized, epi, "-DKV_Q8_0" in options)
     tile_n, split, pair = tile_shape(tuning, m, k, n, wt, epi, a) if tiled else (0, 1, False)
+    if epi == "rope_kv_store" and (qk_norm or bias):
+        options.append(f"-DROPE_HD={heads[2]}")   # pre_epilogue's slot arithmetic by constants
     if qk_norm:
         rw = tile_n if tiled else mv_rows
         hpg = 1 if rope_heads else _heads_per_group(rw, epi, a)

@@ -14,6 +14,9 @@
 //                                                  RoPE; a group holds QK_HPG whole heads
 //   -DBIAS                                         b f32 [N] added to every dot product before
 //                                                  the epilogue
+//   -DROPE_HD=<hd>                                 (EPI_ROPE_KV with BIAS or QK_NORM) head_dim
+//                                                  known at build time: the slot arithmetic
+//                                                  of pre_epilogue() divides by no variable
 //   -DMV_WG, -DMV_ROWS, -DMV_K, -DMV_LOADS          matvec shape (matvec.cl)
 // Quantized weights multiply Q8_0-quantized activations block by block; a block's dot product
 // of integers is exact in f32 (|sum| <= 32*127*128 < 2^24), then scaled by d_x * d_w, as GGML.
@@ -145,6 +148,12 @@ inline float wscale(gin w, size_t blk, size_t nblk) {
 #if defined(EPI_ROPE_KV) && !defined(KV_Q8_0)
 #define ST_KV(p, i, v) CAT(st_, KV_T)(p, i, v)
 #endif
+// head_dim as a build-time constant where codegen gives one (the int argument otherwise)
+#ifdef ROPE_HD
+#define FIX_HD(hd) hd = ROPE_HD
+#else
+#define FIX_HD(hd)
+#endif
 // RoPE pairs a group holds: half its slots, or with QK_NORM those of QK_HPG whole heads
 #ifdef QK_NORM
 #define ROPE_PPG(RW, hh) (QK_HPG * (hh))
@@ -154,6 +163,7 @@ inline float wscale(gin w, size_t blk, size_t nblk) {
 
 // Groups of a launch over the rows (the host sizes the grid with the same rule).
 inline int slot_row(int g, int r, int RW, int N, int n_heads, int n_kv_heads, int hd) {
+    FIX_HD(hd);
 #if defined(EPI_SILU_MUL)
     int half_rw = RW / 2, u = g * half_rw + (r % half_rw);
     if (u >= N / 2) return -1;
@@ -182,6 +192,7 @@ inline int slot_row(int g, int r, int RW, int N, int n_heads, int n_kv_heads, in
 inline void epilogue(int t, int g, int r, int RW, __local const float* vals, int stride,
                      gout e0, gout e1, gout e2, gout y, int N, int n_heads, int n_kv_heads,
                      int hd, int n_past, int start_pos) {
+    FIX_HD(hd);
 #if defined(EPI_SILU_MUL)
     int half_rw = RW / 2, F = N / 2, u = g * half_rw + r;
     if (r >= half_rw || u >= F) return;
@@ -253,6 +264,7 @@ inline void store_q8_block(gout cache, size_t first, const float* o) {
 inline void epilogue_chunk(int t, int g, int c, int RW, __local const float* vals, int stride,
                            gout e0, gout e1, gout e2, gout y, int N, int n_heads, int n_kv_heads,
                            int hd, int n_past, int start_pos) {
+    FIX_HD(hd);
     int hh = hd / 2;
     bool rope = g < n_heads + n_kv_heads;
     float pos = (float)(start_pos + t);
@@ -283,6 +295,7 @@ inline void epilogue_chunk(int t, int g, int c, int RW, __local const float* val
 inline void epilogue_chunk(int t, int g, int c, int RW, __local const float* vals, int stride,
                            gout e0, gout e1, gout e2, gout y, int N, int n_heads, int n_kv_heads,
                            int hd, int n_past, int start_pos) {
+    FIX_HD(hd);
     int half_rw = RW / 2, hh = hd / 2, ppg = ROPE_PPG(RW, hh);   // QK_NORM: codegen keeps ppg == half_rw
     int pairs = (n_heads + n_kv_heads) * hh;
     int pair_groups = (pairs + ppg - 1) / ppg;
@@ -342,11 +355,12 @@ inline int qk_slot(int lh, int d, int RW, int hd) {
 // The group's finished dot products vals [ntok][tstride] (slot r of token tt at tt * tstride +
 // r) made what the epilogue takes: b added (BIAS), then each q / k head x / sqrt(mean(x^2) +
 // eps) * w, w = qn or kn (QK_NORM): QK_PARTS threads sum a head's squares in parts, into part
-// [ntok][QK_HPG][QK_PARTS] (ntok * QK_HPG * QK_PARTS <= nthreads), then every value takes its
-// head's sum. Every thread of the group calls it (barriers inside).
+// [ntok][QK_HPG][QK_PARTS], a thread per head adds them up into the first of its parts, then
+// every value takes it. Every thread of the group calls it (barriers inside).
 inline void pre_epilogue(__local float* vals, int ntok, int tstride, int g, int RW, int lid, int nthreads,
                          int N, int n_heads, int n_kv_heads, int hd, gin bias, gin qn, gin kn, float qk_eps,
                          __local float* part) {
+    FIX_HD(hd);
 #ifdef BIAS
     for (int e = lid; e < ntok * RW; e += nthreads) {
         int tt = e / RW, r = e % RW;
@@ -373,15 +387,18 @@ inline void pre_epilogue(__local float* vals, int ntok, int tstride, int g, int 
         part[e] = ss;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
+    for (int e = lid; e < ntok * QK_HPG; e += nthreads) {   // a head's rms into its first part
+        float ss = 0.0f;
+        for (int q = 0; q < QK_PARTS; q++) ss += part[e * QK_PARTS + q];
+        part[e * QK_PARTS] = sqrt(ss / (float)hd + qk_eps);
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
     for (int e = lid; e < ntok * QK_HPG * hd; e += nthreads) {
         int d = e % hd, lh = (e / hd) % QK_HPG, tt = e / (hd * QK_HPG);
         int head = head0 + lh;
         if (head >= n_heads + n_kv_heads) continue;
-        float ss = 0.0f;
-        for (int q = 0; q < QK_PARTS; q++) ss += part[(tt * QK_HPG + lh) * QK_PARTS + q];
-        float rms = sqrt(ss / (float)hd + qk_eps);
         __local float* v = vals + tt * tstride + qk_slot(lh, d, RW, hd);
-        *v = *v / rms * LD_QKN(head < n_heads ? qn : kn, d);
+        *v = *v / part[(tt * QK_HPG + lh) * QK_PARTS] * LD_QKN(head < n_heads ? qn : kn, d);
     }
     barrier(CLK_LOCAL_MEM_FENCE);
 #endif
