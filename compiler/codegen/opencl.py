@@ -266,6 +266,17 @@ def qk_norm_rows(wg: int, hd: int, kv_q8: bool) -> int:
     return -(-hd // step) * step
 
 
+def qk_split_rows(wg: int, hd: int, kv_q8: bool) -> int | None:
+    """Slots of a decode matvec group whose heads are split over several groups (matvec.cl
+    QK_SPLIT): the fewest that divide head_dim (a group's pairs then lie in one head), are a
+    multiple of the group's warps (whole rows a warp) and, for Q8_0 caches, of the 32-value
+    blocks v groups store; None where no such split exists (each group then takes whole heads).
+    Groups of whole heads are few: H100, Qwen3-0.6B's qkv (q4_0, 32 groups of 128 rows) took
+    12.3 us a decode step against 8.6 without the norms."""
+    step = math.lcm(wg // 32, 32 if kv_q8 else 2)
+    return next((rw for rw in range(step, hd, step) if hd % rw == 0), None)
+
+
 def qk_norm_parts(threads: int, tokens: int, hpg: int, hd: int) -> int:
     """Threads summing one head's squares in matmul_common.cl's pre_epilogue (QK_PARTS): the
     group's threads over its tokens' heads, each summing at least 8 values."""
@@ -330,11 +341,16 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
           "of 8): the OpenCL kernels have no layout for it; use --weights q8_0 or the CPU")
     tiled = (m > 1 or k % 8 != 0) and not rope_heads and not wide_heads
     mv_wg = tuning.mv_wg_quant if quantized else tuning.mv_wg
+    qk_split = 0
     if rope_heads:
         mv_rows, mv_split = heads[2], 1
         options.append("-DROPE_HEADS")
-    elif qk_norm:   # a group per head or so: float weights too take the larger groups of quantized
-        # ones, more warps (fewer rows each) on a head (H100 f16 Qwen3-0.6B qkv: see qk_norm_rows)
+    elif qk_norm and not tiled and (split_rows := qk_split_rows(mv_wg, heads[2], "-DKV_Q8_0" in options)):
+        mv_rows, mv_split = split_rows, 1       # a head over hd / rows groups, merged by tickets
+        qk_split = heads[2] // split_rows
+        options.append(f"-DQK_SPLIT={qk_split}")
+    elif qk_norm:   # whole heads a group: float weights too take the larger groups of quantized
+        # ones, more warps (fewer rows each) on a head (H100 f16 Qwen3-0.6B qkv 12.5 -> 11.9 us)
         mv_wg = max(mv_wg, tuning.mv_wg_quant)
         mv_rows, mv_split = qk_norm_rows(mv_wg, heads[2], "-DKV_Q8_0" in options), 1
     else:
@@ -344,7 +360,7 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
         options.append(f"-DROPE_HD={heads[2]}")   # pre_epilogue's slot arithmetic by constants
     if qk_norm:
         rw = tile_n if tiled else mv_rows
-        hpg = 1 if rope_heads else _heads_per_group(rw, epi, a)
+        hpg = 1 if rope_heads or qk_split else _heads_per_group(rw, epi, a)
         tokens, threads = (TILE_M, 256) if tiled else (1, mv_wg)
         options += [f"-DQK_HPG={hpg}", f"-DQK_PARTS={qk_norm_parts(threads, tokens, hpg, heads[2])}"]
     if tiled:
@@ -375,6 +391,8 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
         args = [_v(x), _v(w), *([nw] if rms else []), *([e[0]] if epi in ("add", "rope_kv_store") else []),
                 *(e[1:] if kv else []), _v(op.outputs[0]), {"int": m}, {"int": k}, {"int": n},
                 *([eps] if rms else []), *(ints if kv else []), *late]
+        if qk_split:   # the heads' tickets, then their rows
+            args.append({"scratch": 4 * m * (heads[0] + heads[1]) * (1 + heads[2])})
     if tiled:
         staged = _NONE
         if (quantized or wt == "f16") and k % 32 == 0:

@@ -14,6 +14,10 @@
 //                                                  RoPE; a group holds QK_HPG whole heads
 //   -DBIAS                                         b f32 [N] added to every dot product before
 //                                                  the epilogue
+//   -DQK_SPLIT=<s>                                 (QK_NORM, matvec) a head's rows over s groups,
+//                                                  pairs as without norms: each writes its dot
+//                                                  products to scratch, the last to take the
+//                                                  head's ticket finishes the head (qk_split_epilogue)
 //   -DROPE_HD=<hd>                                 (EPI_ROPE_KV with BIAS or QK_NORM) head_dim
 //                                                  known at build time: the slot arithmetic
 //                                                  of pre_epilogue() divides by no variable
@@ -155,7 +159,7 @@ inline float wscale(gin w, size_t blk, size_t nblk) {
 #define FIX_HD(hd)
 #endif
 // RoPE pairs a group holds: half its slots, or with QK_NORM those of QK_HPG whole heads
-#ifdef QK_NORM
+#if defined(QK_NORM) && !defined(QK_SPLIT)
 #define ROPE_PPG(RW, hh) (QK_HPG * (hh))
 #else
 #define ROPE_PPG(RW, hh) ((RW) / 2)
@@ -173,7 +177,7 @@ inline int slot_row(int g, int r, int RW, int N, int n_heads, int n_kv_heads, in
     int pairs = (n_heads + n_kv_heads) * hh;
     int pair_groups = (pairs + ppg - 1) / ppg;
     if (g < pair_groups) {
-#ifdef QK_NORM
+#if defined(QK_NORM) && !defined(QK_SPLIT)
         if (r % half_rw >= ppg) return -1;
 #endif
         int p = g * ppg + (r % half_rw);
@@ -205,7 +209,7 @@ inline void epilogue(int t, int g, int r, int RW, __local const float* vals, int
     size_t kv_row = (size_t)(n_past + t) * n_kv_heads * hd;
     if (g < pair_groups) {
         int p = g * ppg + r;
-#ifdef QK_NORM
+#if defined(QK_NORM) && !defined(QK_SPLIT)
         if (r >= ppg) return;
 #endif
         if (r >= half_rw || p >= pairs) return;
@@ -354,22 +358,24 @@ inline int qk_slot(int lh, int d, int RW, int hd) {
 
 // The group's finished dot products vals [ntok][tstride] (slot r of token tt at tt * tstride +
 // r) made what the epilogue takes: b added (BIAS), then each q / k head x / sqrt(mean(x^2) +
-// eps) * w, w = qn or kn (QK_NORM): QK_PARTS threads sum a head's squares in parts, into part
-// [ntok][QK_HPG][QK_PARTS], a thread per head adds them up into the first of its parts, then
-// every value takes it. Every thread of the group calls it (barriers inside).
-inline void pre_epilogue(__local float* vals, int ntok, int tstride, int g, int RW, int lid, int nthreads,
-                         int N, int n_heads, int n_kv_heads, int hd, gin bias, gin qn, gin kn, float qk_eps,
-                         __local float* part) {
-    FIX_HD(hd);
+// eps) * w, w = qn or kn (QK_NORM). Every thread of the group calls these (barriers inside).
 #ifdef BIAS
+inline void add_bias(__local float* vals, int ntok, int tstride, int g, int RW, int lid, int nthreads,
+                     int N, int n_heads, int n_kv_heads, int hd, gin bias) {
     for (int e = lid; e < ntok * RW; e += nthreads) {
         int tt = e / RW, r = e % RW;
         int row = slot_row(g, r, RW, N, n_heads, n_kv_heads, hd);
         if (row >= 0) vals[tt * tstride + r] += ((__global const float*)bias)[row];
     }
     barrier(CLK_LOCAL_MEM_FENCE);
+}
 #endif
+
 #ifdef QK_NORM
+// QK_PARTS threads sum a head's squares in parts, into part [ntok][QK_HPG][QK_PARTS], a thread
+// per head adds them up into the first of its parts, then every value takes it
+inline void qk_norm_vals(__local float* vals, int ntok, int tstride, int g, int RW, int lid, int nthreads,
+                         int n_heads, int n_kv_heads, int hd, gin qn, gin kn, float qk_eps, __local float* part) {
 #ifdef ROPE_HEADS
     int head0 = g;
 #else
@@ -401,6 +407,70 @@ inline void pre_epilogue(__local float* vals, int ntok, int tstride, int g, int 
         *v = *v / part[(tt * QK_HPG + lh) * QK_PARTS] * LD_QKN(head < n_heads ? qn : kn, d);
     }
     barrier(CLK_LOCAL_MEM_FENCE);
+}
+#endif
+
+inline void pre_epilogue(__local float* vals, int ntok, int tstride, int g, int RW, int lid, int nthreads,
+                         int N, int n_heads, int n_kv_heads, int hd, gin bias, gin qn, gin kn, float qk_eps,
+                         __local float* part) {
+    FIX_HD(hd);
+#ifdef BIAS
+    add_bias(vals, ntok, tstride, g, RW, lid, nthreads, N, n_heads, n_kv_heads, hd, bias);
+#endif
+#ifdef QK_NORM
+    qk_norm_vals(vals, ntok, tstride, g, RW, lid, nthreads, n_heads, n_kv_heads, hd, qn, kn, qk_eps, part);
+#endif
+}
+#endif
+
+#ifdef QK_SPLIT
+// The matvec's epilogue where a head's rows are split over QK_SPLIT groups (pairs as without norms,
+// RW / 2 dividing hd / 2, so a pair group's slots are of one head): a v group finishes its rows
+// as usual; a q / k group writes its dot products (bias added) into the head's row of scratch,
+// f32 [M][heads][hd] after the tickets int [M][heads] (heads = n_heads + n_kv_heads; zero at
+// load, and put back to zero), and takes the head's ticket; the group that takes the last one
+// reads the whole head back into head [hd] and finishes it as a group of RW = hd would: norm,
+// RoPE, q or the k cache. As split_merge (matmul.cl) does for split-K.
+inline void qk_split_epilogue(int t, int g, int lid, int nthreads, __local float* out, int RW, gout e0, gout e1,
+                              gout e2, gout y, int M, int N, int n_heads, int n_kv_heads, int hd, int n_past,
+                              int start_pos, gin bias, gin qn, gin kn, float qk_eps, __local float* part,
+                              __local float* head, __local int* last, gout scratch) {
+    FIX_HD(hd);
+    int hh = hd / 2, half_rw = RW / 2, heads = n_heads + n_kv_heads;
+#ifdef BIAS
+    add_bias(out, 1, RW, g, RW, lid, nthreads, N, n_heads, n_kv_heads, hd, bias);
+#endif
+    if (g >= heads * hh / half_rw) {   // a group of v rows
+#ifdef KV_Q8_0
+        if (lid < RW / 32)
+            epilogue_chunk(t, g, lid, RW, out, 1, e0, e1, e2, y, N, n_heads, n_kv_heads, hd, n_past, start_pos);
+#else
+        for (int r = lid; r < RW; r += nthreads)
+            epilogue(t, g, r, RW, out, 1, e0, e1, e2, y, N, n_heads, n_kv_heads, hd, n_past, start_pos);
+#endif
+        return;
+    }
+    int h = g * half_rw / hh, j0 = g * half_rw % hh;   // the head, its first pair here
+    __global volatile int* count = (__global volatile int*)scratch + (size_t)t * heads + h;
+    __global volatile float* row = (__global volatile float*)(scratch + 4 * (size_t)M * heads) +
+                                   ((size_t)t * heads + h) * hd;
+    for (int r = lid; r < RW; r += nthreads) row[j0 + r % half_rw + (r < half_rw ? 0 : hh)] = out[r];
+    mem_fence(CLK_GLOBAL_MEM_FENCE);   // the values reach memory before the ticket
+    barrier(CLK_GLOBAL_MEM_FENCE | CLK_LOCAL_MEM_FENCE);
+    if (lid == 0) *last = atomic_inc(count) == QK_SPLIT - 1;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (!*last) return;
+    mem_fence(CLK_GLOBAL_MEM_FENCE);
+    for (int d = lid; d < hd; d += nthreads) head[d] = row[d];   // past L1: other SMs wrote it
+    if (lid == 0) *count = 0;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    qk_norm_vals(head, 1, hd, h, hd, lid, nthreads, n_heads, n_kv_heads, hd, qn, kn, qk_eps, part);
+#ifdef KV_Q8_0
+    if (lid < hd / 32)
+        epilogue_chunk(t, h, lid, hd, head, 1, e0, e1, e2, y, N, n_heads, n_kv_heads, hd, n_past, start_pos);
+#else
+    for (int r = lid; r < hd; r += nthreads)
+        epilogue(t, h, r, hd, head, 1, e0, e1, e2, y, N, n_heads, n_kv_heads, hd, n_past, start_pos);
 #endif
 }
 #endif

@@ -177,6 +177,9 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #ifdef QK_NORM
             , gin qnormb, ulong qnorm_off, gin knormb, ulong knorm_off, float qk_eps
 #endif
+#ifdef QK_SPLIT
+            , gout qscb, ulong qsc_off
+#endif
             ) {
 #ifndef MV_HAS_NW
     gin nwb = 0;
@@ -217,6 +220,10 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
     __local float out[MV_ROWS];               // the group's finished dot products, by slot
 #ifdef QK_NORM
     __local float qk_part[QK_HPG * QK_PARTS]; // pre_epilogue's sums of squares of the heads, in parts
+#endif
+#ifdef QK_SPLIT
+    __local float qk_head[ROPE_HD];           // the head the group finishes, whole
+    __local int qk_last;
 #endif
 
 #ifdef PROLOGUE_RMS
@@ -412,6 +419,12 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
     ulong qnorm_off = 0, knorm_off = 0;
     float qk_eps = 0.0f;
     __local float* qk_part = 0;
+#endif
+#ifdef QK_SPLIT
+    qk_split_epilogue(t, g, lid, MV_WG, out, MV_ROWS, e0b + e0_off, e1b + e1_off, e2b + e2_off, yb + y_off, M, N,
+                      n_heads, n_kv_heads, hd, STEP_N_PAST(step), STEP_START_POS(step), biasb + bias_off,
+                      qnormb + qnorm_off, knormb + knorm_off, qk_eps, qk_part, qk_head, &qk_last, qscb + qsc_off);
+    return;
 #endif
     pre_epilogue(out, 1, MV_ROWS, g, MV_ROWS, lid, MV_WG, N, n_heads, n_kv_heads, hd, biasb + bias_off,
                  qnormb + qnorm_off, knormb + knorm_off, qk_eps, qk_part);
