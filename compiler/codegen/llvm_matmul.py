@@ -837,11 +837,13 @@ class MatmulEmitter:
             with b.if_then(b.not_(is_v)):
                 if s.qk_norm:   # Qwen3: the head RMS-normed with q_norm_w or k_norm_w first
                     norm_w = b.select(is_q, self.extra[3], self.extra[4])
-                    den = rms_scale_row(kb, row, kb.i64(0), hd, s.qk_eps)
+                    # times 1 / rms, not over it: a division a value cost 8% of the prefill QKV
+                    inv = b.fdiv(kb.f32(1.0), rms_scale_row(kb, row, kb.i64(0), hd, s.qk_eps))
 
                     def norm_chunk(k: ir.Value, lanes: int) -> None:
-                        val = normalized(kb, row, kb.i64(0), k, den, norm_w, s.qk_norm_dtype, lanes)
-                        kb.store(val, row, b.mul(k, kb.i64(4)))
+                        off = b.mul(k, kb.i64(4))
+                        val = b.fmul(kb.load(vec(F32, lanes), row, off), kb.splat(inv, lanes))
+                        kb.store(b.fmul(val, kb.load_floats(s.qk_norm_dtype, norm_w, k, lanes)), row, off)
                     kb.for_chunks(hd, norm_chunk)
                 rope_row(kb, row, row, pos, inv_freq, s.inv_freq_dtype, hd)
             slot = b.add(b.add(kb.n_past, t0), kb.i64(t))
