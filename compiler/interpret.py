@@ -253,6 +253,8 @@ def _fused_matmul(it, op, st, x, w, *extra):
     if a.get("prologue") == "rms_norm":
         x = _rms(x, _f(it, op, 2, extra.pop(0)), a["eps"]).astype(it.ft)
     y = _mm(it, op, x, 1)
+    if a.get("bias"):
+        y = (y + extra.pop().astype(it.ft)).astype(it.ft)
     epi = a.get("epilogue")
     if epi is None:
         return [y]
@@ -263,12 +265,15 @@ def _fused_matmul(it, op, st, x, w, *extra):
         return [(_silu(y[:, :f]) * y[:, f:]).astype(it.ft)]
     if epi == "rope_kv_store":
         h, kvh, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
-        inv_freq, k_cache, v_cache = extra
+        inv_freq, k_cache, v_cache = extra[:3]
         inv_freq = inv_freq.astype(np.float32)
-        q = _rope_heads(it, st, y[:, :h * hd], h, hd, inv_freq)
-        k = _rope_heads(it, st, y[:, h * hd:(h + kvh) * hd], kvh, hd, inv_freq)
-        v = y[:, (h + kvh) * hd:]
+        q, k, v = y[:, :h * hd], y[:, h * hd:(h + kvh) * hd], y[:, (h + kvh) * hd:]
         n_extra = 1 if a.get("prologue") == "rms_norm" else 0
+        if a.get("qk_norm"):   # Qwen3: each head RMS-normed before RoPE
+            q = _rms(q, _f(it, op, 5 + n_extra, extra[3]), a["qk_eps"]).astype(it.ft)
+            k = _rms(k, _f(it, op, 6 + n_extra, extra[4]), a["qk_eps"]).astype(it.ft)
+        q = _rope_heads(it, st, q, h, hd, inv_freq)
+        k = _rope_heads(it, st, k, kvh, hd, inv_freq)
         kc = _store(it, op, st, k, k_cache, op.inputs[3 + n_extra])
         vc = _store(it, op, st, v, v_cache, op.inputs[4 + n_extra])
         return [q, kc, vc]

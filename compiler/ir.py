@@ -75,9 +75,10 @@ Fused kinds (made by passes, never by model builders):
                                         k_cache[S,KVH,hd], v_cache[S,KVH,hd]; attrs as rope plus
                                         n_kv_heads; -> q_roped[T,H*hd], k_cache', v_cache'.
                                         attr qk_norm (Qwen3): extra q_norm_w[hd], k_norm_w[hd]
-                                        after v_cache; attr qk_eps. Each q and k head is
-                                        RMS-normed (rms_norm with G = hd) before RoPE.
-        attr bias (Qwen2)               extra: b[N] f32, added to x @ w.T before the epilogue.
+                                        (f32|f16|bf16) after v_cache; attr qk_eps. Each q and k
+                                        head is RMS-normed (rms_norm with G = hd) before RoPE.
+        attr bias (Qwen2)               extra: b[N] f32, added to x @ w.T before the epilogue
+                                        (stacked as w is: [q; k; v] biases, [gate; up] biases).
         Extra inputs come in the order: norm_w (if prologue), then the epilogue's, then b (if bias).
 
 Weights whose dtype is q4_0 or q8_0 are multiplied as GGML does: each activation row is

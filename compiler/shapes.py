@@ -167,7 +167,11 @@ def _fused_matmul(g, op, ins):
         _need(norm_w.shape == (x.shape[1],), op, f"norm weight {norm_w.name!r} must be [{x.shape[1]}]")
     else:
         _need(a.get("prologue") is None, op, f"unknown prologue {a.get('prologue')!r}")
+    if a.get("bias"):
+        _need(bool(extra), op, "attr bias needs the bias as the last input")
+        _bias(op, extra.pop(), n)
     epi = a.get("epilogue")
+    _need(not a.get("qk_norm") or epi == "rope_kv_store", op, "attr qk_norm needs the rope_kv_store epilogue")
     if epi is None:
         out = [((t, n), "f32")]
     elif epi == "add":
@@ -180,11 +184,16 @@ def _fused_matmul(g, op, ins):
     elif epi == "rope_kv_store":
         h, kvh, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
         _need(n == (h + 2 * kvh) * hd, op, f"weight must stack q,k,v: {(h + 2 * kvh) * hd} rows")
-        _need(len(extra) == 3 and extra[0].shape == (hd // 2,), op, "extra inputs: inv_freq, k_cache, v_cache")
+        want = 5 if a.get("qk_norm") else 3
+        _need(len(extra) == want and extra[0].shape == (hd // 2,), op,
+              "extra inputs: inv_freq, k_cache, v_cache" + (", q_norm_w, k_norm_w" if want == 5 else ""))
         kc, vc = extra[1], extra[2]
         for c, o in ((kc, op.outputs[1]), (vc, op.outputs[2])):
             _need(c.kind == "state" and c.shape[1:] == (kvh, hd), op, f"{c.name!r} must be [S,{kvh},{hd}]")
             _need(g.values[o].alias == c.name, op, f"output {o!r} must alias {c.name!r}")
+        for nw in extra[3:]:
+            _need(nw.shape == (hd,) and nw.dtype in FLOAT, op,
+                  f"per-head norm weight {nw.name!r} must be a float [{hd}], got {nw.dtype}{list(nw.shape)}")
         extra = []
         out = [((t, h * hd), "f32"), (kc.shape, kc.dtype), (vc.shape, vc.dtype)]
     else:

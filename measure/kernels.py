@@ -102,9 +102,12 @@ def _kernel_key(g: Graph, op: Op) -> str:
 
 
 def _label(g: Graph, op: Op) -> str:
-    """kind(fusion) and the input types, 1-D weights (norm weights, inv_freq) left out."""
+    """kind(fusion) and the input types, 1-D weights (norm weights, inv_freq, biases) left out.
+    The fusion names the prologue, the epilogue, Qwen3's per-head q/k norms and a bias."""
     a = op.attrs
-    fusion = "+".join(p for p in (a.get("prologue"), a.get("epilogue")) if p)
+    bias = a.get("bias") or (op.kind == "matmul" and len(op.inputs) == 3)
+    fusion = "+".join(p for p in (a.get("prologue"), a.get("epilogue"), "qk_norm" if a.get("qk_norm") else None,
+                                  "bias" if bias else None) if p)
     kind = f"{op.kind}({fusion})" if fusion else op.kind
     shown = [n for n in op.inputs if g.values[n].kind not in ("param", "const") or len(g.values[n].shape) > 1]
     types = " ".join(f"{g.values[n].dtype}[{','.join(map(str, g.values[n].shape))}]" for n in shown)

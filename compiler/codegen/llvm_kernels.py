@@ -89,18 +89,24 @@ def _embedding(kb: KernelBuilder, graph: Graph, op: Op) -> None:
 
 
 def _rms_norm(kb: KernelBuilder, graph: Graph, op: Op) -> None:
+    """Each run of G values (G = the weight's length) of a row normalised on its own: G == D is
+    the usual norm, G == head_dim Qwen3's per-head q/k norms. A work item is one run."""
     x, w, out = kb.bufs
     b = kb.b
     d = _shape(graph, op.inputs[0])[1]
+    group = _shape(graph, op.inputs[1])[0]
     wdt = graph.values[op.inputs[1]].dtype
-    lo, hi = kb.split(_at_most(kb, _shape(graph, op.inputs[0])[0]))
+    # runs lie end to end through the rows: run i starts at value i * G (rows capped at the
+    # activation's: a step graph's head has fewer rows than the step has tokens)
+    rows = _at_most(kb, _shape(graph, op.inputs[0])[0])
+    lo, hi = kb.split(rows if group == d else b.mul(rows, kb.i64(d // group)))
     with kb.loop(lo, hi) as t:
-        row = b.mul(t, kb.i64(d * 4))
-        den = rms_scale_row(kb, x, row, d, float(op.attrs["eps"]))
+        row = b.mul(t, kb.i64(group * 4))
+        den = rms_scale_row(kb, x, row, group, float(op.attrs["eps"]))
 
         def norm_chunk(k: ir.Value, lanes: int) -> None:
             kb.store(normalized(kb, x, row, k, den, w, wdt, lanes), out, b.add(row, b.mul(k, kb.i64(4))))
-        kb.for_chunks(d, norm_chunk)
+        kb.for_chunks(group, norm_chunk)
 
 
 def _elementwise(kind: str):

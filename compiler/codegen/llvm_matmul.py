@@ -1,5 +1,6 @@
-"""matmul / fused_matmul kernels: x[T,K] @ w[N,K].T with an optional RMSNorm prologue and an
-add / silu_mul / rope_kv_store epilogue (compiler/ir.py gives the exact semantics).
+"""matmul / fused_matmul kernels: x[T,K] @ w[N,K].T with an optional RMSNorm prologue, an optional
+bias, and an add / silu_mul / rope_kv_store (per-head q/k norms optional) epilogue (compiler/ir.py
+gives the exact semantics).
 
 q4_0 / q8_0 weights: each thread quantizes the activation rows to Q8_0 in its own scratch
 (GGML's reference rounding), then every 32-value block is an int8 x int8 -> int32 dot product,
@@ -54,6 +55,10 @@ class MatmulSpec:
     head_dim: int = 0
     inv_freq_dtype: str = "f32"
     cache_dtype: str = "f32"    # k/v cache dtype (rope_kv_store)
+    bias: bool = False          # b[N] f32 added to x @ w.T before the epilogue
+    qk_norm: bool = False       # rope_kv_store: each q and k head RMS-normed before RoPE
+    qk_eps: float = 0.0
+    qk_norm_dtype: str = "f32"  # q_norm_w[hd], k_norm_w[hd]
 
     @staticmethod
     def of(graph: Graph, op: Op) -> "MatmulSpec":
@@ -71,6 +76,10 @@ class MatmulSpec:
             cache_dtype = v[cache.alias].dtype if cache.alias else cache.dtype
             kw.update(n_heads=a["n_heads"], n_kv_heads=a["n_kv_heads"], head_dim=a["head_dim"],
                       inv_freq_dtype=v[op.inputs[n_extra]].dtype, cache_dtype=cache_dtype)
+            if a.get("qk_norm"):
+                kw.update(qk_norm=True, qk_eps=float(a["qk_eps"]), qk_norm_dtype=v[op.inputs[n_extra + 3]].dtype)
+        if (op.kind == "matmul" and len(op.inputs) == 3) or (op.kind == "fused_matmul" and a.get("bias")):
+            kw.update(bias=True)
         # rows of x, not the graph's T: a prefill's last_token_logits matmul takes one row
         return MatmulSpec(x.shape[0], x.shape[1], w.shape[0], w.dtype, pro, epilogue=epi, **kw)
 
@@ -803,6 +812,14 @@ class MatmulEmitter:
                     ys[r][t] = b.fadd(ys[r][t], kb.hsum(kb.shuffle(macc, None, range(j, 16, 4))))
         return ys
 
+    def biased(self, ys: list[list[ir.Value]], rows: list[ir.Value]) -> list[list[ir.Value]]:
+        """ys[r][t] + b[rows[r]] where the op has a bias (added before any epilogue)."""
+        if not self.s.bias:
+            return ys
+        kb = self.kb
+        bs = [kb.load(F32, self.bias, kb.b.mul(r, kb.i64(4))) for r in rows]
+        return [[kb.b.fadd(y, bv) for y in row] for row, bv in zip(ys, bs)]
+
     def unit(self, u: ir.Value, t0: ir.Value, tt: int) -> None:
         s, kb = self.s, self.kb
         b = kb.b
@@ -811,7 +828,7 @@ class MatmulEmitter:
             r = self._rows_per_tile(s.N, self.tile_rows)
             n0 = b.mul(u, kb.i64(r))
             rows = [b.add(n0, kb.i64(j)) for j in range(r)]
-            ys = self.tile(rows, t0, tt, r)
+            ys = self.biased(self.tile(rows, t0, tt, r), rows)
             for j in range(r):
                 for t in range(tt):
                     y = ys[j][t]
@@ -824,7 +841,8 @@ class MatmulEmitter:
             r = self._rows_per_tile(f, max(1, self.tile_rows // 2))
             n0 = b.mul(u, kb.i64(r))
             feats = [b.add(n0, kb.i64(j)) for j in range(r)]
-            ys = self.tile(feats + [b.add(n, kb.i64(f)) for n in feats], t0, tt, r)
+            rows = feats + [b.add(n, kb.i64(f)) for n in feats]
+            ys = self.biased(self.tile(rows, t0, tt, r), rows)
             for j in range(r):
                 for t in range(tt):
                     out_f32(b.fmul(kb.silu(ys[j][t]), ys[r + j][t]), t, feats[j], f)
@@ -836,8 +854,13 @@ class MatmulEmitter:
         # output buffer follows the inputs: x, w, [norm_w], extra..., then outputs
         return self.extra[self._n_extra_inputs()]
 
+    @property
+    def bias(self) -> ir.Value:
+        return self.extra[self._n_extra_inputs() - 1]   # the last input (compiler/ir.py)
+
     def _n_extra_inputs(self) -> int:
-        return {None: 0, "add": 1, "silu_mul": 0, "rope_kv_store": 3}[self.s.epilogue]
+        s = self.s
+        return {None: 0, "add": 1, "silu_mul": 0, "rope_kv_store": 3}[s.epilogue] + 2 * s.qk_norm + s.bias
 
     # rope_kv_store: one unit is one head of the stacked [q; k; v] rows
     def rope_unit(self, head: ir.Value, t0: ir.Value, tt: int) -> None:
@@ -848,7 +871,8 @@ class MatmulEmitter:
         r = self._rows_per_tile(hd, self.tile_rows)
         with kb.loop(0, hd, r) as j0:
             base = b.add(b.mul(head, kb.i64(hd)), j0)
-            ys = self.tile([b.add(base, kb.i64(j)) for j in range(r)], t0, tt, r)
+            rows = [b.add(base, kb.i64(j)) for j in range(r)]
+            ys = self.biased(self.tile(rows, t0, tt, r), rows)
             for j in range(r):
                 for t in range(tt):
                     kb.store(ys[j][t], buf, b.mul(b.add(b.add(j0, kb.i64(j)), kb.i64(t * hd)), kb.i64(4)))
@@ -859,6 +883,16 @@ class MatmulEmitter:
             row = kb.at(buf, t * hd * 4)
             pos = b.add(b.add(kb.start_pos, t0), kb.i64(t))
             with b.if_then(b.not_(is_v)):
+                if s.qk_norm:   # Qwen3: the head RMS-normed with q_norm_w or k_norm_w first
+                    norm_w = b.select(is_q, self.extra[3], self.extra[4])
+                    # times 1 / rms, not over it: a division a value cost 8% of the prefill QKV
+                    inv = b.fdiv(kb.f32(1.0), rms_scale_row(kb, row, kb.i64(0), hd, s.qk_eps))
+
+                    def norm_chunk(k: ir.Value, lanes: int) -> None:
+                        off = b.mul(k, kb.i64(4))
+                        val = b.fmul(kb.load(vec(F32, lanes), row, off), kb.splat(inv, lanes))
+                        kb.store(b.fmul(val, kb.load_floats(s.qk_norm_dtype, norm_w, k, lanes)), row, off)
+                    kb.for_chunks(hd, norm_chunk)
                 rope_row(kb, row, row, pos, inv_freq, s.inv_freq_dtype, hd)
             slot = b.add(b.add(kb.n_past, t0), kb.i64(t))
             with b.if_else(is_q) as (then, other):

@@ -231,7 +231,19 @@ def tile_shape(tuning: OpenCLTuning, m: int, k: int, n: int, wt: str, epilogue: 
     split = 1
     while groups * split < tuning.tile_n_min_groups and 2 * split <= most and k % (2 * split * 128) == 0:
         split *= 2
+    if split == 1 and _qk_norm(epilogue, a) and a["head_dim"] > 64:
+        return TILE_N_WIDE, 1, False   # a 64-row tile holds no whole head of the per-head norms
     return (TILE_N_WIDE, split, False) if split > 1 else (64, 1, False)
+
+
+def _qk_norm(epilogue: str | None, a: dict[str, Any]) -> bool:
+    return epilogue == "rope_kv_store" and bool(a.get("qk_norm"))
+
+
+def _heads_per_group(rw: int, epilogue: str | None, a: dict[str, Any]) -> int:
+    """Whole heads a group of rw slots holds (matmul_common.cl QK_HPG): per-head norms need
+    them; 0 for another epilogue."""
+    return rw // a["head_dim"] if _qk_norm(epilogue, a) else 0
 
 
 def _row_groups(epilogue: str | None, rw: int, n: int, a: dict[str, Any], rope_heads: bool = False) -> int:
@@ -242,8 +254,34 @@ def _row_groups(epilogue: str | None, rw: int, n: int, a: dict[str, Any], rope_h
         return a["n_heads"] + 2 * a["n_kv_heads"]
     if epilogue == "rope_kv_store":
         h, kvh, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
-        return math.ceil((h + kvh) * hd // 2 / (rw // 2)) + math.ceil(kvh * hd / rw)
+        pairs_per_group = _heads_per_group(rw, epilogue, a) * hd // 2 or rw // 2
+        return math.ceil((h + kvh) * hd // 2 / pairs_per_group) + math.ceil(kvh * hd / rw)
     return math.ceil(n / rw)
+
+
+def qk_norm_rows(wg: int, hd: int, kv_q8: bool) -> int:
+    """Slots of a decode matvec group with per-head norms: whole heads (the head_dim rounded up
+    to the group's warps, one row set each: no split), a multiple of 64 for Q8_0 caches, whose
+    blocks epilogue_chunk writes (head_dim is one there: a multiple of 64 stays unpadded)."""
+    step = math.lcm(wg // 32, 64 if kv_q8 else 2)
+    return -(-hd // step) * step
+
+
+def qk_split_rows(wg: int, hd: int, kv_q8: bool) -> int | None:
+    """Slots of a decode matvec group whose heads are split over several groups (matvec.cl
+    QK_SPLIT): the fewest that divide head_dim (a group's pairs then lie in one head), are a
+    multiple of the group's warps (whole rows a warp) and, for Q8_0 caches, of the 32-value
+    blocks v groups store; None where no such split exists (each group then takes whole heads).
+    Groups of whole heads are few: H100, Qwen3-0.6B's qkv (q4_0, 32 groups of 128 rows) took
+    12.3 us a decode step against 8.6 without the norms."""
+    step = math.lcm(wg // 32, 32 if kv_q8 else 2)
+    return next((rw for rw in range(step, hd, step) if hd % rw == 0), None)
+
+
+def qk_norm_parts(threads: int, tokens: int, hpg: int, hd: int) -> int:
+    """Threads summing one head's squares in matmul_common.cl's pre_epilogue (QK_PARTS): the
+    group's threads over its tokens' heads, each summing at least 8 values."""
+    return max(1, min(threads // (tokens * hpg), hd // 8))
 
 
 def _matmul(ctx: _Ctx, op: Op) -> None:
@@ -261,6 +299,10 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     if k % 32:
         options.append("-DK_TAIL")             # float weights: matmul.cl cuts the last block at K
     nw = _NONE
+    bias = None   # the last input: a plain matmul's third, or attr bias (compiler/ir.py)
+    if (op.kind == "matmul" and len(extra) == 1) or a.get("bias"):
+        bias = extra.pop()
+        options.append("-DBIAS")
     if a.get("prologue") == "rms_norm":
         nw_name = extra.pop(0)
         options += ["-DPROLOGUE_RMS", f"-DNORM_T={_float_type(ctx, op, nw_name, 'norm weight')}"]
@@ -285,17 +327,43 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
         rope_heads = rope_heads_q8(a, kv)
     elif epi is not None:
         raise CodegenError(f"op {op.name} (fused_matmul): epilogue {epi!r} has no OpenCL kernel")
+    qk_norm = _qk_norm(epi, a)
+    if qk_norm:   # Qwen3's q_norm / k_norm weights, after the caches
+        qkn = _float_type(ctx, op, extra[3], "q norm weight")
+        _need(ctx.dtype(extra[4]) == qkn, op, "the q and k norm weights must share one dtype")
+        options += ["-DQK_NORM", f"-DQKN_T={qkn}"]
     # a group per head is a matvec (its RW = hd is no tile width), prefill too: one token a group
     # row, weights read once per token; only Q8_0 caches of head_dim % 64 == 32 take it. Rows of
     # float weights that are no whole 16-byte units (K % 8, e.g. 9 heads x 100) only the tiled
     # kernel reads, in decode too
-    tiled = (m > 1 or k % 8 != 0) and not rope_heads
+    # heads wider than a 128-row tile take the matvec with per-head norms (whole heads a group)
+    wide_heads = qk_norm and heads[2] > TILE_N_WIDE
+    _need(not (wide_heads and k % 8), op, f"head_dim {heads[2]} with per-head norms and K = {k} (no multiple "
+          "of 8): the OpenCL kernels have no layout for it; use --weights q8_0 or the CPU")
+    tiled = (m > 1 or k % 8 != 0) and not rope_heads and not wide_heads
+    mv_wg = tuning.mv_wg_quant if quantized else tuning.mv_wg
+    qk_split = 0
     if rope_heads:
-        mv_wg, mv_rows, mv_split = (tuning.mv_wg_quant if quantized else tuning.mv_wg), heads[2], 1
+        mv_rows, mv_split = heads[2], 1
         options.append("-DROPE_HEADS")
+    elif qk_norm and not tiled and (split_rows := qk_split_rows(mv_wg, heads[2], "-DKV_Q8_0" in options)):
+        mv_rows, mv_split = split_rows, 1       # a head over hd / rows groups, merged by tickets
+        qk_split = heads[2] // split_rows
+        options.append(f"-DQK_SPLIT={qk_split}")
+    elif qk_norm:   # whole heads a group: float weights too take the larger groups of quantized
+        # ones, more warps (fewer rows each) on a head (H100 f16 Qwen3-0.6B qkv 12.5 -> 11.9 us)
+        mv_wg = max(mv_wg, tuning.mv_wg_quant)
+        mv_rows, mv_split = qk_norm_rows(mv_wg, heads[2], "-DKV_Q8_0" in options), 1
     else:
         mv_wg, mv_rows, mv_split = matvec_shape(tuning, k, n, quantized, epi, "-DKV_Q8_0" in options)
     tile_n, split, pair = tile_shape(tuning, m, k, n, wt, epi, a) if tiled else (0, 1, False)
+    if epi == "rope_kv_store" and (qk_norm or bias):
+        options.append(f"-DROPE_HD={heads[2]}")   # pre_epilogue's slot arithmetic by constants
+    if qk_norm:
+        rw = tile_n if tiled else mv_rows
+        hpg = 1 if rope_heads or qk_split else _heads_per_group(rw, epi, a)
+        tokens, threads = (TILE_M, 256) if tiled else (1, mv_wg)
+        options += [f"-DQK_HPG={hpg}", f"-DQK_PARTS={qk_norm_parts(threads, tokens, hpg, heads[2])}"]
     if tiled:
         options.append(f"-DTN={tile_n}")
         if split > 1:
@@ -313,6 +381,9 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
         if _rms_late(mv_split, bool(a.get("norm_folded"))):
             options.append("-DMV_RMS_LATE")   # matvec.cl applies it to float weights' RMS prologue
     eps, ints = {"float": float(a.get("eps", 0.0))}, [{"int": h} for h in heads]
+    # last: b (BIAS); qn, kn, qk_eps (QK_NORM)
+    late = ([_v(bias)] if bias else []) + ([_v(extra[3]), _v(extra[4]), {"float": float(a["qk_eps"])}]
+                                           if qk_norm else [])
     if tiled:
         args = [_v(x), _v(w), nw, *e, _v(op.outputs[0]), {"int": m}, {"int": k}, {"int": n}, eps, *ints]
     else:   # only what the variant reads (matvec.cl's MV_HAS_*): a launch's host time on NVIDIA's
@@ -320,7 +391,9 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
         rms, kv = a.get("prologue") == "rms_norm", epi == "rope_kv_store"
         args = [_v(x), _v(w), *([nw] if rms else []), *([e[0]] if epi in ("add", "rope_kv_store") else []),
                 *(e[1:] if kv else []), _v(op.outputs[0]), {"int": m}, {"int": k}, {"int": n},
-                *([eps] if rms else []), *(ints if kv else [])]
+                *([eps] if rms else []), *(ints if kv else []), *late]
+        if qk_split:   # the heads' tickets, then their rows
+            args.append({"scratch": 4 * m * (heads[0] + heads[1]) * (1 + heads[2])})
     if tiled:
         staged = _NONE
         if (quantized or wt == "f16") and k % 32 == 0:
@@ -337,6 +410,7 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
         args.append(staged)
         if split > 1:   # partials (in the staging buffer, after x) and the tiles' ticket counters
             args += [staged, {"scratch": 4 * tiles}]
+        args += late
     ctx.launches.append(Launch(op.name, "matmul" if tiled else "matvec", "matmul_tiled" if tiled else "matvec",
                                options, args,
                                local=256 if tiled else mv_wg, groups=row_groups * split,
@@ -485,10 +559,12 @@ def compactions(graph: Graph, tuning: OpenCLTuning) -> list[dict[str, Any]]:
 def _rms_norm(ctx: _Ctx, op: Op) -> None:
     x, w = op.inputs
     m, d = ctx.shape(x)
+    group = ctx.shape(w)[0]       # a group per run of G values of a row (G == D: the row)
     options = [f"-DNORM_T={_float_type(ctx, op, w, 'norm weight')}", f"-DNORM_WG={ctx.tuning.norm_wg}"]
     ctx.launches.append(Launch(op.name, "norm", "rms_norm", options,
-                               [_v(x), _v(w), _v(op.outputs[0]), {"int": d}, {"float": float(op.attrs["eps"])}],
-                               local=ctx.tuning.norm_wg, groups=1, rows=m))
+                               [_v(x), _v(w), _v(op.outputs[0]), {"int": d}, {"float": float(op.attrs["eps"])},
+                                {"int": group}],
+                               local=ctx.tuning.norm_wg, groups=d // group, rows=m))
 
 
 def _rope(ctx: _Ctx, op: Op) -> None:

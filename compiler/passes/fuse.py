@@ -45,8 +45,12 @@ class Pat:
 @dataclass(frozen=True)
 class Rule:
     name: str
-    pattern: Pat
+    pattern: Pat | tuple[Pat, ...]                       # one pattern, or alternatives tried in order
     rewrite: Callable[[Graph, Match], list[Op] | None]  # None declines the match, leaving g as it was
+
+    @property
+    def patterns(self) -> tuple[Pat, ...]:
+        return self.pattern if isinstance(self.pattern, tuple) else (self.pattern,)
 
 
 # -- matching -----------------------------------------------------------------------------------
@@ -125,21 +129,29 @@ def _toposort(ops: list[Op], rule: str) -> list[Op]:
     return order
 
 
-def _apply(g: Graph, rule: Rule) -> int:
-    """Rewrite every match of rule in g (in place); returns how many."""
-    removed = [p.name for p in _pats(rule.pattern) if not p.keep]
-    done = 0
-    while True:
-        ix = _Index.of(g)
-        for op in g.ops:
+def _first_match(g: Graph, rule: Rule) -> tuple[Pat, Match, list[Op]] | None:
+    """The first op (in graph order) where one of the rule's patterns matches and the rewrite
+    accepts: (that pattern, the match, the replacement ops)."""
+    ix = _Index.of(g)
+    for op in g.ops:
+        for pattern in rule.patterns:
             m: Match = {}
-            if _match_op(ix, rule.pattern, op, m):
+            if _match_op(ix, pattern, op, m):
                 new = rule.rewrite(g, m)
                 if new is not None:
-                    break
-        else:
+                    return pattern, m, new
+    return None
+
+
+def _apply(g: Graph, rule: Rule) -> int:
+    """Rewrite every match of rule in g (in place); returns how many."""
+    done = 0
+    while True:
+        found = _first_match(g, rule)
+        if found is None:
             return done
-        dead = {id(m[name]) for name in removed}
+        pattern, m, new = found
+        dead = {id(m[p.name]) for p in _pats(pattern) if not p.keep}
         first = min(i for i, op in enumerate(g.ops) if id(op) in dead)
         kept = [op for op in g.ops[:first] if id(op) not in dead]
         g.ops = _toposort(kept + new + [op for op in g.ops[first:] if id(op) not in dead], rule.name)
@@ -170,10 +182,36 @@ def _fused(inputs: list[str], outputs: list[str], prologue: str | None, epilogue
     return Op("fused_matmul", inputs, outputs, dict(prologue=prologue, epilogue=epilogue, **attrs))
 
 
-def _as_fused(mm: Op, inputs: list[str], outputs: list[str], **changes: Any) -> Op:
-    """mm (a matmul or fused_matmul) as a fused_matmul with new operands and attrs changed."""
-    attrs = {**mm.attrs, **changes}
-    return _fused(inputs, outputs, attrs.pop("prologue", None), attrs.pop("epilogue", None), **attrs)
+@dataclass
+class _Operands:
+    """A matmul or fused_matmul taken apart into its roles (compiler/ir.py orders them: x, w,
+    norm_w if prologue, the epilogue's, b if bias), so a rewrite changes one role and the bias
+    keeps its place and its attr."""
+    x: str
+    w: str
+    norm_w: str | None          # the RMS prologue's weight
+    epilogue: list[str]         # the epilogue's inputs
+    bias: str | None            # b[N], added before the epilogue
+    attrs: dict[str, Any]       # every attr but bias
+
+    @staticmethod
+    def of(op: Op) -> "_Operands":
+        if op.kind == "matmul":
+            return _Operands(op.inputs[0], op.inputs[1], None, [], op.inputs[2] if len(op.inputs) == 3 else None, {})
+        attrs = dict(op.attrs)
+        rest = list(op.inputs[2:])
+        norm_w = rest.pop(0) if attrs.get("prologue") == "rms_norm" else None
+        bias = rest.pop() if attrs.pop("bias", False) else None
+        return _Operands(op.inputs[0], op.inputs[1], norm_w, rest, bias, attrs)
+
+    def op(self, outputs: list[str], **changes: Any) -> Op:
+        """A fused_matmul of these operands writing outputs, with attrs changed."""
+        attrs = {**self.attrs, **changes}
+        if self.bias is not None:
+            attrs["bias"] = True
+        inputs = [self.x, self.w, *([self.norm_w] if self.norm_w else []), *self.epilogue,
+                  *([self.bias] if self.bias else [])]
+        return _fused(inputs, outputs, attrs.pop("prologue", None), attrs.pop("epilogue", None), **attrs)
 
 
 def _stackable(g: Graph, names: list[str]) -> bool:
@@ -182,17 +220,23 @@ def _stackable(g: Graph, names: list[str]) -> bool:
                and v.shape[1] == vs[0].shape[1] for v in vs)
 
 
-def _stack(g: Graph, names: list[str], label: str) -> str:
-    """A const [sum of rows, K] holding the weights' rows one after another, made on load.
-    Quantized rows are whole blocks, so stacking block arrays equals quantizing the stack."""
+def _stacked_name(g: Graph, names: list[str], label: str, suffix: str) -> str:
+    """<the names' common prefix>.<label>.<suffix>, numbered if taken."""
     parts = [n.split(".") for n in names]
     common = 0
     while all(len(p) > common + 1 and p[common] == parts[0][common] for p in parts):
         common += 1
-    base = ".".join(parts[0][:common] + [label, "weight"])
+    base = ".".join(parts[0][:common] + [label, suffix])
     name, k = base, 1
     while name in g.values:
         name, k = f"{base}.{k}", k + 1
+    return name
+
+
+def _stack(g: Graph, names: list[str], label: str) -> str:
+    """A const [sum of rows, K] holding the weights' rows one after another, made on load.
+    Quantized rows are whole blocks, so stacking block arrays equals quantizing the stack."""
+    name = _stacked_name(g, names, label, "weight")
     srcs = [g.weights[n] for n in names]
     shape = (sum(s.shape[0] for s in srcs), srcs[0].shape[1])
     g.add_value(name, shape, srcs[0].dtype, kind="const")
@@ -201,31 +245,67 @@ def _stack(g: Graph, names: list[str], label: str) -> str:
     return name
 
 
+def _biases_ok(g: Graph, rests: list[list[str]]) -> bool:
+    """Each matched matmul's extra inputs (its bias, or none) are weights a stack can hold."""
+    return all(len(r) <= 1 and all(g.values[b].kind in ("param", "const") for b in r) for r in rests)
+
+
+def _stack_biases(g: Graph, weights: list[str], rests: list[list[str]], label: str) -> str | None:
+    """The matmuls' biases (f32[rows], zeros for one without) as one const f32[sum of rows],
+    named after the weights; None where none of them has a bias."""
+    if not any(rests):
+        return None
+    rows = [g.values[w].shape[0] for w in weights]
+    srcs = [g.weights[r[0]] if r else None for r in rests]
+    name = _stacked_name(g, weights, label, "bias")
+
+    def make() -> np.ndarray:
+        return np.concatenate([s.load() if s is not None else np.zeros(n, np.float32) for s, n in zip(srcs, rows)])
+    g.add_value(name, (sum(rows),), "f32", kind="const")
+    g.weights[name] = LazyTensor((sum(rows),), "f32", make)
+    return name
+
+
 def _qkv_rope_kv(g: Graph, m: Match) -> list[Op] | None:
     rq, rk = m["rope_q"].attrs, m["rope_k"].attrs
     h, kvh, hd = rq["n_heads"], rk["n_heads"], rq["head_dim"]
-    rows = [g.values[m[w]].shape[0] for w in ("wq", "wk", "wv")]
+    weights = [m["wq"], m["wk"], m["wv"]]
+    rests = [m["bq"], m["bk"], m["bv"]]
+    rows = [g.values[w].shape[0] for w in weights]
     if (rows != [h * hd, kvh * hd, kvh * hd] or rk["head_dim"] != hd or rk["theta"] != rq["theta"]
             or rk.get("scaling") != rq.get("scaling") or m["q_freq"] != m["k_freq"]
-            or not _stackable(g, [m["wq"], m["wk"], m["wv"]])):
+            or not _stackable(g, weights) or not _biases_ok(g, rests)):
         return None
-    w = _stack(g, [m["wq"], m["wk"], m["wv"]], "qkv_proj")
+    qk_norm = {}
+    if "norm_q" in m:   # Qwen3: per-head norms of q and k (G = head_dim), one eps for both
+        eps = m["norm_q"].attrs["eps"]
+        if (g.values[m["qn"]].shape != (hd,) or g.values[m["kn"]].shape != (hd,)
+                or m["norm_k"].attrs["eps"] != eps):
+            return None
+        qk_norm = dict(qk_norm=True, qk_eps=eps)
+    w = _stack(g, weights, "qkv_proj")
     freq = m["q_freq"][0] if m["q_freq"] else inv_freq_const(g, hd, rq["theta"], rq.get("scaling"))
     outs = [m["rope_q"].outputs[0], m["store_k"].outputs[0], m["store_v"].outputs[0]]
-    return [_fused([m["x"], w, freq, m["k_cache"], m["v_cache"]], outs, None, "rope_kv_store",
-                   n_heads=h, n_kv_heads=kvh, head_dim=hd, theta=rq["theta"], scaling=rq.get("scaling"))]
+    norms = [m["qn"], m["kn"]] if qk_norm else []
+    bias = _stack_biases(g, weights, rests, "qkv_proj")
+    return [_Operands(m["x"], w, None, [freq, m["k_cache"], m["v_cache"], *norms], bias, {}).op(
+        outs, epilogue="rope_kv_store", n_heads=h, n_kv_heads=kvh, head_dim=hd, theta=rq["theta"],
+        scaling=rq.get("scaling"), **qk_norm)]
 
 
 def _gate_up_silu(g: Graph, m: Match) -> list[Op] | None:
-    if not _stackable(g, [m["w_gate"], m["w_up"]]):
+    weights, rests = [m["w_gate"], m["w_up"]], [m["b_gate"], m["b_up"]]
+    if not _stackable(g, weights) or not _biases_ok(g, rests):
         return None
-    w = _stack(g, [m["w_gate"], m["w_up"]], "gate_up_proj")
-    return [_fused([m["x"], w], m["act"].outputs, None, "silu_mul")]
+    w = _stack(g, weights, "gate_up_proj")
+    bias = _stack_biases(g, weights, rests, "gate_up_proj")
+    return [_Operands(m["x"], w, None, [], bias, {}).op(m["act"].outputs, epilogue="silu_mul")]
 
 
 def _residual_epilogue(g: Graph, m: Match) -> list[Op] | None:
-    mm = m["mm"]
-    return [_as_fused(mm, [*mm.inputs, m["residual"]], m["add"].outputs, epilogue="add")]
+    mm = _Operands.of(m["mm"])
+    mm.epilogue = [m["residual"]]
+    return [mm.op(m["add"].outputs, epilogue="add")]
 
 
 def _last_token_logits(g: Graph, m: Match) -> list[Op] | None:
@@ -243,9 +323,11 @@ def _last_token_logits(g: Graph, m: Match) -> list[Op] | None:
 
 
 def _norm_prologue(g: Graph, m: Match) -> list[Op] | None:
-    mm, norm = m["mm"], m["norm"]
-    return [_as_fused(mm, [m["x"], m["w"], m["norm_w"], *m["extra"]], mm.outputs,
-                     prologue="rms_norm", eps=norm.attrs["eps"])]
+    mm, norm = _Operands.of(m["mm"]), m["norm"]
+    if g.values[m["norm_w"]].shape != g.values[m["x"]].shape[1:]:
+        return None   # a norm over groups of a row (per head) is no prologue of a whole row
+    mm.x, mm.norm_w = m["x"], m["norm_w"]
+    return [mm.op(m["mm"].outputs, prologue="rms_norm", eps=norm.attrs["eps"])]
 
 
 def _norm_weight_fold(g: Graph, m: Match) -> list[Op] | None:
@@ -253,7 +335,8 @@ def _norm_weight_fold(g: Graph, m: Match) -> list[Op] | None:
     dot(w * nw, x) / rms, so a decode kernel loads no norm weight (on the H200 those loads cost
     an f16 matvec ~4 us a launch). The norm input becomes a shared const of ones, which every
     back end multiplies by exactly as before; `norm_folded` lets a back end skip it. Quantized
-    weights keep GGML's bytes, and a weight or norm read elsewhere (a tied lm_head) stays."""
+    weights keep GGML's bytes, and a weight or norm read elsewhere (a tied lm_head) stays. A
+    bias is added after the dot product, so it stays as it is."""
     mm, w, nw = m["mm"], m["w"], m["norm_w"]
     wv, nv = g.values[w], g.values[nw]
     if (mm.attrs.get("norm_folded") or wv.dtype not in ("f32", "f16")
@@ -273,26 +356,41 @@ def _norm_weight_fold(g: Graph, m: Match) -> list[Op] | None:
     if ones not in g.values:
         g.add_value(ones, nv.shape, "f32", kind="const")
         g.weights[ones] = LazyTensor.of(np.ones(nv.shape, np.float32), "f32")
-    return [_as_fused(mm, [m["x"], folded, ones, *m["extra"]], mm.outputs, norm_folded=True)]
+    operands = _Operands.of(mm)
+    operands.w, operands.norm_w = folded, ones
+    return [operands.op(mm.outputs, norm_folded=True)]
 
 
 _MATMUL = ("matmul", "fused_matmul")
 
+
+def _projection(name: str, w: str, bias: str) -> Pat:
+    """x @ w (+ bias): a plain matmul, its bias (none or one) bound as a list to `bias`."""
+    return Pat("matmul", name, rest=bias, src=(Val("x"), Val(w)))
+
+
+def _qkv_pattern(qk_norm: bool) -> Pat:
+    """attention(rope(x@wq), kv_store(rope(x@wk)), kv_store(x@wv)), each projection with or
+    without a bias; with qk_norm (Qwen3) q and k pass a per-head rms_norm before RoPE."""
+    q, k = _projection("mm_q", "wq", "bq"), _projection("mm_k", "wk", "bk")
+    if qk_norm:
+        q = Pat("rms_norm", "norm_q", src=(q, Val("qn")))
+        k = Pat("rms_norm", "norm_k", src=(k, Val("kn")))
+    return Pat("attention", "attn", keep=True, rest="scores", src=(
+        Pat("rope", "rope_q", rest="q_freq", shared=True, src=(q,)),
+        Pat("kv_store", "store_k", shared=True, src=(Pat("rope", "rope_k", rest="k_freq", src=(k,)), Val("k_cache"))),
+        Pat("kv_store", "store_v", shared=True, src=(_projection("mm_v", "wv", "bv"), Val("v_cache")))))
+
+
 RULES: list[Rule] = [
-    # attention(rope(x@wq), kv_store(rope(x@wk)), kv_store(x@wv)) -> one matmul over [q;k;v]
-    Rule("qkv_rope_kv", Pat("attention", "attn", keep=True, rest="scores", src=(
-        Pat("rope", "rope_q", rest="q_freq", shared=True, src=(Pat("matmul", "mm_q", src=(Val("x"), Val("wq"))),)),
-        Pat("kv_store", "store_k", shared=True, src=(
-            Pat("rope", "rope_k", rest="k_freq", src=(Pat("matmul", "mm_k", src=(Val("x"), Val("wk"))),)),
-            Val("k_cache"))),
-        Pat("kv_store", "store_v", shared=True, src=(Pat("matmul", "mm_v", src=(Val("x"), Val("wv"))),
-                                                     Val("v_cache"))))),
-         _qkv_rope_kv),
-    # silu_mul(x@w_gate, x@w_up) -> one matmul over [gate;up]
-    Rule("gate_up_silu", Pat("silu_mul", "act", src=(Pat("matmul", "mm_gate", src=(Val("x"), Val("w_gate"))),
-                                                      Pat("matmul", "mm_up", src=(Val("x"), Val("w_up"))))),
+    # attention(rope([norm](x@wq [+bq])), kv_store(rope([norm](x@wk [+bk]))), kv_store(x@wv [+bv]))
+    #   -> one matmul over [q;k;v] (biases stacked too), the per-head norms in its epilogue
+    Rule("qkv_rope_kv", (_qkv_pattern(qk_norm=False), _qkv_pattern(qk_norm=True)), _qkv_rope_kv),
+    # silu_mul(x@w_gate [+b], x@w_up [+b]) -> one matmul over [gate;up]
+    Rule("gate_up_silu", Pat("silu_mul", "act", src=(_projection("mm_gate", "w_gate", "b_gate"),
+                                                      _projection("mm_up", "w_up", "b_up"))),
          _gate_up_silu),
-    # residual + x@w -> the matmul adds the residual as it writes
+    # residual + x@w [+b] -> the matmul adds the residual as it writes
     Rule("residual_epilogue", Pat("add", "add", commutative=True, src=(
         Val("residual"),
         Pat(_MATMUL, "mm", attrs={"epilogue": None}, rest="extra", src=(Val("x"), Val("w"))))),
@@ -301,7 +399,7 @@ RULES: list[Rule] = [
     Rule("last_token_logits", Pat(_MATMUL, "head", attrs={"prologue": None, "epilogue": None}, rest="extra", src=(
         Pat("rms_norm", "norm", src=(Val("x"), Val("norm_w"))), Val("w"))),
          _last_token_logits),
-    # rms_norm read by one matmul -> normalised inside the matmul
+    # rms_norm of whole rows read by one matmul -> normalised inside the matmul
     Rule("norm_prologue", Pat(_MATMUL, "mm", attrs={"prologue": None}, rest="extra", src=(
         Pat("rms_norm", "norm", src=(Val("x"), Val("norm_w"))), Val("w"))),
          _norm_prologue),

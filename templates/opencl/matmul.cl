@@ -27,10 +27,34 @@
 #define TM_G TM
 #endif
 
+// b (BIAS), qn, kn and qk_eps (QK_NORM): matmul_tiled's last arguments, passed on to
+// tile_epilogue by every body as TILE_EPI_EXTRA (nothing without them)
+#ifdef BIAS
+#define MM_BIAS_ARGS , gin biasb, ulong bias_off
+#define MM_BIAS biasb + bias_off
+#else
+#define MM_BIAS_ARGS
+#define MM_BIAS 0
+#endif
+#ifdef QK_NORM
+#define MM_QK_ARGS , gin qnormb, ulong qnorm_off, gin knormb, ulong knorm_off, float qk_eps
+#define MM_QK_LOCALS __local float qk_part[TM * QK_HPG * QK_PARTS];   /* pre_epilogue's sums of squares */
+#define MM_QK qnormb + qnorm_off, knormb + knorm_off, qk_eps, qk_part
+#else
+#define MM_QK_ARGS
+#define MM_QK_LOCALS
+#define MM_QK 0, 0, 0.0f, 0
+#endif
+#define TILE_EPI_EXTRA , MM_BIAS, MM_QK
+
 // The finished tile out [TM][TN] (token, slot) through the fused epilogue, rows t0.. of the step.
-inline void tile_epilogue(__local const float* out, int t0, int rows, int g, int lid, gout e0, gout e1,
+inline void tile_epilogue(__local float* out, int t0, int rows, int g, int lid, gout e0, gout e1,
                           gout e2, gout y, int N, int n_heads, int n_kv_heads, int hd,
-                          __global const int* step) {
+                          __global const int* step, gin bias, gin qn, gin kn, float qk_eps,
+                          __local float* qk_part) {
+#ifdef PRE_EPILOGUE
+    pre_epilogue(out, TM, TN, g, TN, lid, 256, N, n_heads, n_kv_heads, hd, bias, qn, kn, qk_eps, qk_part);
+#endif
 #if defined(EPI_ROPE_KV) && defined(KV_Q8_0)
     for (int e = lid; e < TM * (TN / 32); e += 256) {
         int tt = e / (TN / 32), c = e % (TN / 32);
@@ -229,11 +253,12 @@ void matmul_tiled(__global const int* step, gin xb, ulong x_off, gin wb, ulong w
                   gin nwb, ulong nw_off, gout e0b, ulong e0_off, gout e1b, ulong e1_off, \
                   gout e2b, ulong e2_off, gout yb, ulong y_off, \
                   int M, int K, int N, float eps, int n_heads, int n_kv_heads, int hd, \
-                  gin sbb, ulong sb_off MM_SPLIT_ARGS) { \
+                  gin sbb, ulong sb_off MM_SPLIT_ARGS MM_BIAS_ARGS MM_QK_ARGS) { \
     int lid = get_local_id(0), t0g = get_group_id(1) * TM_G;   /* the group's first token */ \
     int g = get_group_id(0) / MM_SPLIT, split = get_group_id(0) % MM_SPLIT; \
     int kb = split * (K / MM_SPLIT), ke = MM_SPLIT > 1 ? kb + K / MM_SPLIT : K;   /* this group's K */ \
     MM_SPLIT_LOCALS \
+    MM_QK_LOCALS \
     int rows = min(M, STEP_N_TOKENS(step)); \
     __global const float* x = (__global const float*)(xb + x_off); \
     gin sb = sbb + sb_off;   /* stage_x's output (X_STAGED) */ \
@@ -296,7 +321,7 @@ void matmul_tiled(__global const int* step, gin xb, ulong x_off, gin wb, ulong w
         barrier(CLK_LOCAL_MEM_FENCE);                                                          \
         MM_SPLIT_MERGE(out, t0 / TM + mt)                                                      \
         tile_epilogue(out, t0 + TM * mt, rows, g, lid, e0b + e0_off, e1b + e1_off, e2b + e2_off, \
-                      yb + y_off, N, n_heads, n_kv_heads, hd, step);                           \
+                      yb + y_off, N, n_heads, n_kv_heads, hd, step TILE_EPI_EXTRA);            \
         barrier(CLK_LOCAL_MEM_FENCE);                                                          \
     }
 #endif  // MMA_BODY

@@ -8,6 +8,19 @@
 //                                                  time by epilogue_chunk()
 //   -DROPE_HEADS                                   (EPI_ROPE_KV, KV_Q8_0, matvec) a group per
 //                                                  head of [q; k; v], RW = hd, in row order
+//   -DQK_NORM -DQK_HPG=<h> -DQK_PARTS=<p> -DQKN_T=<f32|f16|bf16>
+//                                                  (EPI_ROPE_KV) each q and k head RMS-normed
+//                                                  (weights qn, kn [hd], eps qk_eps) before
+//                                                  RoPE; a group holds QK_HPG whole heads
+//   -DBIAS                                         b f32 [N] added to every dot product before
+//                                                  the epilogue
+//   -DQK_SPLIT=<s>                                 (QK_NORM, matvec) a head's rows over s groups,
+//                                                  pairs as without norms: each writes its dot
+//                                                  products to scratch, the last to take the
+//                                                  head's ticket finishes the head (qk_split_epilogue)
+//   -DROPE_HD=<hd>                                 (EPI_ROPE_KV with BIAS or QK_NORM) head_dim
+//                                                  known at build time: the slot arithmetic
+//                                                  of pre_epilogue() divides by no variable
 //   -DMV_WG, -DMV_ROWS, -DMV_K, -DMV_LOADS          matvec shape (matvec.cl)
 // Quantized weights multiply Q8_0-quantized activations block by block; a block's dot product
 // of integers is exact in f32 (|sum| <= 32*127*128 < 2^24), then scaled by d_x * d_w, as GGML.
@@ -25,6 +38,12 @@
 //   e0     f32 [M, N] residual (EPI_ADD) | f32 [hd/2] inv_freq (EPI_ROPE_KV)
 //   e1,e2  KV_T [S, KVH, hd]          k and v caches (EPI_ROPE_KV), rows n_past + t
 //   y      f32 [M, N] | [M, N/2] (EPI_SILU_MUL) | q_roped [M, H*hd] (EPI_ROPE_KV)
+//   b      f32 [N]                    bias (BIAS)
+//   qn,kn  QKN_T [hd]                 per-head q / k norm weights (QK_NORM)
+// With BIAS or QK_NORM, pre_epilogue() first changes a group's finished dot products in local
+// memory: b added to each, then each q / k head normalised (QK_NORM needs the slot rule to give
+// a group whole heads: with pairs, a group takes QK_HPG heads' pairs, the rest of its pair
+// slots idle).
 
 // Weight access (quantized weights in the split layout of common.cl; blk = row * K/32 + b):
 //   welem(w, blk, k, nblk)   element k of block blk (quantized: the integer code)
@@ -133,19 +152,35 @@ inline float wscale(gin w, size_t blk, size_t nblk) {
 #if defined(EPI_ROPE_KV) && !defined(KV_Q8_0)
 #define ST_KV(p, i, v) CAT(st_, KV_T)(p, i, v)
 #endif
+// head_dim as a build-time constant where codegen gives one (the int argument otherwise)
+#ifdef ROPE_HD
+#define FIX_HD(hd) hd = ROPE_HD
+#else
+#define FIX_HD(hd)
+#endif
+// RoPE pairs a group holds: half its slots, or with QK_NORM those of QK_HPG whole heads
+#if defined(QK_NORM) && !defined(QK_SPLIT)
+#define ROPE_PPG(RW, hh) (QK_HPG * (hh))
+#else
+#define ROPE_PPG(RW, hh) ((RW) / 2)
+#endif
 
 // Groups of a launch over the rows (the host sizes the grid with the same rule).
 inline int slot_row(int g, int r, int RW, int N, int n_heads, int n_kv_heads, int hd) {
+    FIX_HD(hd);
 #if defined(EPI_SILU_MUL)
     int half_rw = RW / 2, u = g * half_rw + (r % half_rw);
     if (u >= N / 2) return -1;
     return r < half_rw ? u : N / 2 + u;
 #elif defined(EPI_ROPE_KV) && !defined(ROPE_HEADS)
-    int half_rw = RW / 2, hh = hd / 2;
+    int half_rw = RW / 2, hh = hd / 2, ppg = ROPE_PPG(RW, hh);
     int pairs = (n_heads + n_kv_heads) * hh;
-    int pair_groups = (pairs + half_rw - 1) / half_rw;
+    int pair_groups = (pairs + ppg - 1) / ppg;
     if (g < pair_groups) {
-        int p = g * half_rw + (r % half_rw);
+#if defined(QK_NORM) && !defined(QK_SPLIT)
+        if (r % half_rw >= ppg) return -1;
+#endif
+        int p = g * ppg + (r % half_rw);
         if (p >= pairs) return -1;
         return (p / hh) * hd + (p % hh) + (r < half_rw ? 0 : hh);
     }
@@ -161,18 +196,22 @@ inline int slot_row(int g, int r, int RW, int N, int n_heads, int n_kv_heads, in
 inline void epilogue(int t, int g, int r, int RW, __local const float* vals, int stride,
                      gout e0, gout e1, gout e2, gout y, int N, int n_heads, int n_kv_heads,
                      int hd, int n_past, int start_pos) {
+    FIX_HD(hd);
 #if defined(EPI_SILU_MUL)
     int half_rw = RW / 2, F = N / 2, u = g * half_rw + r;
     if (r >= half_rw || u >= F) return;
     float gate = vals[r * stride], up = vals[(r + half_rw) * stride];
     ((__global float*)y)[(size_t)t * F + u] = gate / (1.0f + exp(-gate)) * up;
 #elif defined(EPI_ROPE_KV) && !defined(KV_Q8_0)
-    int half_rw = RW / 2, hh = hd / 2;
+    int half_rw = RW / 2, hh = hd / 2, ppg = ROPE_PPG(RW, hh);
     int pairs = (n_heads + n_kv_heads) * hh;
-    int pair_groups = (pairs + half_rw - 1) / half_rw;
+    int pair_groups = (pairs + ppg - 1) / ppg;
     size_t kv_row = (size_t)(n_past + t) * n_kv_heads * hd;
     if (g < pair_groups) {
-        int p = g * half_rw + r;
+        int p = g * ppg + r;
+#if defined(QK_NORM) && !defined(QK_SPLIT)
+        if (r >= ppg) return;
+#endif
         if (r >= half_rw || p >= pairs) return;
         int head = p / hh, j = p % hh;
         float x1 = vals[r * stride], x2 = vals[(r + half_rw) * stride];
@@ -229,6 +268,7 @@ inline void store_q8_block(gout cache, size_t first, const float* o) {
 inline void epilogue_chunk(int t, int g, int c, int RW, __local const float* vals, int stride,
                            gout e0, gout e1, gout e2, gout y, int N, int n_heads, int n_kv_heads,
                            int hd, int n_past, int start_pos) {
+    FIX_HD(hd);
     int hh = hd / 2;
     bool rope = g < n_heads + n_kv_heads;
     float pos = (float)(start_pos + t);
@@ -259,9 +299,10 @@ inline void epilogue_chunk(int t, int g, int c, int RW, __local const float* val
 inline void epilogue_chunk(int t, int g, int c, int RW, __local const float* vals, int stride,
                            gout e0, gout e1, gout e2, gout y, int N, int n_heads, int n_kv_heads,
                            int hd, int n_past, int start_pos) {
-    int half_rw = RW / 2, hh = hd / 2;
+    FIX_HD(hd);
+    int half_rw = RW / 2, hh = hd / 2, ppg = ROPE_PPG(RW, hh);   // QK_NORM: codegen keeps ppg == half_rw
     int pairs = (n_heads + n_kv_heads) * hh;
-    int pair_groups = (pairs + half_rw - 1) / half_rw;
+    int pair_groups = (pairs + ppg - 1) / ppg;
     size_t kv_row = (size_t)(n_past + t) * n_kv_heads * hd;   // element index of the cache row
     float o[32];
     gout cache;
@@ -269,7 +310,7 @@ inline void epilogue_chunk(int t, int g, int c, int RW, __local const float* val
     int r0 = 32 * c;
     if (g < pair_groups) {
         bool high = r0 >= half_rw;
-        int p0 = g * half_rw + r0 % half_rw;
+        int p0 = g * ppg + r0 % half_rw;
         if (p0 >= pairs) return;
         int head = p0 / hh, j0 = p0 % hh;
         float pos = (float)(start_pos + t);
@@ -296,5 +337,140 @@ inline void epilogue_chunk(int t, int g, int c, int RW, __local const float* val
         first = kv_row + row0;
     }
     store_q8_block(cache, first, o);
+}
+#endif
+
+#if defined(BIAS) || defined(QK_NORM)
+#define PRE_EPILOGUE 1
+#ifdef QK_NORM
+#define LD_QKN(p, i) CAT(ld_, QKN_T)(p, i)
+// slot of element d of local head lh of a group: a whole head in row order (ROPE_HEADS), or
+// its RoPE pairs (element d of the first half at slot lh * hh + d, of the second RW / 2 on)
+inline int qk_slot(int lh, int d, int RW, int hd) {
+#ifdef ROPE_HEADS
+    return d;
+#else
+    int hh = hd / 2;
+    return d < hh ? lh * hh + d : RW / 2 + lh * hh + d - hh;
+#endif
+}
+#endif
+
+// The group's finished dot products vals [ntok][tstride] (slot r of token tt at tt * tstride +
+// r) made what the epilogue takes: b added (BIAS), then each q / k head x / sqrt(mean(x^2) +
+// eps) * w, w = qn or kn (QK_NORM). Every thread of the group calls these (barriers inside).
+#ifdef BIAS
+inline void add_bias(__local float* vals, int ntok, int tstride, int g, int RW, int lid, int nthreads,
+                     int N, int n_heads, int n_kv_heads, int hd, gin bias) {
+    for (int e = lid; e < ntok * RW; e += nthreads) {
+        int tt = e / RW, r = e % RW;
+        int row = slot_row(g, r, RW, N, n_heads, n_kv_heads, hd);
+        if (row >= 0) vals[tt * tstride + r] += ((__global const float*)bias)[row];
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+}
+#endif
+
+#ifdef QK_NORM
+// QK_PARTS threads sum a head's squares in parts, into part [ntok][QK_HPG][QK_PARTS], a thread
+// per head adds them up into the first of its parts, then every value takes it
+inline void qk_norm_vals(__local float* vals, int ntok, int tstride, int g, int RW, int lid, int nthreads,
+                         int n_heads, int n_kv_heads, int hd, gin qn, gin kn, float qk_eps, __local float* part) {
+#ifdef ROPE_HEADS
+    int head0 = g;
+#else
+    int head0 = g * QK_HPG, pairs = (n_heads + n_kv_heads) * (hd / 2);
+    if (g >= (pairs + QK_HPG * (hd / 2) - 1) / (QK_HPG * (hd / 2))) return;   // a group of v rows
+#endif
+    if (head0 >= n_heads + n_kv_heads) return;   // ROPE_HEADS: a v head (uniform in the group)
+    for (int e = lid; e < ntok * QK_HPG * QK_PARTS; e += nthreads) {
+        int q = e % QK_PARTS, lh = (e / QK_PARTS) % QK_HPG, tt = e / (QK_PARTS * QK_HPG);
+        float ss = 0.0f;
+        for (int d = q; d < hd; d += QK_PARTS) {
+            float v = vals[tt * tstride + qk_slot(lh, d, RW, hd)];
+            ss += v * v;
+        }
+        part[e] = ss;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int e = lid; e < ntok * QK_HPG; e += nthreads) {   // a head's rms into its first part
+        float ss = 0.0f;
+        for (int q = 0; q < QK_PARTS; q++) ss += part[e * QK_PARTS + q];
+        part[e * QK_PARTS] = sqrt(ss / (float)hd + qk_eps);
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int e = lid; e < ntok * QK_HPG * hd; e += nthreads) {
+        int d = e % hd, lh = (e / hd) % QK_HPG, tt = e / (hd * QK_HPG);
+        int head = head0 + lh;
+        if (head >= n_heads + n_kv_heads) continue;
+        __local float* v = vals + tt * tstride + qk_slot(lh, d, RW, hd);
+        *v = *v / part[(tt * QK_HPG + lh) * QK_PARTS] * LD_QKN(head < n_heads ? qn : kn, d);
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+}
+#endif
+
+inline void pre_epilogue(__local float* vals, int ntok, int tstride, int g, int RW, int lid, int nthreads,
+                         int N, int n_heads, int n_kv_heads, int hd, gin bias, gin qn, gin kn, float qk_eps,
+                         __local float* part) {
+    FIX_HD(hd);
+#ifdef BIAS
+    add_bias(vals, ntok, tstride, g, RW, lid, nthreads, N, n_heads, n_kv_heads, hd, bias);
+#endif
+#ifdef QK_NORM
+    qk_norm_vals(vals, ntok, tstride, g, RW, lid, nthreads, n_heads, n_kv_heads, hd, qn, kn, qk_eps, part);
+#endif
+}
+#endif
+
+#ifdef QK_SPLIT
+// The matvec's epilogue where a head's rows are split over QK_SPLIT groups (pairs as without norms,
+// RW / 2 dividing hd / 2, so a pair group's slots are of one head): a v group finishes its rows
+// as usual; a q / k group writes its dot products (bias added) into the head's row of scratch,
+// f32 [M][heads][hd] after the tickets int [M][heads] (heads = n_heads + n_kv_heads; zero at
+// load, and put back to zero), and takes the head's ticket; the group that takes the last one
+// reads the whole head back into head [hd] and finishes it as a group of RW = hd would: norm,
+// RoPE, q or the k cache. As split_merge (matmul.cl) does for split-K.
+inline void qk_split_epilogue(int t, int g, int lid, int nthreads, __local float* out, int RW, gout e0, gout e1,
+                              gout e2, gout y, int M, int N, int n_heads, int n_kv_heads, int hd, int n_past,
+                              int start_pos, gin bias, gin qn, gin kn, float qk_eps, __local float* part,
+                              __local float* head, __local int* last, gout scratch) {
+    FIX_HD(hd);
+    int hh = hd / 2, half_rw = RW / 2, heads = n_heads + n_kv_heads;
+#ifdef BIAS
+    add_bias(out, 1, RW, g, RW, lid, nthreads, N, n_heads, n_kv_heads, hd, bias);
+#endif
+    if (g >= heads * hh / half_rw) {   // a group of v rows
+#ifdef KV_Q8_0
+        if (lid < RW / 32)
+            epilogue_chunk(t, g, lid, RW, out, 1, e0, e1, e2, y, N, n_heads, n_kv_heads, hd, n_past, start_pos);
+#else
+        for (int r = lid; r < RW; r += nthreads)
+            epilogue(t, g, r, RW, out, 1, e0, e1, e2, y, N, n_heads, n_kv_heads, hd, n_past, start_pos);
+#endif
+        return;
+    }
+    int h = g * half_rw / hh, j0 = g * half_rw % hh;   // the head, its first pair here
+    __global volatile int* count = (__global volatile int*)scratch + (size_t)t * heads + h;
+    __global volatile float* row = (__global volatile float*)(scratch + 4 * (size_t)M * heads) +
+                                   ((size_t)t * heads + h) * hd;
+    for (int r = lid; r < RW; r += nthreads) row[j0 + r % half_rw + (r < half_rw ? 0 : hh)] = out[r];
+    mem_fence(CLK_GLOBAL_MEM_FENCE);   // the values reach memory before the ticket
+    barrier(CLK_GLOBAL_MEM_FENCE | CLK_LOCAL_MEM_FENCE);
+    if (lid == 0) *last = atomic_inc(count) == QK_SPLIT - 1;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (!*last) return;
+    mem_fence(CLK_GLOBAL_MEM_FENCE);
+    for (int d = lid; d < hd; d += nthreads) head[d] = row[d];   // past L1: other SMs wrote it
+    if (lid == 0) *count = 0;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    qk_norm_vals(head, 1, hd, h, hd, lid, nthreads, n_heads, n_kv_heads, hd, qn, kn, qk_eps, part);
+#ifdef KV_Q8_0
+    if (lid < hd / 32)
+        epilogue_chunk(t, h, lid, hd, head, 1, e0, e1, e2, y, N, n_heads, n_kv_heads, hd, n_past, start_pos);
+#else
+    for (int r = lid; r < hd; r += nthreads)
+        epilogue(t, h, r, hd, head, 1, e0, e1, e2, y, N, n_heads, n_kv_heads, hd, n_past, start_pos);
+#endif
 }
 #endif

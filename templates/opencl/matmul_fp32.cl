@@ -135,7 +135,7 @@ MATMUL_TILED_BEGIN
     barrier(CLK_LOCAL_MEM_FENCE);
     MM_SPLIT_MERGE(out, t0 / TM)
     tile_epilogue(out, t0, rows, g, lid, e0b + e0_off, e1b + e1_off, e2b + e2_off, yb + y_off, N,
-                  n_heads, n_kv_heads, hd, step);
+                  n_heads, n_kv_heads, hd, step TILE_EPI_EXTRA);
     TILE_LOOP_END
 }
 #endif  // !MMA_BODY

@@ -196,7 +196,7 @@ MATMUL_TILED_BEGIN
         barrier(CLK_LOCAL_MEM_FENCE);
         MM_SPLIT_MERGE(out, t0 / TM + mt)
         tile_epilogue(out, t0 + TM * mt, rows, g, lid, e0b + e0_off, e1b + e1_off, e2b + e2_off,
-                      yb + y_off, N, n_heads, n_kv_heads, hd, step);
+                      yb + y_off, N, n_heads, n_kv_heads, hd, step TILE_EPI_EXTRA);
         barrier(CLK_LOCAL_MEM_FENCE);
     }
 }

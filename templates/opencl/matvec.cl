@@ -152,6 +152,7 @@ inline void quantize_x_lanes(__global const float4* x4, __local int* xq, __local
 #ifdef EPI_ROPE_KV
 #define MV_HAS_KV 1                          // e1, e2, n_heads, n_kv_heads, hd
 #endif
+// then b (BIAS); qn, kn, qk_eps (QK_NORM)
 __kernel __attribute__((reqd_work_group_size(MV_WG, 1, 1)))
 void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #ifdef MV_HAS_NW
@@ -169,6 +170,15 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #endif
 #ifdef MV_HAS_KV
             , int n_heads, int n_kv_heads, int hd
+#endif
+#ifdef BIAS
+            , gin biasb, ulong bias_off
+#endif
+#ifdef QK_NORM
+            , gin qnormb, ulong qnorm_off, gin knormb, ulong knorm_off, float qk_eps
+#endif
+#ifdef QK_SPLIT
+            , gout qscb, ulong qsc_off
 #endif
             ) {
 #ifndef MV_HAS_NW
@@ -208,6 +218,13 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
     float ssq = 0.0f;                         // this lane's, over the units it reads
 #endif
     __local float out[MV_ROWS];               // the group's finished dot products, by slot
+#ifdef QK_NORM
+    __local float qk_part[QK_HPG * QK_PARTS]; // pre_epilogue's sums of squares of the heads, in parts
+#endif
+#ifdef QK_SPLIT
+    __local float qk_head[ROPE_HD];           // the head the group finishes, whole
+    __local int qk_last;
+#endif
 
 #ifdef PROLOGUE_RMS
     gin nw = nwb + nw_off;
@@ -392,6 +409,26 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
     }
 #endif
     barrier(CLK_LOCAL_MEM_FENCE);
+#ifdef PRE_EPILOGUE
+#ifndef BIAS
+    gin biasb = 0;
+    ulong bias_off = 0;
+#endif
+#ifndef QK_NORM
+    gin qnormb = 0, knormb = 0;
+    ulong qnorm_off = 0, knorm_off = 0;
+    float qk_eps = 0.0f;
+    __local float* qk_part = 0;
+#endif
+#ifdef QK_SPLIT
+    qk_split_epilogue(t, g, lid, MV_WG, out, MV_ROWS, e0b + e0_off, e1b + e1_off, e2b + e2_off, yb + y_off, M, N,
+                      n_heads, n_kv_heads, hd, STEP_N_PAST(step), STEP_START_POS(step), biasb + bias_off,
+                      qnormb + qnorm_off, knormb + knorm_off, qk_eps, qk_part, qk_head, &qk_last, qscb + qsc_off);
+    return;
+#endif
+    pre_epilogue(out, 1, MV_ROWS, g, MV_ROWS, lid, MV_WG, N, n_heads, n_kv_heads, hd, biasb + bias_off,
+                 qnormb + qnorm_off, knormb + knorm_off, qk_eps, qk_part);
+#endif
 #if defined(EPI_ROPE_KV) && defined(KV_Q8_0)
     if (lid < MV_ROWS / 32)
         epilogue_chunk(t, g, lid, MV_ROWS, out, 1, e0b + e0_off, e1b + e1_off, e2b + e2_off,

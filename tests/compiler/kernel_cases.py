@@ -87,8 +87,11 @@ def _cache(g: Graph, arrays: dict, name: str, S: int, kvh: int, hd: int, dtype: 
 
 def matmul_case(wdtype: str, T: int, n_tokens: int, prologue: bool, epilogue: str | None,
                 cache_dtype: str = "f32", seed: int = 0, K: int = 96, N: int = 40,
-                heads: tuple[int, int, int] = (4, 2, 32)) -> Case:
-    """heads = (n_heads, n_kv_heads, head_dim) of a rope_kv_store epilogue."""
+                heads: tuple[int, int, int] = (4, 2, 32), bias: bool = False, qk_norm: bool = False,
+                qk_norm_dtype: str = "bf16") -> Case:
+    """heads = (n_heads, n_kv_heads, head_dim) of a rope_kv_store epilogue; bias: b[N] added before
+    the epilogue (a plain matmul's third input, or attr bias); qk_norm: Qwen3's per-head q/k norms
+    in the rope_kv_store epilogue, their weights in qk_norm_dtype."""
     rng = _rng(seed)
     g = Graph("prefill" if T > 1 else "decode", T)
     arrays: dict[str, np.ndarray] = {}
@@ -119,6 +122,11 @@ def matmul_case(wdtype: str, T: int, n_tokens: int, prologue: bool, epilogue: st
         _cache(g, arrays, "vc", S, kvh, hd, cache_dtype, rng, n_past)
         inputs += ["inv_freq", "kc", "vc"]
         attrs.update(n_heads=h, n_kv_heads=kvh, head_dim=hd, theta=10000.0, scaling=None)
+        if qk_norm:
+            arrays["qn"] = _weight(g, "qn", (hd,), qk_norm_dtype, rng)
+            arrays["kn"] = _weight(g, "kn", (hd,), qk_norm_dtype, rng)
+            inputs += ["qn", "kn"]
+            attrs.update(qk_norm=True, qk_eps=1e-6)
         g.add_value("y", (T, h * hd), "f32")
         g.add_value("kc2", (S, kvh, hd), cache_dtype, alias="kc")
         g.add_value("vc2", (S, kvh, hd), cache_dtype, alias="vc")
@@ -127,10 +135,16 @@ def matmul_case(wdtype: str, T: int, n_tokens: int, prologue: bool, epilogue: st
         g.add_value("y", (T, N // 2 if epilogue == "silu_mul" else N), "f32")
     arrays["y"] = np.zeros(g.values["y"].shape, np.float32)
     kind = "fused_matmul" if (prologue or epilogue) else "matmul"
+    if bias:
+        arrays["b"] = _weight(g, "b", (N,), "f32", rng)
+        inputs.append("b")
+        attrs["bias"] = True
     op = g.add_op(kind, inputs, outputs, **(attrs if kind == "fused_matmul" else {}))
     name = f"{kind}-{wdtype}-T{T}-n{n_tokens}-{'rms' if prologue else 'x'}-{epilogue}-{cache_dtype}-K{K}"
     if epilogue == "rope_kv_store":
-        name += f"-h{h}.{kvh}x{hd}"
+        name += f"-h{h}.{kvh}x{hd}" + ("-qknorm" if qk_norm else "")
+    if bias:
+        name += "-bias"
     return Case(name, g, op, arrays, Step(n_tokens, n_past, n_past + 2), rtol=1e-4)
 
 
@@ -163,17 +177,18 @@ def embedding_case(dtype: str, seed: int = 2) -> Case:
 
 
 def simple_case(kind: str, seed: int = 3, hd: int = 32) -> Case:
-    """rms_norm, add, mul, silu, silu_mul, argmax, slice, rope (with/without inv_freq), kv_store;
-    rope and kv_store over two heads of hd."""
+    """rms_norm (rms_norm:G: over runs of G values), add, mul, silu, silu_mul, argmax, slice, rope
+    (with/without inv_freq), kv_store; rope and kv_store over two heads of hd."""
     rng = _rng(seed)
     T, D = 5, 64
     g = Graph("prefill", T)
     arrays: dict[str, np.ndarray] = {}
     attrs: dict = {}
     n = 4
-    if kind == "rms_norm":
+    if kind.startswith("rms_norm"):   # rms_norm:G normalises each run of G values (per head)
         _act(g, arrays, "a", (T, D), rng)
-        arrays["w"] = _weight(g, "w", (D,), "bf16", rng)
+        group = int(kind.split(":")[1]) if ":" in kind else D
+        arrays["w"] = _weight(g, "w", (group,), "bf16", rng)
         inputs, attrs = ["a", "w"], {"eps": 1e-6}
     elif kind in ("add", "mul", "silu_mul"):
         _act(g, arrays, "a", (T, D), rng)
@@ -206,11 +221,11 @@ def simple_case(kind: str, seed: int = 3, hd: int = 32) -> Case:
     arrays["y"] = np.zeros(out_shape, np.int32 if kind == "argmax" else np.float32)
     if kind == "slice":
         attrs = {"rows": "last"}
-    op = g.add_op(kind.split("+")[0], inputs, ["y"], **attrs)
+    op = g.add_op(kind.split("+")[0].split(":")[0], inputs, ["y"], **attrs)
     return Case(kind if hd == 32 else f"{kind}-hd{hd}", g, op, arrays, Step(n, 3, 7))
 
 
-SIMPLE_KINDS = ("rms_norm", "add", "mul", "silu", "silu_mul", "argmax", "slice", "rope", "rope+inv_freq",
+SIMPLE_KINDS = ("rms_norm", "rms_norm:16", "rms_norm:8", "add", "mul", "silu", "silu_mul", "argmax", "slice", "rope", "rope+inv_freq",
                 "kv_store:f32", "kv_store:f16", "kv_store:q8_0")
 
 

@@ -2,11 +2,14 @@
 switchable on its own, and a Llama-3.2-1B decode layer in 5 kernels."""
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from llmrs.compiler import quant
+from llmrs.compiler.interpret import Interpreter
+from llmrs.compiler.ir import Graph, LazyTensor
 from llmrs.compiler.passes.fold import INV_FREQ, fold
 from llmrs.compiler.passes.fuse import RULE_NAMES, fuse
 from llmrs.compiler.passes.quantize import quantize
@@ -15,6 +18,7 @@ from llmrs.models.llama import build_graph, build_graphs, load_model
 from llmrs.models.tiny import make_config
 
 from ..conftest import rel_err, run_steps, unloadable_weights
+from .qwen_graphs import QWEN2, QWEN3, build_graphs as build_qwen
 
 T, S = 8, 64   # prefill chunk, KV slots
 
@@ -171,3 +175,136 @@ def test_norm_weights_fold_into_float_weights_but_not_into_a_tied_head_or_quanti
     assert bool(head.attrs.get("norm_folded")) != cfg["tie_word_embeddings"]
     _check_same_logits(p, d, fp, fd, tol=1e-5 if fmt == "f32" else 2e-3)
     assert not _folded(fuse(quantize(_graphs(golden[0])[1], "q4_0")))
+
+
+# -- Qwen: per-head q/k norms (Qwen3) and q/k/v biases (Qwen2) ----------------------------------
+
+QWEN = {"qwen3": QWEN3, "qwen2": QWEN2, "qwen3+bias": replace(QWEN3, bias=True, head_dim=32, kv_heads=1)}
+
+
+def _qwen(name):
+    return build_qwen(QWEN[name], T=T, max_seq_len=S)
+
+
+LAYER = [("fused_matmul", "rms_norm", "rope_kv_store"), ("attention", None, None), ("fused_matmul", None, "add"),
+         ("fused_matmul", "rms_norm", "silu_mul"), ("fused_matmul", None, "add")]
+
+
+@pytest.mark.parametrize("name", sorted(QWEN))
+def test_qwen_decode_layer_is_llamas_five_kernels_with_the_same_logits(name):
+    s = QWEN[name]
+    p, d = _qwen(name)
+    fp, fd = fuse(fold(p)), fuse(fold(d))
+    assert fd.kernel_count() == 1 + 5 * s.layers + 1
+    layer = fd.ops[1:6]
+    assert [(op.kind, op.attrs.get("prologue"), op.attrs.get("epilogue")) for op in layer] == LAYER
+    qkv = layer[0]
+    assert bool(qkv.attrs.get("qk_norm")) == s.qk_norm and bool(qkv.attrs.get("bias")) == s.bias
+    assert [bool(op.attrs.get("bias")) for op in layer[2:]] == [False, False, False]
+    pre = "model.layers.0.self_attn."
+    norms = [pre + "q_norm.weight", pre + "k_norm.weight"] if s.qk_norm else []
+    assert qkv.inputs[:3] == ["x.embed", pre + "qkv_proj.weight", "model.layers.0.input_layernorm.weight"]
+    assert qkv.inputs[3:] == [INV_FREQ, "cache.k.0", "cache.v.0", *norms] + ([pre + "qkv_proj.bias"] if s.bias else [])
+    if s.qk_norm:
+        assert qkv.attrs["qk_eps"] == s.eps
+    if s.bias:   # the biases stacked as the weights are: q's, then k's, then v's
+        stacked = fd.weights[pre + "qkv_proj.bias"].load()
+        parts = [d.weights[f"{pre}{x}_proj.bias"].load() for x in "qkv"]
+        assert fd.values[pre + "qkv_proj.bias"].dtype == "f32" and np.array_equal(stacked, np.concatenate(parts))
+    assert (qkv.attrs["n_heads"], qkv.attrs["n_kv_heads"], qkv.attrs["head_dim"]) == (s.heads, s.kv_heads, s.head_dim)
+    assert fp.kernel_count() == 1 + 5 * s.layers + 1   # prefill: the head's slice is no kernel
+    _check_same_logits(p, d, fp, fd)
+
+
+@pytest.mark.parametrize("name", sorted(QWEN))
+@pytest.mark.parametrize("wdtype", ["q4_0", "f16"])
+def test_fusing_quantized_qwen_graphs_gives_the_same_logits(name, wdtype):
+    p, d = (fold(quantize(g, wdtype)) for g in _qwen(name))
+    fp, fd = fuse(p), fuse(d)
+    assert fd.kernel_count() == 1 + 5 * QWEN[name].layers + 1
+    _check_same_logits(p, d, fp, fd, tol=1e-5 if wdtype == "q4_0" else 2e-3)
+
+
+@pytest.mark.parametrize("name", sorted(QWEN))
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_each_rule_switched_off_or_alone_keeps_qwens_logits(name, rule):
+    p, d = _qwen(name)
+    others = [r for r in RULE_NAMES if r != rule]
+    for disabled in ([rule], others):
+        fp, fd = fuse(p, disabled=disabled), fuse(d, disabled=disabled)
+        _check_same_logits(p, d, fp, fd)
+    alone = fuse(d, disabled=others)
+    if rule == "qkv_rope_kv":
+        assert [op.attrs.get("epilogue") for op in alone.ops if op.kind == "fused_matmul"] == ["rope_kv_store"] * 2
+    if rule == "norm_prologue":   # the per-head norms are no prologue: they feed RoPE, not a matmul
+        s = QWEN[name]
+        per_head = [op for op in alone.ops if op.kind == "rms_norm" and alone.values[op.inputs[1]].shape == (s.head_dim,)]
+        assert len(per_head) == 2 * s.layers * s.qk_norm
+        assert {alone.values[op.inputs[2]].shape for op in alone.ops if op.attrs.get("prologue")} == {(s.hidden,)}
+    if rule == "norm_weight_fold":   # bf16 weights are not folded
+        assert not _folded(alone)
+
+
+def _biased_mlp(wdtype: str) -> Graph:
+    """embedding -> rms_norm -> x@w_o + b (+ x) -> rms_norm -> silu(x@w_gate + b) * (x@w_up)
+    -> x@w_down + b (+ x) -> rms_norm -> x@head + b: a bias in the place of every rule's matmul."""
+    rng = np.random.default_rng(9)
+    T, D, F, V = 5, 64, 96, 80
+    g = Graph("prefill", T)
+
+    def param(name, *shape, dtype="f32", scale=None):
+        arr = rng.standard_normal(shape).astype(np.float32) * (scale or (1 / np.sqrt(shape[-1]) if len(shape) == 2 else 0.5))
+        if len(shape) == 1 and not name.endswith("b"):
+            arr = 1.0 + 0.2 * arr
+        arr = arr.astype(np.float16 if dtype == "f16" else np.float32)
+        g.add_value(name, shape, dtype, kind="param")
+        g.weights[name] = LazyTensor.of(arr, dtype)
+        return name
+
+    act = lambda n, *shape: g.add_value(n, shape, "f32")  # noqa: E731
+    g.inputs = [g.add_value("tokens", (T,), "i32", kind="input")]
+    x = act("x", T, D)
+    g.add_op("embedding", [param("emb", V, D, scale=1.0), "tokens"], [x])
+    xn, o, x1 = act("xn", T, D), act("o", T, D), act("x1", T, D)
+    g.add_op("rms_norm", [x, param("n1", D)], [xn], eps=1e-5)
+    g.add_op("matmul", [xn, param("w_o", D, D, dtype=wdtype), param("w_o.b", D)], [o])
+    g.add_op("add", [x, o], [x1])
+    xn2, gate, up, h = act("xn2", T, D), act("gate", T, F), act("up", T, F), act("h", T, F)
+    g.add_op("rms_norm", [x1, param("n2", D)], [xn2], eps=1e-5)
+    g.add_op("matmul", [xn2, param("w_gate", F, D, dtype=wdtype), param("w_gate.b", F)], [gate])
+    g.add_op("matmul", [xn2, param("w_up", F, D, dtype=wdtype)], [up])
+    g.add_op("silu_mul", [gate, up], [h])
+    down, x2 = act("down", T, D), act("x2", T, D)
+    g.add_op("matmul", [h, param("w_down", D, F, dtype=wdtype), param("w_down.b", D)], [down])
+    g.add_op("add", [down, x1], [x2])
+    xf, logits = act("xf", T, D), act("logits", T, V)
+    g.add_op("rms_norm", [x2, param("nf", D)], [xf], eps=1e-5)
+    g.add_op("matmul", [xf, param("head", V, D, dtype=wdtype), param("head.b", V)], [logits])
+    g.outputs = [logits]
+    return g.verify()
+
+
+@pytest.mark.parametrize("wdtype", ["f32", "q8_0"])
+def test_biased_matmuls_keep_their_bias_through_every_rule(wdtype):
+    """Every rule that takes a matmul carries its bias along (the last input, attr bias), the
+    norm-weight fold included: a rule that dropped one would change the logits."""
+    g = _biased_mlp("f32")
+    if wdtype != "f32":
+        g = quantize(g, wdtype)
+    f = fuse(g).verify()
+    assert [(op.kind, op.attrs.get("prologue"), op.attrs.get("epilogue"), op.attrs.get("bias")) for op in f.ops] == [
+        ("embedding", None, None, None), ("fused_matmul", "rms_norm", "add", True),
+        ("fused_matmul", "rms_norm", "silu_mul", True), ("fused_matmul", None, "add", True),
+        ("slice", None, None, None), ("fused_matmul", "rms_norm", None, True)]
+    assert [op.inputs[-1] for op in f.ops if op.kind == "fused_matmul"] == ["w_o.b", "gate_up_proj.bias",
+                                                                            "w_down.b", "head.b"]
+    gate_up_bias = f.weights[f.ops[2].inputs[-1]].load()   # up had none: zeros after the gate's
+    assert np.array_equal(gate_up_bias, np.concatenate([g.weights["w_gate.b"].load(), np.zeros(96, np.float32)]))
+    assert bool(_folded(f)) == (wdtype == "f32")
+    tokens = np.array([3, 1, 4, 1, 5], np.int32)
+    want = Interpreter(g).run({"tokens": tokens}, {}, 0)["logits"][-1:]
+    assert rel_err(Interpreter(f).run({"tokens": tokens}, {}, 0)["logits"], want) < 1e-5
+    for rule in RULE_NAMES:
+        one = fuse(g, disabled=[r for r in RULE_NAMES if r != rule]).verify()
+        got = Interpreter(one).run({"tokens": tokens}, {}, 0)["logits"][-1:]
+        assert rel_err(got, want) < 1e-5, rule

@@ -865,3 +865,157 @@ def test_softmax_argmax_and_last_row_match_interpreter():
             assert got[0].tolist() == want[0].tolist()
         else:
             _close(got[0], want[0], 1e-6)
+
+
+# -- Qwen: per-head norms (rms_norm over runs of head_dim), biases, qk_norm in the QKV epilogue ---
+
+@pytest.mark.parametrize("group", [96, 16, 48])
+def test_rms_norm_over_runs_of_a_row_matches_interpreter(group):
+    rng = np.random.default_rng(group)
+    b = OneOp(5)
+    x = b.act("x", _rand(rng, 5, 96, scale=4.0))
+    w = b.param("w", _rand(rng, group), "bf16")
+    got, want = b.run("rms_norm", [x, w], [b.out("y", (5, 96))], 4, eps=1e-6)
+    assert b.launches[0]["groups"] == 96 // group
+    _close(got[0], want[0], 1e-5)
+
+
+BIAS_CASES = [("matmul", None, None), ("fused_matmul", "rms_norm", None), ("fused_matmul", None, "add"),
+              ("fused_matmul", "rms_norm", "silu_mul")]
+
+
+@pytest.mark.parametrize("wdt", ["q4_0", "f16", "q8_0", "f32"])
+@pytest.mark.parametrize("kind,prologue,epilogue", BIAS_CASES, ids=[f"{k}-{p}-{e}" for k, p, e in BIAS_CASES])
+@pytest.mark.parametrize("rows,n_tokens", [(1, 1), (70, 67)])
+def test_matmul_with_a_bias_matches_interpreter(wdt, kind, prologue, epilogue, rows, n_tokens):
+    """b[N] on every dot product before the epilogue: a plain matmul's third input (--no-fuse) and
+    attr bias; N = 90 (45 gate/up pairs) leaves the last group partly empty."""
+    rng = np.random.default_rng(41)
+    k, n = 128, 90
+    b = OneOp(rows)
+    ins = [b.act("x", _rand(rng, rows, k)), b.param("w", _rand(rng, n, k), wdt)]
+    ins += [b.param("nw", _rand(rng, k), "f16")] if prologue else []
+    ins += [b.act("res", _rand(rng, rows, n))] if epilogue == "add" else []
+    ins.append(b.param("bias", _rand(rng, n), "f32"))
+    y = b.out("y", (rows, n // 2 if epilogue == "silu_mul" else n))
+    attrs = dict(prologue=prologue, epilogue=epilogue, eps=1e-5, bias=True) if kind == "fused_matmul" else {}
+    got, want = b.run(kind, ins, [y], n_tokens, **attrs)
+    assert all("-DBIAS" in launch["options"] for launch in b.launches if launch["kernel"] != "stage_x")
+    _close(got[0], want[0], _tol(wdt))
+
+
+def _qkv(wdt: str, kv: str, heads: tuple[int, int, int], rows: int, n_tokens: int, n_past: int = 3,
+         start_pos: int = 11, qk_norm: bool = True, bias: bool = False, norm_dtype: str = "bf16",
+         d: int = 64, tuning: OpenCLTuning = TUNING, seed: int = 43, again: bool = False) -> tuple[OneOp, list, list]:
+    """A fused QKV (RMS prologue, rope_kv_store) with Qwen3's per-head norms and / or Qwen2's
+    bias on random data: the op, its opencl and interpreter outputs."""
+    rng = np.random.default_rng(seed)
+    h, kvh, hd = heads
+    s, n = n_past + rows + 5, (h + 2 * kvh) * hd
+    b = OneOp(rows)
+    ins = [b.act("x", _rand(rng, rows, d)), b.param("w", _rand(rng, n, d), wdt), b.param("nw", _rand(rng, d), "f32"),
+           b.param("inv_freq", rope_inv_freq(hd, 1000000.0, None), "f32", kind="const"),
+           b.state("kc", _rand(rng, s, kvh, hd), kv), b.state("vc", _rand(rng, s, kvh, hd), kv)]
+    attrs = dict(prologue="rms_norm", epilogue="rope_kv_store", eps=1e-5, n_heads=h, n_kv_heads=kvh, head_dim=hd,
+                 theta=1000000.0, scaling=None)
+    if qk_norm:
+        ins += [b.param("qn", 1.0 + 0.3 * _rand(rng, hd), norm_dtype), b.param("kn", 1.0 + 0.3 * _rand(rng, hd), norm_dtype)]
+        attrs.update(qk_norm=True, qk_eps=1e-6)
+    if bias:
+        ins.append(b.param("bias", _rand(rng, n), "f32"))
+        attrs["bias"] = True
+    outs = [b.out("q", (rows, h * hd)), b.out("kc2", (s, kvh, hd), kv, alias="kc"),
+            b.out("vc2", (s, kvh, hd), kv, alias="vc")]
+    got, want = b.run("fused_matmul", ins, outs, n_tokens, n_past, start_pos, tuning=tuning, again=again, **attrs)
+    return b, got, want
+
+
+def _close_qkv(got: list, want: list, wdt: str, kv: str, tol: float | None = None) -> None:
+    tol = tol or max(_tol(wdt), 1e-3 if kv == "f16" else 0)
+    _close(got[0], want[0], tol)
+    for gt, wt in zip(got[1:], want[1:]):   # caches: what their rows decode to
+        if kv == "q8_0":
+            gt, wt, tol = quant.dequantize(gt, "q8_0"), quant.dequantize(wt, "q8_0"), 1e-2
+        _close(gt.astype(np.float32), wt.astype(np.float32), tol)
+
+
+# (weights, cache, heads): Qwen3-0.6B's head_dim 128 (a group per head), 64 (two heads a 128-row
+# tile), 48 (no power of 2: idle slots), 16 (eight heads a tile), 32 and 96 into Q8_0 caches
+# (a group per head, ROPE_HEADS); MQA and GQA
+QK_CASES = [("q4_0", "f16", (4, 2, 128)), ("f16", "f32", (6, 1, 64)), ("q8_0", "f32", (4, 2, 48)),
+            ("q4_1", "f16", (8, 2, 16)), ("q4_0", "q8_0", (4, 2, 64)), ("f16", "q8_0", (2, 1, 128)),
+            ("q8_0", "q8_0", (3, 1, 96)), ("q4_0", "q8_0", (4, 2, 32))]
+
+
+@pytest.mark.parametrize("wdt,kv,heads", QK_CASES, ids=[f"{w}-{k}-{h}.{g}x{d}" for w, k, (h, g, d) in QK_CASES])
+@pytest.mark.parametrize("rows,n_tokens", [(1, 1), (70, 67)])
+def test_qk_norm_rope_kv_store_matches_interpreter(wdt, kv, heads, rows, n_tokens):
+    # decode splits a head over groups where its head_dim allows (QK_SPLIT: tickets in scratch,
+    # put back to zero, so the step runs twice with the same bits), else takes whole heads
+    b, got, want = _qkv(wdt, kv, heads, rows, n_tokens, again=True)
+    launch = b.launches[-1]
+    assert "-DQK_NORM" in launch["options"]
+    hd = heads[2]
+    splits = rows == 1 and not (kv == "q8_0" and hd % 64) and hd > (16 if wdt in QUANT_DTYPES else 8)
+    assert any(o.startswith("-DQK_SPLIT=") for o in launch["options"]) == splits
+    _close_qkv(got, want, wdt, kv)
+
+
+@pytest.mark.parametrize("norm_dtype", ["f32", "f16"])
+@pytest.mark.parametrize("rows,n_tokens", [(1, 1), (70, 67)])
+def test_qk_norm_with_a_bias_matches_interpreter(norm_dtype, rows, n_tokens):
+    b, got, want = _qkv("q4_0", "f16", (4, 2, 48), rows, n_tokens, bias=True, norm_dtype=norm_dtype)
+    _close_qkv(got, want, "q4_0", "f16")
+
+
+@pytest.mark.parametrize("wdt,kv", [("q4_0", "f16"), ("f16", "q8_0")])
+@pytest.mark.parametrize("rows,n_tokens", [(1, 1), (70, 67)])
+def test_qkv_with_only_a_bias_matches_interpreter(wdt, kv, rows, n_tokens):
+    """Qwen2: biased q, k, v stacked into the fused QKV, no per-head norms."""
+    b, got, want = _qkv(wdt, kv, (6, 1, 64), rows, n_tokens, qk_norm=False, bias=True)
+    _close_qkv(got, want, wdt, kv)
+
+
+@pytest.mark.parametrize("rows,n_tokens", [(1, 1), (9, 7)])
+def test_qk_norm_for_heads_wider_than_a_tile_takes_the_matvec_and_matches_interpreter(rows, n_tokens):
+    # head_dim 256: no 128-row tile holds a head, so prefill runs the matvec a token a group row
+    b, got, want = _qkv("q8_0", "f16", (2, 1, 256), rows, n_tokens, bias=True)
+    assert [launch["kernel"] for launch in b.launches] == ["matvec"]
+    _close_qkv(got, want, "q8_0", "f16")
+
+
+# each prefill body with the per-head norms and a bias: the tensor-core body (mma.sync, emulated off
+# NVIDIA) on quantized tiles, f16 128-row tiles by cp.async (alone, paired, split over K), split-K
+# merges of quantized tiles, and the portable fp32 body (split and not). 131 rows, 130 tokens.
+QK_BODY_CASES = [("mma", "q4_0", {}, False, 1), ("mma", "f16", {"tile_pair_f16": False, "tile_n_min_groups": 1}, False, 1),
+                 ("mma", "f16", {"tile_n_min_groups": 1}, True, 1), ("mma", "f16", {}, False, 2),
+                 ("mma", "q8_0", {"tile_split_k_quant": 2}, False, 2), ("fp32", "f16", {}, False, 2),
+                 ("fp32", "q4_1", {}, False, 1)]
+
+
+@pytest.mark.parametrize("body,wdt,change,pair,split", [   # the emulated bodies are slow on PoCL: a sweep
+    pytest.param(*c, id=f"{c[0]}-{c[1]}-{'pair' if c[3] else 'single'}-s{c[4]}", marks=[pytest.mark.slow] * (i > 0))
+    for i, c in enumerate(QK_BODY_CASES)])
+def test_qk_norm_and_bias_on_each_prefill_body_match_interpreter(body, wdt, change, pair, split, monkeypatch):
+    if body == "mma":
+        _emulate_mma(monkeypatch)
+        monkeypatch.setenv("LLMRS_OPENCL_NO_WGMMA", "1")   # Hopper: mma.sync, not wgmma
+    else:
+        monkeypatch.setenv("LLMRS_OPENCL_NO_MMA", "1")
+    b, got, want = _qkv(wdt, "f16", (4, 2, 128), 131, 130, bias=True, d=512, tuning=replace(TUNING, **change),
+                        seed=47)
+    options = _tiled_launch(b)["options"]
+    assert "-DTN=128" in options and "-DQK_HPG=1" in options and ("-DMM_TPAIR" in options) == pair
+    assert (f"-DMM_SPLIT={split}" in options) == (split > 1)
+    assert ("-DUSE_NV_MMA" in b.build_options) == (body == "mma")
+    _close_qkv(got, want, wdt, "f16", 1e-3 if wdt == "f16" else None)
+
+
+def test_qk_norm_and_bias_on_the_wgmma_body_match_interpreter(monkeypatch):
+    device = device_options(pick_device())
+    if "-DUSE_NV_MMA" in device and "-DUSE_NV_WGMMA" not in device:
+        pytest.skip("tensor cores without wgmma (compute capability 8.x or 10+)")
+    monkeypatch.setenv("LLMRS_OPENCL_EMULATE_WGMMA", "1")
+    b, got, want = _qkv("f16", "f16", (4, 2, 64), 131, 130, bias=True, d=512, seed=53)
+    assert "-DUSE_NV_WGMMA" in b.build_options and "-DQK_HPG=2" in _tiled_launch(b)["options"]
+    _close_qkv(got, want, "f16", "f16", 1e-3)

@@ -44,7 +44,17 @@ CASES = [matmul_case("q4_0", 6, 5, True, "rope_kv_store", cache_dtype="q8_0"),
          matmul_case("f16", 6, 6, True, "add", K=900, N=24),
          # i8mm's row and token pairs: whole 4 x 4 tiles, a 2-token tail, an odd N's last row
          matmul_case("q8_0", 8, 8, True, "silu_mul"),
-         matmul_case("q4_0", 10, 10, False, "add", K=160, N=45)]
+         matmul_case("q4_0", 10, 10, False, "add", K=160, N=45),
+         # Qwen: per-head q/k norms in the QKV epilogue (head_dim 128 and 48, i8mm's pairs), biases
+         # (a plain matmul's, and before each epilogue), rms_norm over each head
+         matmul_case("q4_0", 8, 7, True, "rope_kv_store", cache_dtype="q8_0", heads=(4, 2, 128), qk_norm=True),
+         matmul_case("q8_0", 1, 1, True, "rope_kv_store", cache_dtype="f16", heads=(3, 1, 48), qk_norm=True,
+                     bias=True),
+         matmul_case("q4_1", 6, 5, True, "rope_kv_store", heads=(6, 1, 64), qk_norm=True, qk_norm_dtype="f32"),
+         matmul_case("f16", 1, 1, False, None, bias=True, K=160, N=45),
+         matmul_case("q4_0", 7, 6, True, "silu_mul", bias=True),
+         matmul_case("q8_0", 1, 1, False, "add", bias=True, K=160, N=45),
+         simple_case("rms_norm:16")]
 PROBE_K, PROBE_N = 128, 5
 PROBES = ("q4_0", "q8_0", "q4_1")
 
