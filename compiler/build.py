@@ -40,14 +40,9 @@ def _cpu_sections(graphs, triples: tuple[str, ...]) -> dict[str, bytes | str]:
     return sections
 
 
-# phases the OpenCL code generator has kernels for: the step graph's paged attention, KV slots and
-# row gather come to OpenCL separately, and until then an OpenCL back end runs prefill and decode
-OPENCL_PHASES = ("prefill", "decode")
-
-
 def _opencl_sections(graphs, triples: tuple[str, ...]) -> dict[str, bytes | str]:
     from .codegen import opencl
-    return {"opencl": json.dumps(opencl.generate({p: g for p, g in graphs.items() if p in OPENCL_PHASES}))}
+    return {"opencl": json.dumps(opencl.generate(graphs))}
 
 
 def code_sections(graphs, targets: tuple[str, ...],
@@ -146,8 +141,6 @@ def compile_plan(model: str | os.PathLike, out: str | os.PathLike, options: Comp
     conversions: dict[str, Conversion] = {}
     opts = replace(opts, weights=opts.weights or ("q4_0" if loaded.path.is_dir() else "native"),
                    on_convert=lambda c: conversions.__setitem__(c.tensor, c))
-    if "cpu" not in opts.target and "step" not in OPENCL_PHASES:
-        opts = replace(opts, max_num_seqs=0)    # no back end of the plan would run a step graph
     graphs = compile_phases(loaded, opts)
     decode = graphs["decode"]
     sections, left_out = code_sections(graphs, opts.target, opts.triple)

@@ -354,10 +354,6 @@ class OpenCLBackend(Backend):
         self._in_flight.clear()
         return out
 
-    def run_step(self, rows) -> np.ndarray:
-        raise OpenCLError("the OpenCL back end does not run step graphs (many sequences a step) yet; "
-                          "use --backend cpu")
-
     def run_argmax(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
         """The engine's greedy path: int32 [rows] chosen on the device when the plan has the
         kernel, else the argmax of the logits read back (plans compiled before it existed)."""

@@ -1,0 +1,372 @@
+"""Many generations at once: continuous batching through the plan's step graph.
+
+A Batcher owns a Scheduler (runtime/scheduler.py: which rows of which sequences fill the next
+step, the paged KV pool and its prefix cache) and a back end's `run_step`. Each step it asks the
+scheduler for a StepPlan, copies the blocks copy-on-write needs, runs the step graph once for
+all rows (every weight read once for every sequence in it), samples each sequence's token with
+that request's own sampler, and hands the tokens back. Requests join and leave at step
+boundaries.
+
+Who steps: `step()` runs one step in the caller's thread (Model.generate_many and the Python API
+drive it so); `start()` runs steps on a background thread while there is work (llmrs-serve). A
+Request is consumed from any thread: iterate it for text pieces as they decode, close() it to
+abort (its blocks are freed at once).
+
+The pool is the plan's KV cache, the same memory Model's single-sequence Engine uses: Model
+hands the cache to whichever of the two runs (runtime/model.py `_kv_for`), so a batch after a
+conversation starts from an empty prefix cache, and a conversation after a batch from an empty
+cache.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator
+
+import numpy as np
+
+from ..options import OptionError, option, whole
+from .backends.base import Backend, StepRows
+from .plan import Plan, StepShape
+from .engine import EngineError, check_finite
+from .sampler import Sampler
+from .scheduler import FinishReason, Scheduler, SchedulerConfig, Sequence
+
+if TYPE_CHECKING:
+    from .model import Detokenizer, GenerationOptions, StopScan
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """How many sequences run at once and how much of the KV pool they share; each field is a flag
+    of its name (llmrs-run with several prompts, llmrs-serve, llmrs.load)."""
+    max_num_seqs: int = option(0, "most sequences decoding at once (default 0: as many as the plan's step graph "
+                                  "takes, llmrs-compile --max-num-seqs)", metavar="N")
+    max_batched_tokens: int = option(0, "most token rows in one step (default 0: the step graph's rows, "
+                                        "llmrs-compile --prefill-chunk)", metavar="T")
+    num_blocks: int = option(0, "KV blocks of the pool to use (default 0: the plan's whole cache, "
+                                "llmrs-compile --max-seq-len / --block-size)", metavar="N")
+    no_prefix_cache: bool = option(False, "do not share the KV of equal prompt prefixes across requests")
+
+    def check(self) -> "BatchOptions":
+        for name in ("max_num_seqs", "max_batched_tokens", "num_blocks"):
+            value = getattr(self, name)
+            if not whole(value) or value < 0:
+                raise OptionError(f"{{0}} must be a whole number >= 0 (0: the plan's), got {value!r}", name)
+        if not isinstance(self.no_prefix_cache, bool):
+            raise OptionError(f"{{0}} must be True or False, got {self.no_prefix_cache!r}", "no_prefix_cache")
+        return self
+
+
+def step_shape(plan: Plan) -> StepShape:
+    shape = plan.step_shape()
+    if shape is None:
+        raise EngineError(f"{plan.path}: the plan has no step graph, so it runs one sequence at a time; compile it "
+                          "again with llmrs-compile --max-num-seqs N to run many at once")
+    return shape
+
+
+def scheduler_config(shape: StepShape, options: BatchOptions) -> SchedulerConfig:
+    """The scheduler's limits: the step graph's, or fewer where the options ask."""
+    def pick(name: str, value: int, most: int, flag_of: str) -> int:
+        if value > most:
+            raise OptionError(f"{{0}} {value} is more than the plan's {flag_of} allows ({most}); recompile "
+                              f"with a larger {flag_of}", name)
+        return value or most
+    return SchedulerConfig(
+        max_num_seqs=pick("max_num_seqs", options.max_num_seqs, shape.seqs, "--max-num-seqs"),
+        max_batched_tokens=pick("max_batched_tokens", options.max_batched_tokens, shape.rows, "--prefill-chunk"),
+        block_size=shape.block_size,
+        num_blocks=pick("num_blocks", options.num_blocks, shape.n_blocks, "--max-seq-len"),
+        enable_prefix_cache=not options.no_prefix_cache)
+
+
+FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "cancelled"}
+
+
+class Request:
+    """One generation of a batch. Iterate it for text pieces as they decode (blocks until the
+    next piece or the end); text, tokens and finish_reason are current as it runs. finish_reason:
+    "stop" (a stop token or stop string), "length" (max_tokens, or the sequence filled its share of
+    the cache), "cancelled" (closed early)."""
+
+    def __init__(self, batcher: "Batcher", rid: int, prompt: list[int], options: "GenerationOptions",
+                 detok: "Detokenizer", stops: "StopScan"):
+        self.batcher = batcher
+        self.id = rid
+        self.prompt = prompt
+        self.options = options
+        self.prompt_tokens = len(prompt)
+        self.cached_tokens = 0              # prompt tokens the prefix cache supplied
+        self.tokens: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.error: str | None = None       # why a failed step ended it (finish_reason "error")
+        self.preemptions = 0                # times its KV was given up to make room, then recomputed
+        self._admitted = False
+        self.submitted = time.perf_counter()
+        self.ttft_s: float | None = None    # submit to the first token
+        self.sampler = Sampler(options.sampler_config())
+        self.history = list(prompt)         # what the repetition penalty looks back over
+        self._detok, self._stops = detok, stops
+        self._pieces: deque[str] = deque()
+        self._listeners: list[Any] = []     # callables run (on the stepping thread) after each change
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        b = self.batcher
+        with b.cond:
+            while not self._pieces and not self.done:
+                if b.background:
+                    b.cond.wait()
+                else:               # nobody else steps: this consumer does
+                    b.cond.release()
+                    try:
+                        b.step()
+                    finally:
+                        b.cond.acquire()
+            if self._pieces:
+                return self._pieces.popleft()
+            raise StopIteration
+
+    def take(self) -> tuple[list[str], bool]:
+        """Pieces out so far (removed) and whether the request is done; never blocks."""
+        with self.batcher.cond:
+            pieces = list(self._pieces)
+            self._pieces.clear()
+            return pieces, self.done
+
+    def listen(self, callback) -> None:
+        """callback() after each change (called on the stepping thread; keep it short)."""
+        with self.batcher.cond:
+            self._listeners.append(callback)
+        callback()
+
+    def close(self) -> None:
+        """Abort: the sequence leaves the batch and its blocks are freed now."""
+        self.batcher.abort(self, "cancelled")
+
+    # -- on the stepping thread, under batcher.cond ------------------------------------------------
+    def _push(self, piece: str) -> None:
+        if piece:
+            self.text += piece
+            self._pieces.append(piece)
+
+    def _token(self, token: int) -> bool:
+        """A sampled token; True if a stop string ended the reply here."""
+        if self.ttft_s is None:
+            self.ttft_s = time.perf_counter() - self.submitted
+        self.tokens.append(token)
+        self.history.append(token)
+        piece, hit = self._stops.push(self._detok.push(token))
+        self._push(piece)
+        return hit
+
+    def _finish(self, reason: str) -> None:
+        if self.done:
+            return
+        if reason != "cancelled":
+            piece, hit = self._stops.finish(self._detok.flush())
+            self._push(piece)
+        self.finish_reason = reason
+
+    def _notify(self) -> None:
+        for cb in self._listeners:
+            cb()
+
+
+class Batcher:
+    """Continuous batching over one back end's step graph (see the module docstring)."""
+
+    def __init__(self, plan: Plan, backend: Backend, tokenizer: Any, stop_ids: tuple[int, ...], max_seq_len: int,
+                 options: BatchOptions = BatchOptions()):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.stop_ids = frozenset(stop_ids)
+        self.shape = step_shape(plan)
+        self.config = scheduler_config(self.shape, options.check())
+        self.max_seq_len = min(max_seq_len, self.config.capacity)
+        self.scheduler = Scheduler(self.config)
+        self.cond = threading.Condition(threading.RLock())
+        self.requests: dict[int, Request] = {}
+        self.background = False
+        self.steps = 0
+        self.rows_run = 0
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._step_lock = threading.Lock()      # one step at a time, whoever drives
+
+    # -- requests -------------------------------------------------------------------------------------
+    def submit(self, prompt: list[int], options: "GenerationOptions", priority: int = 0) -> Request:
+        from .model import Detokenizer, StopScan   # model.py imports this module
+        if len(prompt) >= self.max_seq_len:
+            raise EngineError(f"the prompt has {len(prompt)} tokens but a sequence of this batch holds "
+                              f"{self.max_seq_len}, so a prompt may have at most {self.max_seq_len - 1} (recompile "
+                              "with a larger {0}, or use more of the pool: {1})", "max_seq_len", "num_blocks")
+        room = self.max_seq_len - len(prompt)
+        max_tokens = min(options.max_tokens or room, room)
+        with self.cond:
+            rid = next(self._ids)
+            req = Request(self, rid, list(prompt), options, Detokenizer(self.tokenizer), StopScan(options.stop))
+            try:
+                self.scheduler.add(Sequence(rid, list(prompt), max_tokens, priority=priority,
+                                            stop_token_ids=self.stop_ids))
+            except ValueError as e:
+                raise EngineError(str(e)) from None
+            self.requests[rid] = req
+            self.cond.notify_all()
+        return req
+
+    def abort(self, req: Request, reason: str) -> None:
+        with self.cond:
+            if req.done:
+                return
+            self.scheduler.abort(req.id)
+            self._retire(req, reason)
+
+    @property
+    def busy(self) -> bool:
+        with self.cond:
+            return self.scheduler.has_unfinished()
+
+    # -- stepping -------------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One step of every running sequence; False when there was nothing to run."""
+        with self._step_lock:
+            with self.cond:
+                if not self.scheduler.has_unfinished():
+                    return False
+                plan = self.scheduler.schedule()
+                for rid in plan.preempted:
+                    if rid in self.requests:
+                        self.requests[rid].preemptions += 1
+            if plan.copies:
+                self._copy_blocks(plan.copies)
+            sampled: dict[int, int] = {}
+            if plan.seqs:
+                flat = plan.flat(self.shape.blocks_per_seq)
+                # a step of prompt chunks that end no prompt samples nothing, but the graph's head
+                # runs on at least one row: row 0's logits are computed and dropped
+                picked = flat.logit_rows if len(flat.logit_rows) else np.zeros(1, np.int32)
+                logits = self.backend.run_step(StepRows(flat.tokens, flat.positions, flat.slots, flat.row_seq,
+                                                        flat.ctx_len, flat.block_tables, picked))
+                self.steps += 1
+                self.rows_run += len(flat.tokens)
+                with self.cond:
+                    for row, rid in zip(logits, flat.logit_seq_ids):
+                        req = self.requests.get(rid)
+                        if req is not None and not req.done:
+                            sampled[rid] = req.sampler.sample(check_finite(row, len(req.tokens) + 1), req.history)
+            with self.cond:
+                for s in plan.seqs:     # its first chunk starts after what the prefix cache held
+                    req = self.requests.get(s.seq_id)
+                    if req is not None and s.phase == "prefill" and not req._admitted:
+                        req._admitted = True
+                        req.cached_tokens = int(s.positions[0])
+                finished = {s.seq_id: s for s in self.scheduler.update(plan, sampled)}
+                for rid, token in sampled.items():
+                    req = self.requests.get(rid)
+                    if req is None:                         # closed while the step ran
+                        continue
+                    if rid in finished and finished[rid].finish_reason is FinishReason.STOP:
+                        self._retire(req, "stop")           # the stop token is not part of the reply
+                        continue
+                    if req._token(token):                   # a stop string
+                        self.scheduler.abort(rid)
+                        self._retire(req, "stop")
+                    elif rid in finished:
+                        self._retire(req, FINISH[finished[rid].finish_reason])
+                    else:
+                        req._notify()
+                self.cond.notify_all()
+            return True
+
+    def run(self) -> None:
+        """Step until every request is done."""
+        while self.step():
+            pass
+
+    def start(self) -> None:
+        """Step on a background thread while there is work (idle: it waits for a submit)."""
+        with self.cond:
+            if self._thread is not None:
+                return
+            self.background = True
+            self._thread = threading.Thread(target=self._loop, name="llmrs-batcher", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        with self.cond:
+            self._stopping = True
+            self.cond.notify_all()
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        with self.cond:
+            self.background = self._stopping = False
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self._stopping and not self.scheduler.has_unfinished():
+                    self.cond.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception as e:      # a step that fails ends every request in it, not the server
+                with self.cond:
+                    for req in list(self.requests.values()):
+                        req.error = f"{type(e).__name__}: {e}"
+                        self.scheduler.abort(req.id)
+                        self._retire(req, "error")
+                    self.cond.notify_all()
+
+    def reset(self) -> None:
+        """Forget the prefix cache (the KV rows it points at are about to be overwritten)."""
+        with self.cond:
+            if self.scheduler.has_unfinished():
+                raise EngineError("the batch has unfinished requests; close them before its cache is reset")
+            self.scheduler = Scheduler(self.config)
+
+    def close(self) -> None:
+        """Abort every request and stop the background thread."""
+        with self.cond:
+            for req in list(self.requests.values()):
+                self.scheduler.abort(req.id)
+                self._retire(req, "cancelled")
+        self.stop()
+
+    # -- internals --------------------------------------------------------------------------------------
+    def _retire(self, req: Request, reason: str) -> None:
+        req._finish(reason)
+        self.requests.pop(req.id, None)
+        req._notify()
+        self.cond.notify_all()
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        bs = self.config.block_size
+        src = np.concatenate([np.arange(s * bs, (s + 1) * bs) for s, _ in copies]).astype(np.int32)
+        dst = np.concatenate([np.arange(d * bs, (d + 1) * bs) for _, d in copies]).astype(np.int32)
+        self.backend.kv_store().copy_slots(src, dst)
+
+    def stats(self) -> dict[str, Any]:
+        kv = self.scheduler.kv.stats()
+        return {"steps": self.steps, "rows": self.rows_run, "kv": kv}
+
+
+__all__ = ["BatchOptions", "Batcher", "Request", "scheduler_config", "step_shape"]
