@@ -7,5 +7,5 @@
 """
 from .api import CompileError, builtin_model, compile, load
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["CompileError", "builtin_model", "compile", "load"]

@@ -29,13 +29,15 @@ import numpy as np
 from .chat import ChatTemplate, ChatTemplateError, from_manifest
 from ..options import OptionError, OptionTypeError, option_names, whole
 from .backends import BACKENDS, Backend, BackendOptions, open_backend
+from .batch import BatchOptions, Batcher, Request
 from .engine import Engine, EngineError, Generation, Stats, prompt_too_long
 from .kv import KVOptions, cache_manager
 from .plan import Plan
 from .sampler import Sampler, SamplerConfig
 
 _BACKEND_NAMES = option_names(BackendOptions)
-LOAD_OPTIONS = _BACKEND_NAMES + option_names(KVOptions)     # Model.load's keywords besides the back end
+_BATCH_NAMES = option_names(BatchOptions)
+LOAD_OPTIONS = _BACKEND_NAMES + option_names(KVOptions) + _BATCH_NAMES   # Model.load's keywords besides the back end
 
 
 class TextRepairWarning(UserWarning):
@@ -298,7 +300,8 @@ class Model:
     reset, which the next call of a conversation goes on from, so a window or a policy changed for
     one call would judge slots another chose. Sampling, max_tokens and stop are per call."""
 
-    def __init__(self, plan: Plan, backend: Backend, kv: KVOptions = KVOptions()):
+    def __init__(self, plan: Plan, backend: Backend, kv: KVOptions = KVOptions(),
+                 batch: BatchOptions = BatchOptions()):
         m = plan.manifest
         self.plan = plan
         self.backend = backend
@@ -314,6 +317,9 @@ class Model:
         self._active: Completion | None = None
         self._lock = threading.RLock()      # held for each engine step and each change of _active
         self._closed = False
+        self.batch_options = batch.check()
+        self._batch: Batcher | None = None
+        self._kv_user = "single"            # who last wrote the KV cache: "single" (engine) or "batch"
 
     @classmethod
     def load(cls, plan: str | Path, backend: str = "cpu", threads: int | None = None,
@@ -337,30 +343,43 @@ class Model:
                             f"{', '.join(LOAD_OPTIONS)})")
         backend_options = BackendOptions(threads=threads, device=device,
                                          **{k: v for k, v in options.items() if k in _BACKEND_NAMES})
-        kv = KVOptions(**{k: v for k, v in options.items() if k not in _BACKEND_NAMES}).check()
-        return cls.open(plan, backend, backend_options, kv)
+        kv = KVOptions(**{k: v for k, v in options.items() if k in option_names(KVOptions)}).check()
+        batch = BatchOptions(**{k: v for k, v in options.items() if k in _BATCH_NAMES}).check()
+        return cls.open(plan, backend, backend_options, kv, batch)
 
     @classmethod
     def open(cls, plan: str | Path, backend: str = "cpu", backend_options: BackendOptions = BackendOptions(),
-             kv: KVOptions = KVOptions()) -> "Model":
+             kv: KVOptions = KVOptions(), batch: BatchOptions = BatchOptions()) -> "Model":
         """load() from typed options (what the command lines build from their flags)."""
         t0 = time.perf_counter()
         opened = Plan.open(plan)
         kv.check()
-        return cls.bind(opened, open_backend(opened, backend, backend_options), kv, t0)
+        batch.check()
+        return cls.bind(opened, open_backend(opened, backend, backend_options), kv, t0, batch)
 
     @classmethod
-    def bind(cls, plan: Plan, backend: Backend, kv: KVOptions = KVOptions(), t0: float | None = None) -> "Model":
+    def bind(cls, plan: Plan, backend: Backend, kv: KVOptions = KVOptions(), t0: float | None = None,
+             batch: BatchOptions = BatchOptions()) -> "Model":
         """A Model over a back end already opened on `plan` (llmrs-run --profile's timing one);
         the back end is closed if that fails. load_s counts from t0 (default: now)."""
         t0 = time.perf_counter() if t0 is None else t0
         try:
-            model = cls(plan, backend, kv)
+            model = cls(plan, backend, kv, batch)
         except BaseException:
             backend.close()
             raise
         model.load_s = time.perf_counter() - t0
         return model
+
+    @property
+    def batch(self) -> Batcher | None:
+        """The batch add_request feeds (None before the first request): its steps, rows and KV pool."""
+        return self._batch
+
+    @property
+    def can_batch(self) -> bool:
+        """The plan has a step graph: add_request / generate_many run many prompts at once."""
+        return self.plan.step_shape() is not None
 
     @property
     def evicts(self) -> bool:
@@ -433,6 +452,92 @@ class Model:
                              repetition_penalty=repetition_penalty, repetition_window=repetition_window,
                              seed=seed, stop=stop)
 
+    # -- many generations at once ---------------------------------------------------------------
+    def add_request(self, prompt: str | Sequence[int], *, priority: int = 0, max_tokens: int | None = 256,
+                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                    repetition_penalty: float = 1.0, repetition_window: int = 64, seed: int | None = None,
+                    stop: str | Sequence[str] | None = None) -> Request:
+        """Queue `prompt` (text or token ids) to run beside other requests, through the plan's step
+        graph (continuous batching; equal prompt prefixes share their KV). Returns a Request:
+        iterate it for text pieces (iterating steps the batch when nothing else does), or drive
+        every request with step(). Higher `priority` runs first when the cache is short."""
+        opts = GenerationOptions.of(stop, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                                    top_p=top_p, repetition_penalty=repetition_penalty,
+                                    repetition_window=repetition_window, seed=seed)
+        if not whole(priority):
+            raise TypeError(f"priority must be a whole number, got {priority!r}")
+        ids = self._prompt_ids(prompt)
+        with self._lock:
+            batch = self._batcher()
+            return batch.submit(ids, opts, priority)
+
+    def step(self) -> bool:
+        """One step of every queued request (add_request); False when none is left."""
+        self._check_open()
+        return self._batch.step() if self._batch is not None else False
+
+    def generate_many(self, prompts: Sequence[str | Sequence[int]], *, max_tokens: int | None = 256,
+                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                      repetition_penalty: float = 1.0, repetition_window: int = 64, seed: int | None = None,
+                      stop: str | Sequence[str] | None = None) -> list[Request]:
+        """Every prompt continued at once (add_request for each, then steps until all are done);
+        each Request's text, tokens and finish_reason as generate's Completion has them. With a
+        seed, request i samples with seed + i, so equal prompts may still differ."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise TypeError("prompts must be a list of prompts (text or token ids)")
+        reqs = [self.add_request(p, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 repetition_penalty=repetition_penalty, repetition_window=repetition_window,
+                                 seed=None if seed is None else seed + i, stop=stop)
+                for i, p in enumerate(prompts)]
+        try:
+            for r in reqs:
+                for _ in r:
+                    pass
+        except BaseException:
+            for r in reqs:
+                r.close()
+            raise
+        return reqs
+
+    def _prompt_ids(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, (bytes, bytearray, memoryview)):
+            raise TypeError("prompt must be str or token ids, got bytes: decode it first (prompt.decode())")
+        if not isinstance(prompt, (str, Sequence, np.ndarray)):
+            raise TypeError(f"prompt must be str or a list of token ids, got {type(prompt).__name__}")
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else self._check_ids(prompt, "prompt")
+        if not ids:
+            raise EngineError("the prompt is empty")
+        return ids
+
+    def _batcher(self) -> Batcher:
+        """The batch, with the KV cache handed to it (the caller holds _lock)."""
+        self._check_open()
+        if self._batch is None:
+            self._batch = Batcher(self.plan, self.backend, self.tokenizer, tuple(self.engine.stop_ids),
+                                  self.max_seq_len, self.batch_options)
+        if self._kv_user != "batch":
+            if self._active is not None:
+                self._check_free()
+                self._active.close()
+            self._tokens = []                        # the conversation's cache is about to be overwritten
+            self.engine.n_past = self.engine.start_pos = 0
+            if self.engine.cache is not None:
+                self.engine.cache.reset()
+            self._kv_user = "batch"
+        return self._batch
+
+    def _kv_for_single(self) -> None:
+        """The KV cache back from the batch (the caller holds _lock): refused while requests run."""
+        if self._kv_user == "single":
+            return
+        if self._batch is not None and self._batch.busy:
+            raise EngineError("the model is busy: requests added with add_request are unfinished (step or close "
+                              "them first)")
+        if self._batch is not None:
+            self._batch.reset()                      # its prefix cache would describe overwritten rows
+        self._tokens = []
+        self._kv_user = "single"
+
     def logits(self, tokens: Sequence[int], *, last: bool = False) -> np.ndarray:
         """f32[len(tokens), vocab]: row i scores the token after tokens[:i + 1], as transformers'
         model(ids).logits[0]. A prefill step keeps only its last row, so this runs one decode step
@@ -458,6 +563,8 @@ class Model:
                 return
             if self._active is not None:
                 self._active.close()
+            if self._batch is not None:
+                self._batch.close()
             self._closed = True
             self.backend.close()
 
@@ -506,6 +613,7 @@ class Model:
         cached prefix of ids (at least one token is left to prefill: its logits start the reply),
         drop the rest. Returns how many tokens of ids are already cached. The caller holds _lock."""
         self._check_free(owner)
+        self._kv_for_single()
         if self._active is not None and self._active is not owner:
             self._active.close()
         self._active = owner
@@ -526,5 +634,5 @@ class Model:
             self._active = None
 
 
-__all__ = ["BACKENDS", "Completion", "Detokenizer", "GenerationOptions", "Model", "StopScan", "TextRepairWarning",
+__all__ = ["BACKENDS", "BatchOptions", "Completion", "Request", "Detokenizer", "GenerationOptions", "Model", "StopScan", "TextRepairWarning",
            "check_threads", "clean_text"]
