@@ -75,6 +75,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", type=Path, metavar="FILE", help="write every figure as JSON here")
     ap.add_argument("--llama-bench", metavar="BIN", help="llama.cpp's llama-bench binary, run in the same run")
     ap.add_argument("--gguf", metavar="FILE", help="the GGUF for --llama-bench (the plan's weights)")
+    ap.add_argument("--parallel", metavar="N,N", help="instead: N streams at once through the plan's step graph, "
+                    "for each N (e.g. 1,4,8,16): aggregate decode tok/s and time to first token; prompts of the "
+                    "first --prefill size")
+    ap.add_argument("--llama-batched-bench", metavar="BIN", help="with --parallel: llama.cpp's llama-batched-bench "
+                    "on --gguf, in the same run")
+    ap.add_argument("--ngl", type=int, default=None, metavar="N",
+                    help="llama.cpp's -ngl for --llama-batched-bench (layers on the GPU; default: its own)")
     ap.add_argument("--read-mib", type=int, default=1024, help="read probe buffer, MiB (default 1024)")
     ap.add_argument("--gemm", type=int, default=2048, help="GEMM probe size n (n x n x n; default 2048)")
     return ap
@@ -261,6 +268,59 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def bench_streams(a: argparse.Namespace) -> dict[str, Any]:
+    """--parallel: measure/bench_parallel.py's figures for each stream count."""
+    from ..runtime.batch import BatchOptions
+    from ..runtime.model import Model
+    from .bench_parallel import bench_parallel, run_batched_bench
+
+    counts, prompt = _sizes(a.parallel), _sizes(a.prefill)[0]
+    threads = a.threads or physical_cores()
+    try:
+        plan = Plan.open(a.plan)
+    except PlanError as e:
+        raise BenchError(str(e)) from None
+    shape = plan.step_shape()
+    if shape is None:
+        raise BenchError(f"{a.plan} has no step graph (it runs one sequence at a time); recompile it with "
+                         "llmrs-compile --max-num-seqs N")
+    seats = shape.seqs
+    if max(counts) > seats:
+        raise BenchError(f"--parallel {max(counts)}: {a.plan} runs at most {seats} sequences a step; recompile "
+                         f"with --max-num-seqs {max(counts)}")
+    need, slots = max(counts) * (prompt + a.decode), int(plan.manifest["max_seq_len"])
+    if need > slots:
+        raise BenchError(f"--parallel {max(counts)} x (prompt {prompt} + --decode {a.decode}) = {need} tokens, more "
+                         f"than the plan's {slots}-slot cache: recompile with --max-seq-len {need} or give smaller sizes")
+    missing = plan.missing_code(a.backend)
+    if missing:
+        raise BenchError(f"{a.plan}: {missing}")
+    say(f"llmrs-bench: loading {a.plan} on {a.backend}")
+    model = Model.bind(plan, make_backend(a.backend, plan, threads, a.device), batch=BatchOptions(no_prefix_cache=True))
+    with model:
+        rows = bench_parallel(model, counts, prompt, a.decode, a.repeats, say)
+        device = model.backend.device_name or None
+    lcpp, command = None, None
+    if a.llama_batched_bench:
+        say(f"llmrs-bench: llama-batched-bench on {a.gguf}")
+        command, lcpp = run_batched_bench(a.llama_batched_bench, a.gguf, threads, counts, prompt, a.decode, a.ngl)
+    return {"schema": SCHEMA + "/parallel", "plan": str(a.plan), "backend": a.backend, "device": device,
+            "threads": threads, "repeats": a.repeats, "machine": ceilings.machine(),
+            "date": time.strftime("%Y-%m-%d %H:%M"), "parallel": rows, "peak_memory_bytes": Stats.peak_rss_bytes(),
+            "llama_cpp": {"command": command, "rows": lcpp} if lcpp else None}
+
+
+def report_streams(r: dict[str, Any]) -> str:
+    from .bench_parallel import report_parallel
+    where = f"{r['backend']}" + (f" ({r['device']})" if r["device"] else f", {r['threads']} threads")
+    lines = [f"plan {r['plan']}  backend {where}  repeats {r['repeats']}  ({r['machine']}, {r['date']})",
+             f"{r['parallel'][0]['prompt']}-token prompts, {r['parallel'][0]['decode']} tokens each; medians"]
+    lines += report_parallel(r["parallel"], r["llama_cpp"]["rows"] if r["llama_cpp"] else None)
+    if r["llama_cpp"]:
+        lines.append(f"llama.cpp: {r['llama_cpp']['command']}")
+    return "\n".join(lines)
+
+
 def report(r: dict[str, Any]) -> str:
     c, mdl = r["ceilings"], r["model"]
     where = f"{r['backend']}" + (f" ({r['device']})" if r["device"] else f", {r['threads']} threads")
@@ -307,19 +367,21 @@ def main(argv: list[str] | None = None) -> int:
             raise BenchError("--threads, --repeats and --decode must be at least 1")
         if a.read_mib < 1 or a.gemm < 1:
             raise BenchError("--read-mib and --gemm must be at least 1")
-        if (a.llama_bench is None) != (a.gguf is None):
-            raise BenchError("--llama-bench and --gguf go together: pass both or neither")
+        if ((a.llama_bench or a.llama_batched_bench) is None) != (a.gguf is None):
+            raise BenchError("--llama-bench (or --llama-batched-bench) and --gguf go together: pass both or neither")
+        if a.llama_batched_bench and not a.parallel:
+            raise BenchError("--llama-batched-bench goes with --parallel")
         if not a.plan.is_file():
             raise BenchError(f"plan {a.plan}: no such file")
         if a.json:
             check_output_file(a.json, "--json", [p for p in (a.plan, a.gguf, a.llama_bench) if p])
-        result = bench(a)
+        result = bench_streams(a) if a.parallel else bench(a)
     except (BenchError, PlanError, ValueError, OSError, RuntimeError) as e:
         print(f"llmrs-bench: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    print(report(result))
+    print(report_streams(result) if a.parallel else report(result))
     if a.json:
         write_output(a.json, json.dumps(result, indent=1) + "\n", "--json", [a.plan])
     return 0

