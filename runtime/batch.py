@@ -33,10 +33,11 @@ from .backends.base import Backend, StepRows
 from .plan import Plan, StepShape
 from .engine import EngineError, check_finite
 from .sampler import Sampler
+from .text import Detokenizer, StopScan
 from .scheduler import FinishReason, Scheduler, SchedulerConfig, Sequence
 
 if TYPE_CHECKING:
-    from .model import Detokenizer, GenerationOptions, StopScan
+    from .model import GenerationOptions
 
 
 @dataclass(frozen=True)
@@ -212,7 +213,6 @@ class Batcher:
 
     # -- requests -------------------------------------------------------------------------------------
     def submit(self, prompt: list[int], options: "GenerationOptions", priority: int = 0) -> Request:
-        from .model import Detokenizer, StopScan   # model.py imports this module
         if len(prompt) >= self.max_seq_len:
             raise EngineError(f"the prompt has {len(prompt)} tokens but a sequence of this batch holds "
                               f"{self.max_seq_len}, so a prompt may have at most {self.max_seq_len - 1} (recompile "

@@ -27,9 +27,11 @@ def parser() -> argparse.ArgumentParser:
     ap = OneLineParser(
         prog="llmrs-serve", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Serve a plan over OpenAI's HTTP API: /v1/models, /v1/completions and\n"
-                    "/v1/chat/completions, streamed (server-sent events) or not. One model answers one request\n"
-                    "at a time: the others wait in arrival order. The KV cache is kept between requests, so a\n"
-                    "client that re-sends a growing conversation prefills only its new turn.",
+                    "/v1/chat/completions, streamed (server-sent events) or not. Up to --max-num-seqs requests\n"
+                    "run at once (continuous batching over a paged KV cache, the plan's step graph); the others\n"
+                    "wait in arrival order. Equal prompt prefixes share their KV, so a client that re-sends a\n"
+                    "growing conversation, or a shared system prompt, prefills only what is new. A plan without a\n"
+                    "step graph, or --eviction-policy, answers one request at a time.",
         epilog="examples:\n"
                "  llmrs-serve plan.bin                          http://127.0.0.1:8080/v1\n"
                "  llmrs-serve plan.bin --port 9000 --backend opencl\n"
