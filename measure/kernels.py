@@ -375,9 +375,11 @@ class OpenCLRunner:
             raise Unavailable(f"the plan's OpenCL code has no {kernel.phase} graph")
         g = with_layout(kernel)
         launches = [e for e in self.program["graphs"].get(kernel.phase, []) if e["op"] == kernel.op.name]
-        # an attention's scores launch goes along, and a matmul's stage_x (its activations
-        # prepared once) comes first
-        if sum(1 for e in launches if not e.get("scores") and e["kernel"] != "stage_x") != 1:
+        # an attention's scores launch goes along, a matmul's stage_x (its activations prepared
+        # once) comes first, and paged attention is two kernels that each take their own rows
+        main = {e["kernel"] for e in launches if not e.get("scores") and e["kernel"] != "stage_x"}
+        if len(launches) - sum(1 for e in launches if e.get("scores") or e["kernel"] == "stage_x") != len(main) \
+                or not (len(main) == 1 or main == {"attention_paged_rows", "attention_paged_tiles"}):
             raise self._error(f"the plan's OpenCL launch table has {len(launches)} launches for op "
                               f"{kernel.op.name} of {kernel.phase}; recompile the plan")
         program = {**self.program, "graphs": {g.name: launches}}

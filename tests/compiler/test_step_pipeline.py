@@ -75,6 +75,8 @@ def test_a_plan_carries_the_step_graph_where_one_of_its_back_ends_runs_it(tmp_pa
     assert "step graph    up to 8 sequences, 8 tokens a step, KV in blocks of 4 tokens: 27 kernels" in cpu.summary
     shape = Plan.open(cpu.path).step_shape()
     assert (shape.rows, shape.seqs, shape.block_size, shape.blocks_per_seq, shape.n_blocks) == (8, 8, 4, 16, 16)
-    # OpenCL has no step-graph kernels yet: an OpenCL-only plan goes without it
+    # OpenCL runs it too; max_num_seqs 0 leaves it out
     opencl = compile_plan(DATA / "golden-b", tmp_path / "cl.bin", CompileOptions(target="opencl", **SMALL))
-    assert "step graph" not in opencl.summary and Plan.open(opencl.path).step_shape() is None
+    assert "step graph" in opencl.summary and Plan.open(opencl.path).step_shape() is not None
+    none = compile_plan(DATA / "golden-b", tmp_path / "none.bin", CompileOptions(target="cpu", max_num_seqs=0, **SMALL))
+    assert "step graph" not in none.summary and Plan.open(none.path).step_shape() is None

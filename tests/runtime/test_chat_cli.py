@@ -80,7 +80,7 @@ def test_chat_without_a_template_is_a_one_line_error(plans):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--prompt", "hi"], "--chat reads its turns from standard input: leave out --prompt, --dump-logits and --profile"),
+    (["--prompt", "hi"], "--chat reads its turns from standard input: leave out --prompt, --prompts-file, --dump-logits and --profile"),
     (["-n", "0"], "-n must be at least 1, got 0"),
     (["--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
 ])

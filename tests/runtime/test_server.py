@@ -341,18 +341,21 @@ def _readme_openai_snippet() -> str:
     return re.search(r"```python\n(from openai import OpenAI\n.*?)```", section, re.S)[1]
 
 
-def test_readme_openai_snippet_runs_as_written(srv):
+def test_readme_openai_snippet_runs_as_written(srv, monkeypatch):
     code = _readme_openai_snippet()
     assert 'base_url="http://127.0.0.1:8080/v1"' in code   # llmrs-serve's default address, moved to this test's port
     srv.idle()
+    server, started = srv.app.state.llmrs, []
+    start = server.start
+    monkeypatch.setattr(server, "start", lambda ids, opts: started.append(start(ids, opts)) or started[-1])
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(compile(code.replace("127.0.0.1:8080", f"127.0.0.1:{srv.port}"), str(README), "exec"), {})
     model = srv.model
     prompt = model.tokenize(model.render_chat([{"role": "user", "content": "Hi"}]), add_special_tokens=False)
-    generated = model._tokens[len(prompt):]     # what the cache was fed after the prompt: the reply
-    assert model._tokens[:len(prompt)] == prompt and len(generated) == 64
-    assert out.getvalue() == model.detokenize(generated, skip_special_tokens=True) + "\n"
+    (generation,) = started     # the one request the snippet made: the whole reply was printed
+    assert generation.prompt == prompt and len(generation.tokens) == 64
+    assert out.getvalue() == model.detokenize(generation.tokens, skip_special_tokens=True) + "\n"
 
 
 # -- request bodies -----------------------------------------------------------------------------------
