@@ -12,6 +12,12 @@ drive it so); `start()` runs steps on a background thread while there is work (l
 Request is consumed from any thread: iterate it for text pieces as they decode, close() it to
 abort (its blocks are freed at once).
 
+Eviction (KVOptions: sliding, snapkv, h2o, memory pressure) is per sequence, as the
+single-sequence Engine does it on its cache (runtime/kv/perseq.py): each sequence keeps at most
+max_seq_len entries, is compacted inside its own blocks between steps, and may generate past
+max_seq_len and past its share of the pool. A policy with attention scores runs the batch
+without the prefix cache (a shared block would collect every sharer's scores).
+
 The pool is the plan's KV cache, the same memory Model's single-sequence Engine uses: Model
 hands the cache to whichever of the two runs (runtime/model.py `_kv_for`), so a batch after a
 conversation starts from an empty prefix cache, and a conversation after a batch from an empty
@@ -19,6 +25,7 @@ cache.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -32,6 +39,10 @@ from ..options import OptionError, option, whole
 from .backends.base import Backend, StepRows
 from .plan import Plan, StepShape
 from .engine import EngineError, check_finite
+from .kv import KVOptions
+from .kv.manager import LinuxSystemMonitor
+from .kv.options import _log, check_threshold
+from .kv.perseq import SeqEviction
 from .sampler import Sampler
 from .scheduler import FinishReason, Scheduler, SchedulerConfig, Sequence
 
@@ -192,14 +203,18 @@ class Batcher:
     """Continuous batching over one back end's step graph (see the module docstring)."""
 
     def __init__(self, plan: Plan, backend: Backend, tokenizer: Any, stop_ids: tuple[int, ...], max_seq_len: int,
-                 options: BatchOptions = BatchOptions()):
+                 options: BatchOptions = BatchOptions(), kv: KVOptions = KVOptions()):
         self.backend = backend
         self.tokenizer = tokenizer
         self.stop_ids = frozenset(stop_ids)
         self.shape = step_shape(plan)
+        self.kv_options = kv.check()
         self.config = scheduler_config(self.shape, options.check())
+        if kv.evicts and kv.policy().uses_scores and self.config.enable_prefix_cache:
+            self.config = dataclasses.replace(self.config, enable_prefix_cache=False)
         self.max_seq_len = min(max_seq_len, self.config.capacity)
-        self.scheduler = Scheduler(self.config)
+        self.evictions: list = []               # runtime/kv EvictionEvents of every sequence
+        self.scheduler = self._scheduler()
         self.cond = threading.Condition(threading.RLock())
         self.requests: dict[int, Request] = {}
         self.background = False
@@ -213,12 +228,13 @@ class Batcher:
     # -- requests -------------------------------------------------------------------------------------
     def submit(self, prompt: list[int], options: "GenerationOptions", priority: int = 0) -> Request:
         from .model import Detokenizer, StopScan   # model.py imports this module
-        if len(prompt) >= self.max_seq_len:
+        if len(prompt) >= self.max_seq_len and not self.evicts:
             raise EngineError(f"the prompt has {len(prompt)} tokens but a sequence of this batch holds "
                               f"{self.max_seq_len}, so a prompt may have at most {self.max_seq_len - 1} (recompile "
                               "with a larger {0}, or use more of the pool: {1})", "max_seq_len", "num_blocks")
         room = self.max_seq_len - len(prompt)
-        max_tokens = min(options.max_tokens or room, room)
+        # under eviction a sequence holds at most max_seq_len entries however long it runs
+        max_tokens = (options.max_tokens or self.max_seq_len) if self.evicts else min(options.max_tokens or room, room)
         with self.cond:
             rid = next(self._ids)
             req = Request(self, rid, list(prompt), options, Detokenizer(self.tokenizer), StopScan(options.stop))
@@ -262,8 +278,11 @@ class Batcher:
                 # a step of prompt chunks that end no prompt samples nothing, but the graph's head
                 # runs on at least one row: row 0's logits are computed and dropped
                 picked = flat.logit_rows if len(flat.logit_rows) else np.zeros(1, np.int32)
-                logits = self.backend.run_step(StepRows(flat.tokens, flat.positions, flat.slots, flat.row_seq,
-                                                        flat.ctx_len, flat.block_tables, picked))
+                rows = StepRows(flat.tokens, flat.positions, flat.slots, flat.row_seq, flat.ctx_len,
+                                flat.block_tables, picked)
+                if self.scheduler.evictor is not None and self.scheduler.evictor.uses_scores:
+                    rows = dataclasses.replace(rows, score_from=flat.score_from)
+                logits = self.backend.run_step(rows)
                 self.steps += 1
                 self.rows_run += len(flat.tokens)
                 with self.cond:
@@ -341,7 +360,7 @@ class Batcher:
         with self.cond:
             if self.scheduler.has_unfinished():
                 raise EngineError("the batch has unfinished requests; close them before its cache is reset")
-            self.scheduler = Scheduler(self.config)
+            self.scheduler = self._scheduler()
 
     def close(self) -> None:
         """Abort every request and stop the background thread."""
@@ -352,6 +371,26 @@ class Batcher:
         self.stop()
 
     # -- internals --------------------------------------------------------------------------------------
+    @property
+    def evicts(self) -> bool:
+        return self.kv_options.evicts
+
+    def _scheduler(self) -> Scheduler:
+        sched = Scheduler(self.config)
+        kv = self.kv_options
+        if kv.evicts:
+            monitor = LinuxSystemMonitor() if kv.memory_threshold_mb is not None else None
+            if monitor is not None:
+                check_threshold(kv.memory_threshold_mb, monitor.mem_stats().total)
+            sched.evictor = SeqEviction(kv.policy(), self.max_seq_len, sched.kv, self.backend.kv_store(), monitor,
+                                        kv.memory_threshold_mb, kv.eviction_target_ratio, self._event)
+        return sched
+
+    def _event(self, event) -> None:
+        self.evictions.append(event)
+        if self.kv_options.log_evictions:
+            _log(event)
+
     def _retire(self, req: Request, reason: str) -> None:
         req._finish(reason)
         self.requests.pop(req.id, None)
