@@ -95,6 +95,16 @@ def scheduler_config(shape: StepShape, options: BatchOptions) -> SchedulerConfig
         enable_prefix_cache=not options.no_prefix_cache)
 
 
+def batch_refusal(kv: KVOptions) -> str | None:
+    """Why a batch cannot evict as `kv` asks ({0}: the policy option), or None. SnapKV and H2O
+    choose by attention scores, and the step graph's attention writes none yet (its per-row
+    score_from, FlatBatch.score_from, is planned but no kernel takes it)."""
+    if kv.evicts and kv.policy().uses_scores:
+        return (f"{{0}} {kv.eviction_policy} needs attention scores, which a batch's step graph does not write "
+                "yet: run one prompt at a time, or evict a batch with sliding")
+    return None
+
+
 FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "cancelled"}
 
 
@@ -209,6 +219,9 @@ class Batcher:
         self.stop_ids = frozenset(stop_ids)
         self.shape = step_shape(plan)
         self.kv_options = kv.check()
+        refusal = batch_refusal(kv)
+        if refusal is not None:
+            raise EngineError(refusal, "eviction_policy")
         self.config = scheduler_config(self.shape, options.check())
         if kv.evicts and kv.policy().uses_scores and self.config.enable_prefix_cache:
             self.config = dataclasses.replace(self.config, enable_prefix_cache=False)
@@ -278,11 +291,8 @@ class Batcher:
                 # a step of prompt chunks that end no prompt samples nothing, but the graph's head
                 # runs on at least one row: row 0's logits are computed and dropped
                 picked = flat.logit_rows if len(flat.logit_rows) else np.zeros(1, np.int32)
-                rows = StepRows(flat.tokens, flat.positions, flat.slots, flat.row_seq, flat.ctx_len,
-                                flat.block_tables, picked)
-                if self.scheduler.evictor is not None and self.scheduler.evictor.uses_scores:
-                    rows = dataclasses.replace(rows, score_from=flat.score_from)
-                logits = self.backend.run_step(rows)
+                logits = self.backend.run_step(StepRows(flat.tokens, flat.positions, flat.slots, flat.row_seq,
+                                                        flat.ctx_len, flat.block_tables, picked))
                 self.steps += 1
                 self.rows_run += len(flat.tokens)
                 with self.cond:
@@ -408,4 +418,4 @@ class Batcher:
         return {"steps": self.steps, "rows": self.rows_run, "kv": kv}
 
 
-__all__ = ["BatchOptions", "Batcher", "Request", "scheduler_config", "step_shape"]
+__all__ = ["BatchOptions", "Batcher", "Request", "batch_refusal", "scheduler_config", "step_shape"]

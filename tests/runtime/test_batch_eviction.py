@@ -9,6 +9,8 @@ import pytest
 
 import llmrs
 from llmrs.compiler.cli import main as compile_main
+from llmrs.runtime.cli import main as run_main
+from llmrs.runtime.engine import EngineError
 from llmrs.runtime.kv.store import HostKV
 
 from ..conftest import DATA
@@ -154,3 +156,27 @@ def test_sliding_per_sequence_on_opencl_gives_each_prompt_its_tokens_alone(tmp_p
         assert [r.tokens for r in reqs] == want
         assert max(len(t) for t in want) + 12 > 64 and model.batch.evictions
         model.batch.scheduler.kv.check()
+
+
+def test_llmrs_run_with_several_prompts_evicts_each_as_one_prompt_alone(plan, capsys):
+    flags = ["--eviction-policy", "sliding", "--eviction-window", "10", "--protected-prefix", "3", "-n", "70"]
+    texts = ["Once upon a time", "The cat sat"]
+    alone_out = []
+    for t in texts:
+        assert run_main([str(plan), "-p", t, *flags]) == 0
+        alone_out.append(capsys.readouterr().out.rstrip("\n"))
+    assert run_main([str(plan), "-p", texts[0], "-p", texts[1], *flags, "--stats"]) == 0
+    cap = capsys.readouterr()
+    got = dict(line.split(" ", 1) for line in cap.out.split("\n[") if line)
+    assert {k.strip("[]"): v.rstrip("\n") for k, v in got.items()} == {"1": alone_out[0], "2": alone_out[1]}
+    assert "evictions" in cap.err and "budget" in cap.err
+
+
+def test_batches_refuse_score_policies_in_one_line(plan, capsys):
+    assert run_main([str(plan), "-p", "a", "-p", "b", "--eviction-policy", "h2o", "--eviction-window", "10"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("llmrs-run: error: --eviction-policy h2o needs attention scores, which a batch's step graph does "
+                   "not write yet: run one prompt at a time, or evict a batch with sliding (give one --prompt)")
+    with llmrs.load(plan, eviction_policy="snapkv", eviction_window=10) as model:
+        with pytest.raises(EngineError, match=r"^eviction_policy snapkv needs attention scores"):
+            model.add_request([3, 4], max_tokens=1)
