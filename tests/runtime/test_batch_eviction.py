@@ -180,3 +180,49 @@ def test_batches_refuse_score_policies_in_one_line(plan, capsys):
     with llmrs.load(plan, eviction_policy="snapkv", eviction_window=10) as model:
         with pytest.raises(EngineError, match=r"^eviction_policy snapkv needs attention scores"):
             model.add_request([3, 4], max_tokens=1)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snapkv"])
+def test_per_head_compaction_of_a_paged_sequence_equals_the_contiguous_cache_s(plan, policy):
+    """The same KV rows and scores, once in a sequence's scattered blocks and once at the front of
+    a contiguous cache: evicting per KV head (SeqEviction on the pool, CacheManager on the cache)
+    leaves the same rows and scores in the same order."""
+    from llmrs.runtime.kv import CacheManager, make_policy
+    from llmrs.runtime.kv.paged import BlockManager
+    from llmrs.runtime.kv.perseq import SeqEviction
+
+    rng = np.random.default_rng(6)
+    with llmrs.load(plan, backend="reference") as paged, llmrs.load(plan, backend="reference") as flat:
+        pool, cache = paged.backend.kv_store(), flat.backend.kv_store()
+        blocks = BlockManager(8, 8, enable_prefix_cache=False)
+        blocks.allocate("other", [1] * 5)
+        blocks.append_slots("other", 5)
+        n = 30
+        blocks.allocate("seq", [1] * n)
+        slots, _ = blocks.append_slots("seq", n)
+        blocks.commit("seq", [1] * n)
+        for layer in range(pool.n_layers):
+            for name in (pool.layers[layer].k, pool.layers[layer].v, pool.layers[layer].scores):
+                data = rng.standard_normal(cache.arrays[name].shape).astype(cache.arrays[name].dtype)
+                cache.arrays[name][...] = data
+                if name == pool.layers[layer].scores:
+                    pool.arrays[name][:, slots] = data[:, :n]
+                else:
+                    pool.arrays[name][slots] = data[:n]
+        pol = make_policy(policy, 12, 2, snapkv_window=4)
+        ev = SeqEviction(pol, 64, blocks, pool)
+        ev.start("seq", n)
+        ev._evict("seq", n, 14, "budget")
+        mgr = CacheManager(make_policy(policy, 12, 2, snapkv_window=4), cache)
+        mgr.record_step(0, 0, n)
+        mgr._evict(n, 14, "budget")
+        blocks.check()
+        kept = blocks.table("seq").slots(0, 14)
+        assert len(blocks.table("seq")) == 2 and blocks.num_slots("seq") == 14
+        for layer in range(pool.n_layers):
+            for which in ("k", "v"):
+                assert np.array_equal(pool.cache(layer, which)[kept], cache.cache(layer, which)[:14])
+        if not pol.clears_scores_after_eviction:
+            assert np.array_equal(pool.slot_scores(kept), cache.scores(14))
+        assert np.array_equal(ev.view("seq", 14).positions, mgr.positions[:, :, :14])
+        assert len({tuple(p) for p in mgr.positions[:, :, :14].reshape(-1, 14)}) > 1   # heads kept their own
