@@ -12,6 +12,12 @@ drive it so); `start()` runs steps on a background thread while there is work (l
 Request is consumed from any thread: iterate it for text pieces as they decode, close() it to
 abort (its blocks are freed at once).
 
+Eviction (KVOptions: sliding, snapkv, h2o, memory pressure) is per sequence, as the
+single-sequence Engine does it on its cache (runtime/kv/perseq.py): each sequence keeps at most
+max_seq_len entries, is compacted inside its own blocks between steps, and may generate past
+max_seq_len and past its share of the pool. A policy with attention scores runs the batch
+without the prefix cache (a shared block would collect every sharer's scores).
+
 The pool is the plan's KV cache, the same memory Model's single-sequence Engine uses: Model
 hands the cache to whichever of the two runs (runtime/model.py `_kv_for`), so a batch after a
 conversation starts from an empty prefix cache, and a conversation after a batch from an empty
@@ -19,6 +25,7 @@ cache.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -32,6 +39,10 @@ from ..options import OptionError, option, whole
 from .backends.base import Backend, StepRows
 from .plan import Plan, StepShape
 from .engine import EngineError, check_finite
+from .kv import KVOptions
+from .kv.manager import LinuxSystemMonitor
+from .kv.options import _log, check_threshold
+from .kv.perseq import SeqEviction
 from .sampler import Sampler
 from .text import Detokenizer, StopScan
 from .scheduler import FinishReason, Scheduler, SchedulerConfig, Sequence
@@ -83,6 +94,16 @@ def scheduler_config(shape: StepShape, options: BatchOptions) -> SchedulerConfig
         block_size=shape.block_size,
         num_blocks=pick("num_blocks", options.num_blocks, shape.n_blocks, "--max-seq-len"),
         enable_prefix_cache=not options.no_prefix_cache)
+
+
+def batch_refusal(kv: KVOptions) -> str | None:
+    """Why a batch cannot evict as `kv` asks ({0}: the policy option), or None. SnapKV and H2O
+    choose by attention scores, and the step graph's attention writes none yet (its per-row
+    score_from, FlatBatch.score_from, is planned but no kernel takes it)."""
+    if kv.evicts and kv.policy().uses_scores:
+        return (f"{{0}} {kv.eviction_policy} needs attention scores, which a batch's step graph does not write "
+                "yet: run one prompt at a time, or evict a batch with sliding")
+    return None
 
 
 FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "cancelled"}
@@ -193,14 +214,21 @@ class Batcher:
     """Continuous batching over one back end's step graph (see the module docstring)."""
 
     def __init__(self, plan: Plan, backend: Backend, tokenizer: Any, stop_ids: tuple[int, ...], max_seq_len: int,
-                 options: BatchOptions = BatchOptions()):
+                 options: BatchOptions = BatchOptions(), kv: KVOptions = KVOptions()):
         self.backend = backend
         self.tokenizer = tokenizer
         self.stop_ids = frozenset(stop_ids)
         self.shape = step_shape(plan)
+        self.kv_options = kv.check()
+        refusal = batch_refusal(kv)
+        if refusal is not None:
+            raise EngineError(refusal, "eviction_policy")
         self.config = scheduler_config(self.shape, options.check())
+        if kv.evicts and kv.policy().uses_scores and self.config.enable_prefix_cache:
+            self.config = dataclasses.replace(self.config, enable_prefix_cache=False)
         self.max_seq_len = min(max_seq_len, self.config.capacity)
-        self.scheduler = Scheduler(self.config)
+        self.evictions: list = []               # runtime/kv EvictionEvents of every sequence
+        self.scheduler = self._scheduler()
         self.cond = threading.Condition(threading.RLock())
         self.requests: dict[int, Request] = {}
         self.background = False
@@ -213,12 +241,13 @@ class Batcher:
 
     # -- requests -------------------------------------------------------------------------------------
     def submit(self, prompt: list[int], options: "GenerationOptions", priority: int = 0) -> Request:
-        if len(prompt) >= self.max_seq_len:
+        if len(prompt) >= self.max_seq_len and not self.evicts:
             raise EngineError(f"the prompt has {len(prompt)} tokens but a sequence of this batch holds "
                               f"{self.max_seq_len}, so a prompt may have at most {self.max_seq_len - 1} (recompile "
                               "with a larger {0}, or use more of the pool: {1})", "max_seq_len", "num_blocks")
         room = self.max_seq_len - len(prompt)
-        max_tokens = min(options.max_tokens or room, room)
+        # under eviction a sequence holds at most max_seq_len entries however long it runs
+        max_tokens = (options.max_tokens or self.max_seq_len) if self.evicts else min(options.max_tokens or room, room)
         with self.cond:
             rid = next(self._ids)
             req = Request(self, rid, list(prompt), options, Detokenizer(self.tokenizer), StopScan(options.stop))
@@ -341,7 +370,7 @@ class Batcher:
         with self.cond:
             if self.scheduler.has_unfinished():
                 raise EngineError("the batch has unfinished requests; close them before its cache is reset")
-            self.scheduler = Scheduler(self.config)
+            self.scheduler = self._scheduler()
 
     def close(self) -> None:
         """Abort every request and stop the background thread."""
@@ -352,6 +381,26 @@ class Batcher:
         self.stop()
 
     # -- internals --------------------------------------------------------------------------------------
+    @property
+    def evicts(self) -> bool:
+        return self.kv_options.evicts
+
+    def _scheduler(self) -> Scheduler:
+        sched = Scheduler(self.config)
+        kv = self.kv_options
+        if kv.evicts:
+            monitor = LinuxSystemMonitor() if kv.memory_threshold_mb is not None else None
+            if monitor is not None:
+                check_threshold(kv.memory_threshold_mb, monitor.mem_stats().total)
+            sched.evictor = SeqEviction(kv.policy(), self.max_seq_len, sched.kv, self.backend.kv_store(), monitor,
+                                        kv.memory_threshold_mb, kv.eviction_target_ratio, self._event)
+        return sched
+
+    def _event(self, event) -> None:
+        self.evictions.append(event)
+        if self.kv_options.log_evictions:
+            _log(event)
+
     def _retire(self, req: Request, reason: str) -> None:
         req._finish(reason)
         self.requests.pop(req.id, None)
@@ -369,4 +418,4 @@ class Batcher:
         return {"steps": self.steps, "rows": self.rows_run, "kv": kv}
 
 
-__all__ = ["BatchOptions", "Batcher", "Request", "scheduler_config", "step_shape"]
+__all__ = ["BatchOptions", "Batcher", "Request", "batch_refusal", "scheduler_config", "step_shape"]

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 
 from ..cliutil import OneLineParser, add_option_flags, error_line, options_from
-from ..options import option_names
 from ..compiler.outputs import check_output_file, output_file
 from .backends import BACKENDS, BackendOptions
 from .backends.options import KIND_OPTIONS
@@ -20,7 +19,8 @@ from ..builtin import default_plan
 from .engine import EngineError, Stats
 from .kv.options import TITLE as KV_TITLE
 from .kv.options import KVOptions
-from .batch import BatchOptions
+from .kv.manager import summarize
+from .batch import BatchOptions, batch_refusal
 from .model import Completion, Model, check_threads
 from .plan import Plan, PlanError
 from .sampler import SamplerConfig
@@ -197,10 +197,11 @@ def run_many(args: argparse.Namespace) -> int:
     for flag in ("dump_logits", "profile"):
         if getattr(args, flag):
             raise EngineError(f"--{flag.replace('_', '-')} records one generation; give one --prompt")
-    if kv_flags_given(args):
-        raise EngineError("eviction works on one sequence at a time for now; give one --prompt")
     texts = [prompt_text(t) for t in args.prompts]
     sampler, backend_options, kv = typed_options(args)
+    refusal = batch_refusal(kv)
+    if refusal is not None:
+        raise EngineError(refusal + " (give one --prompt)", "eviction_policy")
     batch = options_from(args, BatchOptions).check()
     t0 = time.perf_counter()
     with load_model(args, backend_options, kv, batch) as model:
@@ -230,12 +231,9 @@ def run_many(args: argparse.Namespace) -> int:
                   f"all requests)\n"
                   f"time to 1st token p50 {ttft[len(ttft) // 2] * 1e3:.1f} ms, max {ttft[-1] * 1e3:.1f} ms\n"
                   f"steps             {b.steps} ({b.rows_run} rows)\n"
+                  + (f"evictions         {summarize(b.evictions)} [{kv.eviction_policy}]\n" if kv.evicts else "") +
                   f"peak memory       {Stats.peak_rss_bytes() / 2**20:.0f} MiB (resident)", file=sys.stderr)
     return 0
-
-
-def kv_flags_given(args: argparse.Namespace) -> bool:
-    return any(getattr(args, n) != getattr(KVOptions(), n) for n in option_names(KVOptions))
 
 
 def report(args: argparse.Namespace, model: Model, completion: Completion) -> None:

@@ -456,7 +456,7 @@ class Model:
         self._check_open()
         if self._batch is None:
             self._batch = Batcher(self.plan, self.backend, self.tokenizer, tuple(self.engine.stop_ids),
-                                  self.max_seq_len, self.batch_options)
+                                  self.max_seq_len, self.batch_options, self.kv)
         if self._kv_user != "batch":
             if self._active is not None:
                 self._check_free()

@@ -39,8 +39,16 @@ the back ends; SWAPPED is a state the Sequence knows, but no preemption mode use
 Positions. A sequence's tokens are its prompt then its outputs; num_computed of them have KV.
 Row r of a sequence's chunk is token num_computed + r at RoPE position num_computed + r, and it
 attends over the sequence's KV entries 0..kv_start + r (ctx_len = kv_start + r + 1). Without
-eviction kv_start == num_computed; the two are kept apart so compaction can later shrink the KV
+eviction kv_start == num_computed; the two are kept apart so compaction can shrink the KV
 without renumbering positions.
+
+Eviction (an `evictor`, runtime/kv/perseq.py SeqEviction): each sequence is evicted on its own,
+by its KV entry count, as the single-sequence Engine evicts its cache. Before a sequence's rows
+are placed its prompt chunk is capped so it cannot overflow the sequence's slots and room is
+made ("full"); after the step (its rows committed) the policy's budget and memory pressure may
+compact it. Compaction frees blocks at once, and its row moves are done by then, before the
+plan's block copies and the step itself. A request may then ask for more tokens than its slots
+or the pool: it holds at most `slots` entries at any time.
 """
 from __future__ import annotations
 
@@ -52,8 +60,10 @@ import numpy as np
 
 from ..options import OptionError, option, whole
 from .kv.paged import BlockManager
+from .kv.policy import StepInfo
 
 PREEMPTION_MODES = ("recompute",)
+NEVER = np.iinfo(np.int32).max
 
 
 class SchedulerError(RuntimeError):
@@ -160,6 +170,7 @@ class ScheduledSeq:
     kv_start: int              # KV index of the first row: row r attends over entries 0..kv_start + r
     block_table: np.ndarray    # int32 [blocks]
     needs_logits: bool         # its last row is sampled (the chunk ends the prompt, or a decode)
+    score_from: int | None = None   # KV index from which its rows add eviction scores (None: no row)
 
     @property
     def seq_id(self) -> Hashable:
@@ -181,6 +192,7 @@ class FlatBatch:
     ctx_len: np.ndarray        # int32 [T]: KV entries row t attends, its own included
     logit_rows: np.ndarray     # int32 [R]: rows whose logits are sampled
     logit_seq_ids: list        # [R]: the sequence of each
+    score_from: np.ndarray     # int32 [T]: row t adds eviction scores if its KV index >= this (NEVER: no)
 
 
 @dataclass(frozen=True)
@@ -217,7 +229,9 @@ class StepPlan:
             block_tables=tables,
             ctx_len=cat([s.kv_start + 1 + np.arange(s.num_tokens) for s in self.seqs]),
             logit_rows=np.array([r for r, _ in logits], dtype=np.int32),
-            logit_seq_ids=[sid for _, sid in logits])
+            logit_seq_ids=[sid for _, sid in logits],
+            score_from=cat([np.full(s.num_tokens, NEVER if s.score_from is None else s.score_from)
+                            for s in self.seqs]))
 
 
 class Scheduler:
@@ -227,6 +241,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
         self.kv = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_cache)
+        self.evictor = None     # runtime/kv/perseq.SeqEviction over self.kv, set by the batch that evicts
         self._seqs: dict[Hashable, Sequence] = {}       # every unfinished sequence
         self._waiting: list[Sequence] = []
         self._running: list[Sequence] = []
@@ -248,6 +263,8 @@ class Scheduler:
         if seq.state is not SeqState.WAITING or seq.output or seq.num_computed:
             raise ValueError(f"request {seq.seq_id!r} has already run; add a new Sequence")
         need, cap = len(seq.prompt) + seq.max_tokens, self.config.capacity
+        if self.evictor is not None:        # it never holds more than its slots
+            need = min(need, self.evictor.slots)
         if need > cap:
             raise ValueError(f"request {seq.seq_id!r}: prompt {len(seq.prompt)} + max_tokens {seq.max_tokens} = "
                              f"{need} tokens, more than the KV pool's {cap} ({self.config.num_blocks} blocks of "
@@ -302,9 +319,10 @@ class Scheduler:
             elif seq.remaining == 1:
                 if seq.seq_id in step.granted:
                     step.granted.discard(seq.seq_id)
-                    self._add_rows(step, seq, "decode", self._reserve(step, seq, 1))
+                    self._add_rows(step, seq, "decode", self._reserve(step, seq, self._room(seq, 1)))
             elif step.free_budget:
-                self._add_rows(step, seq, "prefill", self._reserve(step, seq, min(seq.remaining, step.free_budget)))
+                n = self._room(seq, min(seq.remaining, step.free_budget))
+                self._add_rows(step, seq, "prefill", self._reserve(step, seq, n))
         self._step += 1
         plan = StepPlan(self._step, step.decodes + step.prefills, step.copies, list(step.preempted))
         self._in_flight = plan
@@ -322,12 +340,17 @@ class Scheduler:
         if extra:
             raise SchedulerError(f"sampled tokens for sequences with no logits row: {sorted(map(repr, extra))}")
         finished = []
+        memory_low = self.evictor is not None and self.evictor.memory_low()
         for rows in plan.seqs:
             seq = rows.seq
             if seq.state is not SeqState.RUNNING:          # aborted while the step ran
                 continue
             self.kv.commit(seq.seq_id, rows.token_ids.tolist())
             seq.num_computed += rows.num_tokens
+            if self.evictor is not None:
+                self.evictor.record(seq.seq_id, rows.kv_start, int(rows.positions[0]), rows.num_tokens)
+                self.evictor.after_step(seq.seq_id, self.kv.num_slots(seq.seq_id),
+                                        rows.phase == "prefill" and rows.needs_logits, memory_low)
             if not rows.needs_logits:
                 continue
             if seq.seq_id not in sampled:
@@ -352,9 +375,13 @@ class Scheduler:
                 return False
             self._preempt(step, victim)
         seq.num_computed = self.kv.allocate(seq.seq_id, seq.tokens())
-        n = self._reserve(step, seq, min(seq.remaining, step.free_budget))
+        if self.evictor is not None:
+            self.evictor.start(seq.seq_id, seq.num_computed)
+        n = self._reserve(step, seq, self._room(seq, min(seq.remaining, step.free_budget)))
         if n == 0:
             self.kv.free(seq.seq_id)
+            if self.evictor is not None:
+                self.evictor.forget(seq.seq_id)
             seq.num_computed = 0
             return False
         seq.set_state(SeqState.RUNNING)
@@ -362,6 +389,16 @@ class Scheduler:
         self._running.append(seq)
         self._add_rows(step, seq, "prefill", n)
         return True
+
+    def _room(self, seq: Sequence, n: int) -> int:
+        """Under eviction: n capped so the chunk cannot overflow the sequence's slots, and room made
+        for it (the sequence compacted now, before any block of this step is placed)."""
+        if self.evictor is None:
+            return n
+        n_past = self.kv.num_slots(seq.seq_id)
+        n = self.evictor.chunk(seq.seq_id, n_past, seq.remaining, n)
+        self.evictor.make_room(seq.seq_id, n_past, n)
+        return n
 
     def _reserve(self, step: _Step, seq: Sequence, n: int) -> int:
         """How many of n tokens seq gets blocks for: as many as fit now; if not one fits, preempt
@@ -388,6 +425,8 @@ class Scheduler:
 
     def _preempt(self, step: _Step, seq: Sequence) -> None:
         self.kv.free(seq.seq_id)
+        if self.evictor is not None:
+            self.evictor.forget(seq.seq_id)
         seq.num_computed = 0
         seq.num_preemptions += 1
         seq.set_state(SeqState.WAITING)
@@ -402,10 +441,16 @@ class Scheduler:
         kv_start = self.kv.num_slots(seq.seq_id)
         slots, copies = self.kv.append_slots(seq.seq_id, n)
         start = seq.num_computed
+        score_from = None
+        if self.evictor is not None:
+            first_chunk = phase == "prefill" and start == 0
+            score_from = self.evictor.before_step(seq.seq_id, StepInfo(
+                phase, kv_start, n, seq.remaining - n if phase == "prefill" else 0, first_chunk,
+                self.evictor.slots), slots)
         (step.decodes if phase == "decode" else step.prefills).append(ScheduledSeq(
             seq, phase, np.array(seq.tokens(start, start + n), dtype=np.int32),
             np.arange(start, start + n, dtype=np.int32), slots, kv_start,
-            np.array(self.kv.table(seq.seq_id).blocks, dtype=np.int32), start + n == seq.num_tokens))
+            np.array(self.kv.table(seq.seq_id).blocks, dtype=np.int32), start + n == seq.num_tokens, score_from))
         step.copies += copies
         step.scheduled.add(seq.seq_id)
         step.budget -= n
@@ -413,6 +458,8 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.seq_id in self.kv:
             self.kv.free(seq.seq_id)
+        if self.evictor is not None:
+            self.evictor.forget(seq.seq_id)
         (self._running if seq.state is SeqState.RUNNING else self._waiting).remove(seq)
         seq.finish_reason = reason
         seq.set_state(SeqState.FINISHED)

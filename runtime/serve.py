@@ -14,7 +14,7 @@ from pathlib import Path
 from ..cliutil import OneLineParser, add_option_flags, error_line, options_from
 from .backends import BACKENDS, BackendOptions
 from .backends.options import KIND_OPTIONS
-from .batch import BatchOptions
+from .batch import BatchOptions, batch_refusal
 from .engine import EngineError
 from .kv.options import TITLE as KV_TITLE
 from .kv.options import KVOptions
@@ -111,8 +111,9 @@ def many_at_once(model) -> str:
     """How many requests run at once, for the start line."""
     if not model.can_batch:
         return "one request at a time: the plan has no step graph"
-    if model.evicts:
-        return "one request at a time: eviction works on one sequence"
+    if batch_refusal(model.kv) is not None:
+        return (f"one request at a time: {model.kv.eviction_policy} evicts by attention scores, which a batch "
+                "does not keep yet")
     n = model.batch_options.max_num_seqs or model.plan.step_shape().seqs
     return f"up to {n} requests at once"
 

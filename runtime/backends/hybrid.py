@@ -197,6 +197,10 @@ class HybridKV:
     def copy_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
         self.active.copy_slots(src, dst)
 
+    def move_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
+        self.active.move_slots(src, dst)
+        self.h.evicted = True
+
     def handed_over(self) -> None:
         self.active.set_score_from(self.score_from)
 

@@ -27,6 +27,9 @@ than it; snapkv once after the prompt), a cache too full for the next step (any 
 `none`, which stops generation instead), and memory pressure (MemAvailable under
 memory_threshold_mb: down to eviction_target_ratio of the slots in use).
 
+Batches. Each sequence of a paged batch is evicted on its own by the same policies and triggers
+(perseq.py SeqEviction, through runtime/scheduler.py): compaction inside its own blocks.
+
 Options. KVOptions (options.py) names all of it, by the seed's names, for every interface:
 Model.load's keywords, llmrs-run's and llmrs-serve's flags; cache_manager(KVOptions, backend)
 makes the manager.

@@ -67,6 +67,7 @@ class KVStore(Protocol):
     def set_score_from(self, first_slot: int | None) -> None: ...
     def compact(self, keep: np.ndarray) -> None: ...            # int [L, KVH, k], ascending
     def copy_slots(self, src: np.ndarray, dst: np.ndarray) -> None: ...   # every layer's K, V rows
+    def move_slots(self, src: np.ndarray, dst: np.ndarray) -> None: ...   # gathered first; src [k] | [L, KVH, k]
 
 
 @dataclass

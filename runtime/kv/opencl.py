@@ -98,6 +98,39 @@ class OpenCLKV:
                                         src_offset=off + int(src[r[0]]) * row, dst_offset=off + int(dst[r[0]]) * row)
         self.be.queue.finish()
 
+    def move_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Slot dst[j] of every layer's K and V takes the row of slot src[j] (a paged compaction):
+        every source run is copied to a scratch buffer first, then the scratch to the destination
+        runs, so overlapping runs (a sliding window moving down) are safe, which one device copy
+        between overlapping regions of a buffer is not (CL_MEM_COPY_OVERLAP)."""
+        import pyopencl as cl
+        src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+        if src.ndim != 1:
+            raise KVStoreError("the OpenCL back end moves whole KV rows only (sliding); per-head compaction "
+                               "(snapkv, h2o) of a batch runs on the cpu and reference back ends")
+        if not len(src):
+            return
+        g = self.be.graphs["decode"]
+        rows = max(g.values[n].nbytes // self.slots for layer in self.layers for n in (layer.k, layer.v))
+        need = len(src) * rows
+        if getattr(self, "_scratch_bytes", 0) < need:
+            self._scratch = cl.Buffer(self.be.ctx, cl.mem_flags.READ_WRITE, need)
+            self._scratch_bytes = need
+        j = np.arange(len(src))
+        src_runs = _runs(src, j)
+        dst_runs = _runs(j, dst)
+        for layer in self.layers:
+            for name in (layer.k, layer.v):
+                buf, off = self.be.locate("decode", name)
+                row = g.values[name].nbytes // self.slots
+                for s, d, n in src_runs:
+                    cl.enqueue_copy(self.be.queue, self._scratch, buf, byte_count=n * row,
+                                    src_offset=off + s * row, dst_offset=d * row)
+                for s, d, n in dst_runs:
+                    cl.enqueue_copy(self.be.queue, buf, self._scratch, byte_count=n * row,
+                                    src_offset=s * row, dst_offset=off + d * row)
+        self.be.queue.finish()
+
     def compact(self, keep: np.ndarray) -> None:
         import pyopencl as cl
         k = keep.shape[-1]
@@ -113,3 +146,9 @@ class OpenCLKV:
                               np.int32(s["rows"] if s["zero_tail"] else 0))
             cl.enqueue_nd_range_kernel(self.be.queue, r.kernel, (s["heads"] * s["local"], r.layers), (s["local"], 1))
         self.be.queue.finish()
+
+
+def _runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:
+    """(src, dst, length) of each run where both src and dst go up by one."""
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    return [(int(src[r[0]]), int(dst[r[0]]), len(r)) for r in np.split(np.arange(len(src)), breaks) if len(r)]

@@ -111,6 +111,41 @@ class HostKV:
                 cache = self.arrays[name]
                 cache[dst] = cache[src]
 
+    def move_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Slot dst[j] of every layer's K and V takes the row of slot src[j] (a paged compaction,
+        runtime/kv/paged.py): src int [k] for every KV head alike, or [L, KVH, k] per layer and KV
+        head; dst int [k]. Every source is gathered before anything is written (a destination may
+        be another entry's source). The scores stay (move_scores moves them, for the policies that
+        keep them)."""
+        src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+        heads = np.arange(self.n_kv_heads)
+        for li, layer in enumerate(self.layers):
+            s = src if src.ndim == 1 else src[li]                    # [k] or [KVH, k]
+            for name in (layer.k, layer.v):
+                cache = self.arrays[name]
+                if s.ndim == 1:
+                    cache[dst] = cache[s]                             # fancy indexing gathers a copy first
+                else:
+                    cache[dst[:, None], heads[None, :]] = cache[s.T, heads[None, :]]
+
+    def move_scores(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """move_slots for the attention scores."""
+        src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+        heads = np.arange(self.n_kv_heads)
+        for li, layer in enumerate(self.layers):
+            s = src if src.ndim == 1 else src[li]
+            sc = self.arrays[layer.scores]
+            sc[:, dst] = sc[:, s] if s.ndim == 1 else sc[heads[:, None], s]
+
+    def clear_slot_scores(self, slots: np.ndarray) -> None:
+        """Zero the scores of these slots in every layer (one sequence's, in a paged pool)."""
+        for layer in self.layers:
+            self.arrays[layer.scores][:, slots] = 0
+
+    def slot_scores(self, slots: np.ndarray) -> np.ndarray:
+        """f32 [L, KVH, n]: the scores of these slots (one sequence's KV entries, in order)."""
+        return np.stack([self.arrays[layer.scores][:, slots] for layer in self.layers]).astype(np.float32)
+
     def cache(self, layer: int, which: str) -> np.ndarray:
         """A layer's K or V cache in storage form (tests compare them)."""
         return self.arrays[getattr(self.layers[layer], which)]
