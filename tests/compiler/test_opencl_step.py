@@ -166,6 +166,29 @@ def test_a_1b_step_graph_runs_every_matmul_in_the_tiled_kernel_and_pages_every_a
     assert kernels["attention_tiled"] == kernels["attention_decode"] == kernels["attention_split"] == 0
 
 
+@pytest.mark.parametrize("weights", ["q4_0", "f16"])
+def test_a_1b_step_graph_launches_the_prefill_graphs_kernels_a_layer_but_for_paged_attention(llama_1b_graphs,
+                                                                                              weights):
+    """The step graph fused as the prefill graph: a layer's launches are the prefill graph's
+    (QKV with RoPE and the KV store in its epilogue, o, gate_up, down: a staging and a tiled
+    matmul each), its attention the paged pair instead of the prefill kernel (and the eviction
+    scores a prefill may add, which a step graph does not keep). Unfused, a layer took 19."""
+    prefill, _ = llama_1b_graphs
+    opts = CompileOptions(weights=weights)
+    step = Counter(launch.kernel for launch in lower_graph(run_passes(step_graph(prefill, max_seqs=16,
+                                                                                 block_size=16), opts)))
+    pre = Counter(launch.kernel for launch in lower_graph(run_passes(prefill, opts)))
+    layers, paged = 16, ("attention_paged_rows", "attention_paged_tiles")
+    prefill_attention = ("attention_tiled", "attention_scores")
+    per_layer = {k: n / layers for k, n in step.items() if k not in ("embedding", "gather_rows")}
+    assert per_layer == {"stage_x": 4 + 1 / layers, "matmul_tiled": 4 + 1 / layers,   # + the head's
+                         "attention_paged_rows": 1, "attention_paged_tiles": 1}
+    # less attention, the embedding and the head (the prefill's on its last row: a matvec)
+    assert step - Counter({k: step[k] for k in paged}) - Counter(embedding=1, gather_rows=1, stage_x=1, matmul_tiled=1) \
+        == pre - Counter({k: pre[k] for k in prefill_attention}) - Counter(embedding=1, last_row=1, matvec=1)
+    assert sum(step.values()) - 4 == (8 + len(paged)) * layers   # embedding, gather, the head's staging and matmul
+
+
 def test_rope_at_per_row_positions_matches_interpreter():
     rng = np.random.default_rng(31)
     h, hd, T = 3, 32, 7
