@@ -265,6 +265,7 @@ def _fused_matmul(it, op, st, x, w, *extra):
         return [(_silu(y[:, :f]) * y[:, f:]).astype(it.ft)]
     if epi == "rope_kv_store":
         h, kvh, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
+        positions, slots = extra[-2:] if a.get("step_rows") else (None, None)
         inv_freq, k_cache, v_cache = extra[:3]
         inv_freq = inv_freq.astype(np.float32)
         q, k, v = y[:, :h * hd], y[:, h * hd:(h + kvh) * hd], y[:, (h + kvh) * hd:]
@@ -272,10 +273,10 @@ def _fused_matmul(it, op, st, x, w, *extra):
         if a.get("qk_norm"):   # Qwen3: each head RMS-normed before RoPE
             q = _rms(q, _f(it, op, 5 + n_extra, extra[3]), a["qk_eps"]).astype(it.ft)
             k = _rms(k, _f(it, op, 6 + n_extra, extra[4]), a["qk_eps"]).astype(it.ft)
-        q = _rope_heads(it, st, q, h, hd, inv_freq)
-        k = _rope_heads(it, st, k, kvh, hd, inv_freq)
-        kc = _store(it, op, st, k, k_cache, op.inputs[3 + n_extra])
-        vc = _store(it, op, st, v, v_cache, op.inputs[4 + n_extra])
+        q = _rope_heads(it, st, q, h, hd, inv_freq, positions)
+        k = _rope_heads(it, st, k, kvh, hd, inv_freq, positions)
+        kc = _store(it, op, st, k, k_cache, op.inputs[3 + n_extra], slots)
+        vc = _store(it, op, st, v, v_cache, op.inputs[4 + n_extra], slots)
         return [q, kc, vc]
     raise IRError(f"op {op.name}: unknown epilogue {epi!r}")
 

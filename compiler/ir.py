@@ -77,9 +77,15 @@ Fused kinds (made by passes, never by model builders):
                                         attr qk_norm (Qwen3): extra q_norm_w[hd], k_norm_w[hd]
                                         (f32|f16|bf16) after v_cache; attr qk_eps. Each q and k
                                         head is RMS-normed (rms_norm with G = hd) before RoPE.
+                                        attr step_rows (a step graph): extra positions[T] i32,
+                                        slots[T] i32 last of the epilogue's (after the norm
+                                        weights); row t is rotated by positions[t] and its k, v
+                                        stored at cache row slots[t], as rope and kv_store with
+                                        those inputs do (n_past and start_pos unused).
         attr bias (Qwen2)               extra: b[N] f32, added to x @ w.T before the epilogue
                                         (stacked as w is: [q; k; v] biases, [gate; up] biases).
-        Extra inputs come in the order: norm_w (if prologue), then the epilogue's, then b (if bias).
+        Extra inputs come in the order: norm_w (if prologue), then the epilogue's, then b (if bias);
+        rope_kv_store's own: inv_freq, k_cache, v_cache [, q_norm_w, k_norm_w] [, positions, slots].
 
 Weights whose dtype is q4_0 or q8_0 are multiplied as GGML does: each activation row is
 quantized to Q8_0 and block dot products are summed as integers, then scaled. q4_1 weights take

@@ -184,6 +184,11 @@ def _fused_matmul(g, op, ins):
     elif epi == "rope_kv_store":
         h, kvh, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
         _need(n == (h + 2 * kvh) * hd, op, f"weight must stack q,k,v: {(h + 2 * kvh) * hd} rows")
+        if a.get("step_rows"):   # a step graph's positions and slots, the epilogue's last inputs
+            _need(len(extra) >= 2, op, "attr step_rows needs positions and slots after the epilogue's inputs")
+            _row_index(op, extra[-2], t, "positions")
+            _row_index(op, extra[-1], t, "slots")
+            extra = extra[:-2]
         want = 5 if a.get("qk_norm") else 3
         _need(len(extra) == want and extra[0].shape == (hd // 2,), op,
               "extra inputs: inv_freq, k_cache, v_cache" + (", q_norm_w, k_norm_w" if want == 5 else ""))

@@ -196,6 +196,9 @@ def _step_index(g: Graph, op: Op, name: str, n_tokens: int, rng: np.random.Gener
     i, shape = op.inputs.index(name), g.values[name].shape
     if op.kind == "kv_store" and i == 2:
         return rng.permutation(g.values[op.inputs[1]].shape[0])[:shape[0]].astype(np.int32)
+    if op.kind == "fused_matmul" and op.attrs.get("step_rows") and name == op.inputs[-1 - bool(op.attrs.get("bias"))]:
+        cache = g.values[g.values[op.outputs[1]].alias]             # the slots of the fused QKV
+        return rng.permutation(cache.shape[0])[:shape[0]].astype(np.int32)
     if op.kind == "gather" and i == 1:
         return rng.integers(0, n_tokens, shape).astype(np.int32)
     if op.kind == "attention" and "block_size" in op.attrs and i >= 3:
@@ -376,10 +379,8 @@ class OpenCLRunner:
         g = with_layout(kernel)
         launches = [e for e in self.program["graphs"].get(kernel.phase, []) if e["op"] == kernel.op.name]
         # an attention's scores launch goes along, a matmul's stage_x (its activations prepared
-        # once) comes first, and paged attention is two kernels that each take their own rows
-        main = {e["kernel"] for e in launches if not e.get("scores") and e["kernel"] != "stage_x"}
-        if len(launches) - sum(1 for e in launches if e.get("scores") or e["kernel"] == "stage_x") != len(main) \
-                or not (len(main) == 1 or main == {"attention_paged_rows", "attention_paged_tiles"}):
+        # once) comes first, and paged attention's tiles kernel follows its rows kernel
+        if sum(1 for e in launches if not e.get("scores") and e["kernel"] not in ("stage_x", "attention_paged_tiles")) != 1:
             raise self._error(f"the plan's OpenCL launch table has {len(launches)} launches for op "
                               f"{kernel.op.name} of {kernel.phase}; recompile the plan")
         program = {**self.program, "graphs": {g.name: launches}}

@@ -59,6 +59,8 @@ class MatmulSpec:
     qk_norm: bool = False       # rope_kv_store: each q and k head RMS-normed before RoPE
     qk_eps: float = 0.0
     qk_norm_dtype: str = "f32"  # q_norm_w[hd], k_norm_w[hd]
+    step_rows: bool = False     # rope_kv_store in a step graph: row t at positions[t], stored at slots[t]
+    cache_rows: int = 0         # rope_kv_store: the caches' rows S (a slot outside them stores nothing)
 
     @staticmethod
     def of(graph: Graph, op: Op) -> "MatmulSpec":
@@ -75,7 +77,8 @@ class MatmulSpec:
             cache = v[op.inputs[n_extra + 1]]
             cache_dtype = v[cache.alias].dtype if cache.alias else cache.dtype
             kw.update(n_heads=a["n_heads"], n_kv_heads=a["n_kv_heads"], head_dim=a["head_dim"],
-                      inv_freq_dtype=v[op.inputs[n_extra]].dtype, cache_dtype=cache_dtype)
+                      inv_freq_dtype=v[op.inputs[n_extra]].dtype, cache_dtype=cache_dtype,
+                      step_rows=bool(a.get("step_rows")), cache_rows=cache.shape[0])
             if a.get("qk_norm"):
                 kw.update(qk_norm=True, qk_eps=float(a["qk_eps"]), qk_norm_dtype=v[op.inputs[n_extra + 3]].dtype)
         if (op.kind == "matmul" and len(op.inputs) == 3) or (op.kind == "fused_matmul" and a.get("bias")):
@@ -860,7 +863,8 @@ class MatmulEmitter:
 
     def _n_extra_inputs(self) -> int:
         s = self.s
-        return {None: 0, "add": 1, "silu_mul": 0, "rope_kv_store": 3}[s.epilogue] + 2 * s.qk_norm + s.bias
+        return ({None: 0, "add": 1, "silu_mul": 0, "rope_kv_store": 3}[s.epilogue] + 2 * s.qk_norm
+                + 2 * s.step_rows + s.bias)
 
     # rope_kv_store: one unit is one head of the stacked [q; k; v] rows
     def rope_unit(self, head: ir.Value, t0: ir.Value, tt: int) -> None:
@@ -879,9 +883,14 @@ class MatmulEmitter:
         h, kvh = s.n_heads, s.n_kv_heads
         is_q = b.icmp_signed("<", head, kb.i64(h))
         is_v = b.icmp_signed(">=", head, kb.i64(h + kvh))
+        # a step graph's rows: their positions and KV slots, after the per-head norm weights
+        positions, slots = (self.extra[3 + 2 * s.qk_norm], self.extra[4 + 2 * s.qk_norm]) if s.step_rows else (None, None)
+
+        def row_index(buf: ir.Value, t: int) -> ir.Value:
+            return b.sext(kb.load(I32, buf, b.mul(b.add(t0, kb.i64(t)), kb.i64(4))), ir.IntType(64))
         for t in range(tt):
             row = kb.at(buf, t * hd * 4)
-            pos = b.add(b.add(kb.start_pos, t0), kb.i64(t))
+            pos = b.add(b.add(kb.start_pos, t0), kb.i64(t)) if positions is None else row_index(positions, t)
             with b.if_then(b.not_(is_v)):
                 if s.qk_norm:   # Qwen3: the head RMS-normed with q_norm_w or k_norm_w first
                     norm_w = b.select(is_q, self.extra[3], self.extra[4])
@@ -894,15 +903,20 @@ class MatmulEmitter:
                         kb.store(b.fmul(val, kb.load_floats(s.qk_norm_dtype, norm_w, k, lanes)), row, off)
                     kb.for_chunks(hd, norm_chunk)
                 rope_row(kb, row, row, pos, inv_freq, s.inv_freq_dtype, hd)
-            slot = b.add(b.add(kb.n_past, t0), kb.i64(t))
+            if slots is None:
+                slot, stored = b.add(b.add(kb.n_past, t0), kb.i64(t)), ir.Constant(I1, 1)
+            else:   # a slot outside the cache stores nothing, as the step graph's kv_store
+                slot = row_index(slots, t)
+                stored = b.icmp_unsigned("<", slot, kb.i64(s.cache_rows))
             with b.if_else(is_q) as (then, other):
                 with then:
                     q_off = b.mul(kb.idx((t0, h * hd), (t, h * hd), (head, hd)), kb.i64(4))
                     copy_row(kb, row, kb.at(self.out, q_off), hd)
                 with other:
-                    kh = b.select(is_v, b.sub(head, kb.i64(h + kvh)), b.sub(head, kb.i64(h)))
-                    cache = b.select(is_v, v_cache, k_cache)
-                    store_cache_row(kb, row, cache, slot, kh, kvh, hd, s.cache_dtype)
+                    with b.if_then(stored):
+                        kh = b.select(is_v, b.sub(head, kb.i64(h + kvh)), b.sub(head, kb.i64(h)))
+                        cache = b.select(is_v, v_cache, k_cache)
+                        store_cache_row(kb, row, cache, slot, kh, kvh, hd, s.cache_dtype)
 
 
 def copy_row(kb: KernelBuilder, src: ir.Value, dst: ir.Value, n: int) -> None:

@@ -327,6 +327,11 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
         rope_heads = rope_heads_q8(a, kv)
     elif epi is not None:
         raise CodegenError(f"op {op.name} (fused_matmul): epilogue {epi!r} has no OpenCL kernel")
+    # a step graph's positions and slots (matmul_common.cl STEP_ROWS): the kernel's last arguments
+    step_rows = []
+    if epi == "rope_kv_store" and a.get("step_rows"):
+        options.append("-DSTEP_ROWS")
+        step_rows = [_v(extra[-2]), _v(extra[-1]), {"int": ctx.shape(extra[1])[0]}]
     qk_norm = _qk_norm(epi, a)
     if qk_norm:   # Qwen3's q_norm / k_norm weights, after the caches
         qkn = _float_type(ctx, op, extra[3], "q norm weight")
@@ -394,6 +399,7 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
                 *([eps] if rms else []), *(ints if kv else []), *late]
         if qk_split:   # the heads' tickets, then their rows
             args.append({"scratch": 4 * m * (heads[0] + heads[1]) * (1 + heads[2])})
+        args += step_rows
     if tiled:
         staged = _NONE
         if (quantized or wt == "f16") and k % 32 == 0:
@@ -410,7 +416,7 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
         args.append(staged)
         if split > 1:   # partials (in the staging buffer, after x) and the tiles' ticket counters
             args += [staged, {"scratch": 4 * tiles}]
-        args += late
+        args += late + step_rows
     ctx.launches.append(Launch(op.name, "matmul" if tiled else "matvec", "matmul_tiled" if tiled else "matvec",
                                options, args,
                                local=256 if tiled else mv_wg, groups=row_groups * split,

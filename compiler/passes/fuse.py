@@ -266,14 +266,26 @@ def _stack_biases(g: Graph, weights: list[str], rests: list[list[str]], label: s
     return name
 
 
+def _split_step_rows(g: Graph, names: list[str]) -> tuple[list[str], list[str]]:
+    """An op's trailing inputs as (its own, a step graph's i32 row indices: rope's positions,
+    kv_store's slots; compiler/ir.py "Step graphs")."""
+    own = [n for n in names if g.values[n].dtype != "i32"]
+    return own, names[len(own):]
+
+
 def _qkv_rope_kv(g: Graph, m: Match) -> list[Op] | None:
     rq, rk = m["rope_q"].attrs, m["rope_k"].attrs
     h, kvh, hd = rq["n_heads"], rk["n_heads"], rq["head_dim"]
     weights = [m["wq"], m["wk"], m["wv"]]
     rests = [m["bq"], m["bk"], m["bv"]]
     rows = [g.values[w].shape[0] for w in weights]
+    q_freq, q_pos = _split_step_rows(g, m["q_freq"])
+    k_freq, k_pos = _split_step_rows(g, m["k_freq"])
+    # a step graph: both ropes at the same per-row positions, both stores at the same slots
+    step = q_pos + m["k_slots"]
     if (rows != [h * hd, kvh * hd, kvh * hd] or rk["head_dim"] != hd or rk["theta"] != rq["theta"]
-            or rk.get("scaling") != rq.get("scaling") or m["q_freq"] != m["k_freq"]
+            or rk.get("scaling") != rq.get("scaling") or q_freq != k_freq
+            or q_pos != k_pos or m["k_slots"] != m["v_slots"] or len(step) not in (0, 2)
             or not _stackable(g, weights) or not _biases_ok(g, rests)):
         return None
     qk_norm = {}
@@ -284,13 +296,13 @@ def _qkv_rope_kv(g: Graph, m: Match) -> list[Op] | None:
             return None
         qk_norm = dict(qk_norm=True, qk_eps=eps)
     w = _stack(g, weights, "qkv_proj")
-    freq = m["q_freq"][0] if m["q_freq"] else inv_freq_const(g, hd, rq["theta"], rq.get("scaling"))
+    freq = q_freq[0] if q_freq else inv_freq_const(g, hd, rq["theta"], rq.get("scaling"))
     outs = [m["rope_q"].outputs[0], m["store_k"].outputs[0], m["store_v"].outputs[0]]
     norms = [m["qn"], m["kn"]] if qk_norm else []
     bias = _stack_biases(g, weights, rests, "qkv_proj")
-    return [_Operands(m["x"], w, None, [freq, m["k_cache"], m["v_cache"], *norms], bias, {}).op(
+    return [_Operands(m["x"], w, None, [freq, m["k_cache"], m["v_cache"], *norms, *step], bias, {}).op(
         outs, epilogue="rope_kv_store", n_heads=h, n_kv_heads=kvh, head_dim=hd, theta=rq["theta"],
-        scaling=rq.get("scaling"), **qk_norm)]
+        scaling=rq.get("scaling"), **qk_norm, **({"step_rows": True} if step else {}))]
 
 
 def _gate_up_silu(g: Graph, m: Match) -> list[Op] | None:
@@ -371,20 +383,25 @@ def _projection(name: str, w: str, bias: str) -> Pat:
 
 def _qkv_pattern(qk_norm: bool) -> Pat:
     """attention(rope(x@wq), kv_store(rope(x@wk)), kv_store(x@wv)), each projection with or
-    without a bias; with qk_norm (Qwen3) q and k pass a per-head rms_norm before RoPE."""
+    without a bias; with qk_norm (Qwen3) q and k pass a per-head rms_norm before RoPE. In a step
+    graph the ropes' rests end in positions, the stores' in slots, and the attention's rest is
+    its paged inputs."""
     q, k = _projection("mm_q", "wq", "bq"), _projection("mm_k", "wk", "bk")
     if qk_norm:
         q = Pat("rms_norm", "norm_q", src=(q, Val("qn")))
         k = Pat("rms_norm", "norm_k", src=(k, Val("kn")))
     return Pat("attention", "attn", keep=True, rest="scores", src=(
         Pat("rope", "rope_q", rest="q_freq", shared=True, src=(q,)),
-        Pat("kv_store", "store_k", shared=True, src=(Pat("rope", "rope_k", rest="k_freq", src=(k,)), Val("k_cache"))),
-        Pat("kv_store", "store_v", shared=True, src=(_projection("mm_v", "wv", "bv"), Val("v_cache")))))
+        Pat("kv_store", "store_k", shared=True, rest="k_slots",
+            src=(Pat("rope", "rope_k", rest="k_freq", src=(k,)), Val("k_cache"))),
+        Pat("kv_store", "store_v", shared=True, rest="v_slots",
+            src=(_projection("mm_v", "wv", "bv"), Val("v_cache")))))
 
 
 RULES: list[Rule] = [
     # attention(rope([norm](x@wq [+bq])), kv_store(rope([norm](x@wk [+bk]))), kv_store(x@wv [+bv]))
-    #   -> one matmul over [q;k;v] (biases stacked too), the per-head norms in its epilogue
+    #   -> one matmul over [q;k;v] (biases stacked too), the per-head norms in its epilogue; in a
+    #   step graph the per-row positions and slots go with it (attr step_rows)
     Rule("qkv_rope_kv", (_qkv_pattern(qk_norm=False), _qkv_pattern(qk_norm=True)), _qkv_rope_kv),
     # silu_mul(x@w_gate [+b], x@w_up [+b]) -> one matmul over [gate;up]
     Rule("gate_up_silu", Pat("silu_mul", "act", src=(_projection("mm_gate", "w_gate", "b_gate"),

@@ -27,8 +27,8 @@
 #define TM_G TM
 #endif
 
-// b (BIAS), qn, kn and qk_eps (QK_NORM): matmul_tiled's last arguments, passed on to
-// tile_epilogue by every body as TILE_EPI_EXTRA (nothing without them)
+// b (BIAS), qn, kn and qk_eps (QK_NORM), then positions, slots and n_slots (STEP_ROWS):
+// matmul_tiled's last arguments, passed on to tile_epilogue by every body as TILE_EPI_EXTRA
 #ifdef BIAS
 #define MM_BIAS_ARGS , gin biasb, ulong bias_off
 #define MM_BIAS biasb + bias_off
@@ -45,13 +45,13 @@
 #define MM_QK_LOCALS
 #define MM_QK 0, 0, 0.0f, 0
 #endif
-#define TILE_EPI_EXTRA , MM_BIAS, MM_QK
+#define TILE_EPI_EXTRA , MM_BIAS, MM_QK, EPI_ROWS_OF(step)
 
 // The finished tile out [TM][TN] (token, slot) through the fused epilogue, rows t0.. of the step.
 inline void tile_epilogue(__local float* out, int t0, int rows, int g, int lid, gout e0, gout e1,
                           gout e2, gout y, int N, int n_heads, int n_kv_heads, int hd,
                           __global const int* step, gin bias, gin qn, gin kn, float qk_eps,
-                          __local float* qk_part) {
+                          __local float* qk_part, EPI_ROWS_PARAMS) {
 #ifdef PRE_EPILOGUE
     pre_epilogue(out, TM, TN, g, TN, lid, 256, N, n_heads, n_kv_heads, hd, bias, qn, kn, qk_eps, qk_part);
 #endif
@@ -60,14 +60,14 @@ inline void tile_epilogue(__local float* out, int t0, int rows, int g, int lid, 
         int tt = e / (TN / 32), c = e % (TN / 32);
         if (t0 + tt < rows)
             epilogue_chunk(t0 + tt, g, c, TN, out + tt * TN, 1, e0, e1, e2, y, N, n_heads, n_kv_heads, hd,
-                           STEP_N_PAST(step), STEP_START_POS(step));
+                           EPI_ROWS_PASS);
     }
 #else
     for (int e = lid; e < TM * TN; e += 256) {
         int tt = e / TN, r = e % TN;
         if (t0 + tt < rows)
             epilogue(t0 + tt, g, r, TN, out + tt * TN, 1, e0, e1, e2, y, N, n_heads, n_kv_heads, hd,
-                     STEP_N_PAST(step), STEP_START_POS(step));
+                     EPI_ROWS_PASS);
     }
 #endif
 }
@@ -112,7 +112,6 @@ void stage_x(__global const int* step, gin xb, ulong x_off, gin nwb, ulong nw_of
     __global const float4* x = (__global const float4*)(xb + x_off) + (size_t)t * n4;
     gout s = sb + s_off;
     __local float red[STAGE_WG];
-    float scale = 1.0f;
 #ifdef PROLOGUE_RMS
     gin nw = nwb + nw_off;
     float ss = 0.0f;
@@ -121,14 +120,16 @@ void stage_x(__global const int* step, gin xb, ulong x_off, gin nwb, ulong nw_of
         ss += dot(v, v);
     }
     ss = group_sum(ss, red);
-    scale = 1.0f / sqrt(ss / (float)K + eps);
+    float rms = sqrt(ss / (float)K + eps);
 #endif
     for (int f0 = 0; f0 < n4; f0 += STAGE_WG) {   // uniform trip count: barriers inside
         int f = f0 + lid;
         bool live = f < n4;
         float4 v = live ? x[f] : (float4)0.0f;
 #ifdef PROLOGUE_RMS
-        if (live) v = v * scale * LD4_NORM(nw, f);
+        // x / rms * w as the interpreter (and norm.cl, the CPU prologue) rounds it: x * (1 / rms)
+        // rounds twice, and a value one ulp off can take the other Q8_0 code
+        if (live) v = v / rms * LD4_NORM(nw, f);
 #endif
 #ifdef X_STAGED_H
         if (live) {
@@ -253,7 +254,7 @@ void matmul_tiled(__global const int* step, gin xb, ulong x_off, gin wb, ulong w
                   gin nwb, ulong nw_off, gout e0b, ulong e0_off, gout e1b, ulong e1_off, \
                   gout e2b, ulong e2_off, gout yb, ulong y_off, \
                   int M, int K, int N, float eps, int n_heads, int n_kv_heads, int hd, \
-                  gin sbb, ulong sb_off MM_SPLIT_ARGS MM_BIAS_ARGS MM_QK_ARGS) { \
+                  gin sbb, ulong sb_off MM_SPLIT_ARGS MM_BIAS_ARGS MM_QK_ARGS KERNEL_ROWS_ARGS) { \
     int lid = get_local_id(0), t0g = get_group_id(1) * TM_G;   /* the group's first token */ \
     int g = get_group_id(0) / MM_SPLIT, split = get_group_id(0) % MM_SPLIT; \
     int kb = split * (K / MM_SPLIT), ke = MM_SPLIT > 1 ? kb + K / MM_SPLIT : K;   /* this group's K */ \

@@ -21,6 +21,11 @@
 //   -DROPE_HD=<hd>                                 (EPI_ROPE_KV with BIAS or QK_NORM) head_dim
 //                                                  known at build time: the slot arithmetic
 //                                                  of pre_epilogue() divides by no variable
+//   -DSTEP_ROWS                                    (EPI_ROPE_KV) a step graph's rows: row t is
+//                                                  roped at positions[t] and stored at cache
+//                                                  row slots[t] (none where that is outside
+//                                                  the cache's n_slots rows), not start_pos + t
+//                                                  and n_past + t; the kernels' last arguments
 //   -DMV_WG, -DMV_ROWS, -DMV_K, -DMV_LOADS          matvec shape (matvec.cl)
 // Quantized weights multiply Q8_0-quantized activations block by block; a block's dot product
 // of integers is exact in f32 (|sum| <= 32*127*128 < 2^24), then scaled by d_x * d_w, as GGML.
@@ -36,10 +41,11 @@
 //   w      W_T [N, K]                 weight rows (HF layout)
 //   nw     NORM_T [K]                 norm weight (PROLOGUE_RMS)
 //   e0     f32 [M, N] residual (EPI_ADD) | f32 [hd/2] inv_freq (EPI_ROPE_KV)
-//   e1,e2  KV_T [S, KVH, hd]          k and v caches (EPI_ROPE_KV), rows n_past + t
+//   e1,e2  KV_T [S, KVH, hd]          k and v caches (EPI_ROPE_KV), rows n_past + t (or slots[t])
 //   y      f32 [M, N] | [M, N/2] (EPI_SILU_MUL) | q_roped [M, H*hd] (EPI_ROPE_KV)
 //   b      f32 [N]                    bias (BIAS)
 //   qn,kn  QKN_T [hd]                 per-head q / k norm weights (QK_NORM)
+//   positions, slots  int [M], n_slots  the rows' positions and cache rows (STEP_ROWS), last
 // With BIAS or QK_NORM, pre_epilogue() first changes a group's finished dot products in local
 // memory: b added to each, then each q / k head normalised (QK_NORM needs the slot rule to give
 // a group whole heads: with pairs, a group takes QK_HPG heads' pairs, the rest of its pair
@@ -152,6 +158,29 @@ inline float wscale(gin w, size_t blk, size_t nblk) {
 #if defined(EPI_ROPE_KV) && !defined(KV_Q8_0)
 #define ST_KV(p, i, v) CAT(st_, KV_T)(p, i, v)
 #endif
+// Where row t of the step goes: its RoPE position and the cache row it writes. The epilogues
+// take EPI_ROWS_PARAMS (passed on as EPI_ROWS_PASS); a kernel gives them EPI_ROWS_OF(step) from
+// the step scalars or, with STEP_ROWS, from its last arguments KERNEL_ROWS_ARGS.
+#ifdef STEP_ROWS
+#define KERNEL_ROWS_ARGS , gin posb, ulong pos_off, gin slotb, ulong slot_off, int n_slots
+#define EPI_ROWS_OF(step) posb + pos_off, slotb + slot_off, n_slots
+#define EPI_ROWS_PARAMS gin positions, gin slots, int n_slots
+#define EPI_ROWS_PASS positions, slots, n_slots
+#define ROW_POS(t) (((__global const int*)positions)[t])
+#define ROW_SLOT(t) (((__global const int*)slots)[t])
+// the runtime refuses a step whose slots leave the cache (rope.cl kv_store): one that got here
+// anyway stores nothing rather than write next to the cache
+#define SLOT_IN_CACHE(slot) ((slot) >= 0 && (slot) < n_slots)
+#else
+#define KERNEL_ROWS_ARGS
+#define EPI_ROWS_OF(step) STEP_N_PAST(step), STEP_START_POS(step)
+#define EPI_ROWS_PARAMS int n_past, int start_pos
+#define EPI_ROWS_PASS n_past, start_pos
+#define ROW_POS(t) (start_pos + (t))
+#define ROW_SLOT(t) (n_past + (t))
+#define SLOT_IN_CACHE(slot) 1
+#endif
+
 // head_dim as a build-time constant where codegen gives one (the int argument otherwise)
 #ifdef ROPE_HD
 #define FIX_HD(hd) hd = ROPE_HD
@@ -195,7 +224,7 @@ inline int slot_row(int g, int r, int RW, int N, int n_heads, int n_kv_heads, in
 // Writes slot r of group g for token t; vals[s * stride] is slot s's dot product.
 inline void epilogue(int t, int g, int r, int RW, __local const float* vals, int stride,
                      gout e0, gout e1, gout e2, gout y, int N, int n_heads, int n_kv_heads,
-                     int hd, int n_past, int start_pos) {
+                     int hd, EPI_ROWS_PARAMS) {
     FIX_HD(hd);
 #if defined(EPI_SILU_MUL)
     int half_rw = RW / 2, F = N / 2, u = g * half_rw + r;
@@ -206,7 +235,8 @@ inline void epilogue(int t, int g, int r, int RW, __local const float* vals, int
     int half_rw = RW / 2, hh = hd / 2, ppg = ROPE_PPG(RW, hh);
     int pairs = (n_heads + n_kv_heads) * hh;
     int pair_groups = (pairs + ppg - 1) / ppg;
-    size_t kv_row = (size_t)(n_past + t) * n_kv_heads * hd;
+    int slot = ROW_SLOT(t);
+    size_t kv_row = (size_t)slot * n_kv_heads * hd;
     if (g < pair_groups) {
         int p = g * ppg + r;
 #if defined(QK_NORM) && !defined(QK_SPLIT)
@@ -215,21 +245,21 @@ inline void epilogue(int t, int g, int r, int RW, __local const float* vals, int
         if (r >= half_rw || p >= pairs) return;
         int head = p / hh, j = p % hh;
         float x1 = vals[r * stride], x2 = vals[(r + half_rw) * stride];
-        float ang = (float)(start_pos + t) * ((__global const float*)e0)[j];
+        float ang = (float)ROW_POS(t) * ((__global const float*)e0)[j];
         float c, s = sincos(ang, &c);   // one range reduction for both
         float o1 = x1 * c - x2 * s, o2 = x2 * c + x1 * s;
         if (head < n_heads) {
             __global float* q = (__global float*)y + (size_t)t * n_heads * hd + head * hd;
             q[j] = o1;
             q[j + hh] = o2;
-        } else {
+        } else if (SLOT_IN_CACHE(slot)) {
             size_t base = kv_row + (head - n_heads) * hd;
             ST_KV(e1, base + j, o1);
             ST_KV(e1, base + j + hh, o2);
         }
     } else {
         int row = (g - pair_groups) * RW + r;
-        if (row < n_kv_heads * hd) ST_KV(e2, kv_row + row, vals[r * stride]);
+        if (row < n_kv_heads * hd && SLOT_IN_CACHE(slot)) ST_KV(e2, kv_row + row, vals[r * stride]);
     }
 #elif defined(EPI_ROPE_KV)
     // KV_Q8_0: epilogue_chunk() writes whole blocks instead
@@ -267,11 +297,11 @@ inline void store_q8_block(gout cache, size_t first, const float* o) {
 // block c: RoPE from the head's own rows (q, k), then q stored as f32, k/v as a Q8_0 block.
 inline void epilogue_chunk(int t, int g, int c, int RW, __local const float* vals, int stride,
                            gout e0, gout e1, gout e2, gout y, int N, int n_heads, int n_kv_heads,
-                           int hd, int n_past, int start_pos) {
+                           int hd, EPI_ROWS_PARAMS) {
     FIX_HD(hd);
     int hh = hd / 2;
     bool rope = g < n_heads + n_kv_heads;
-    float pos = (float)(start_pos + t);
+    float pos = (float)ROW_POS(t);
     float o[32];
     for (int i = 0; i < 32; i++) {
         int d = 32 * c + i;
@@ -289,8 +319,8 @@ inline void epilogue_chunk(int t, int g, int c, int RW, __local const float* val
         for (int i = 0; i < 32; i++) q[i] = o[i];
         return;
     }
-    int kh = rope ? g - n_heads : g - n_heads - n_kv_heads;
-    store_q8_block(rope ? e1 : e2, ((size_t)(n_past + t) * n_kv_heads + kh) * hd + 32 * c, o);
+    int kh = rope ? g - n_heads : g - n_heads - n_kv_heads, slot = ROW_SLOT(t);
+    if (SLOT_IN_CACHE(slot)) store_q8_block(rope ? e1 : e2, ((size_t)slot * n_kv_heads + kh) * hd + 32 * c, o);
 }
 #elif defined(EPI_ROPE_KV) && defined(KV_Q8_0)
 // Q8_0 caches: thread c of a group finishes slots [32c, 32c + 32) of token t, which the slot
@@ -298,12 +328,13 @@ inline void epilogue_chunk(int t, int g, int c, int RW, __local const float* val
 // hd % 64 == 0): RoPE for q/k, then q rows stored as f32 and k/v as Q8_0 blocks.
 inline void epilogue_chunk(int t, int g, int c, int RW, __local const float* vals, int stride,
                            gout e0, gout e1, gout e2, gout y, int N, int n_heads, int n_kv_heads,
-                           int hd, int n_past, int start_pos) {
+                           int hd, EPI_ROWS_PARAMS) {
     FIX_HD(hd);
     int half_rw = RW / 2, hh = hd / 2, ppg = ROPE_PPG(RW, hh);   // QK_NORM: codegen keeps ppg == half_rw
     int pairs = (n_heads + n_kv_heads) * hh;
     int pair_groups = (pairs + ppg - 1) / ppg;
-    size_t kv_row = (size_t)(n_past + t) * n_kv_heads * hd;   // element index of the cache row
+    int slot = ROW_SLOT(t);
+    size_t kv_row = (size_t)slot * n_kv_heads * hd;           // element index of the cache row
     float o[32];
     gout cache;
     size_t first;                                              // element index of o[0]
@@ -313,7 +344,7 @@ inline void epilogue_chunk(int t, int g, int c, int RW, __local const float* val
         int p0 = g * ppg + r0 % half_rw;
         if (p0 >= pairs) return;
         int head = p0 / hh, j0 = p0 % hh;
-        float pos = (float)(start_pos + t);
+        float pos = (float)ROW_POS(t);
         for (int i = 0; i < 32; i++) {
             int rl = r0 % half_rw + i;
             float x1 = vals[rl * stride], x2 = vals[(rl + half_rw) * stride];
@@ -336,7 +367,7 @@ inline void epilogue_chunk(int t, int g, int c, int RW, __local const float* val
         cache = e2;
         first = kv_row + row0;
     }
-    store_q8_block(cache, first, o);
+    if (SLOT_IN_CACHE(slot)) store_q8_block(cache, first, o);
 }
 #endif
 
@@ -432,8 +463,8 @@ inline void pre_epilogue(__local float* vals, int ntok, int tstride, int g, int 
 // reads the whole head back into head [hd] and finishes it as a group of RW = hd would: norm,
 // RoPE, q or the k cache. As split_merge (matmul.cl) does for split-K.
 inline void qk_split_epilogue(int t, int g, int lid, int nthreads, __local float* out, int RW, gout e0, gout e1,
-                              gout e2, gout y, int M, int N, int n_heads, int n_kv_heads, int hd, int n_past,
-                              int start_pos, gin bias, gin qn, gin kn, float qk_eps, __local float* part,
+                              gout e2, gout y, int M, int N, int n_heads, int n_kv_heads, int hd,
+                              EPI_ROWS_PARAMS, gin bias, gin qn, gin kn, float qk_eps, __local float* part,
                               __local float* head, __local int* last, gout scratch) {
     FIX_HD(hd);
     int hh = hd / 2, half_rw = RW / 2, heads = n_heads + n_kv_heads;
@@ -443,10 +474,10 @@ inline void qk_split_epilogue(int t, int g, int lid, int nthreads, __local float
     if (g >= heads * hh / half_rw) {   // a group of v rows
 #ifdef KV_Q8_0
         if (lid < RW / 32)
-            epilogue_chunk(t, g, lid, RW, out, 1, e0, e1, e2, y, N, n_heads, n_kv_heads, hd, n_past, start_pos);
+            epilogue_chunk(t, g, lid, RW, out, 1, e0, e1, e2, y, N, n_heads, n_kv_heads, hd, EPI_ROWS_PASS);
 #else
         for (int r = lid; r < RW; r += nthreads)
-            epilogue(t, g, r, RW, out, 1, e0, e1, e2, y, N, n_heads, n_kv_heads, hd, n_past, start_pos);
+            epilogue(t, g, r, RW, out, 1, e0, e1, e2, y, N, n_heads, n_kv_heads, hd, EPI_ROWS_PASS);
 #endif
         return;
     }
@@ -467,10 +498,10 @@ inline void qk_split_epilogue(int t, int g, int lid, int nthreads, __local float
     qk_norm_vals(head, 1, hd, h, hd, lid, nthreads, n_heads, n_kv_heads, hd, qn, kn, qk_eps, part);
 #ifdef KV_Q8_0
     if (lid < hd / 32)
-        epilogue_chunk(t, h, lid, hd, head, 1, e0, e1, e2, y, N, n_heads, n_kv_heads, hd, n_past, start_pos);
+        epilogue_chunk(t, h, lid, hd, head, 1, e0, e1, e2, y, N, n_heads, n_kv_heads, hd, EPI_ROWS_PASS);
 #else
     for (int r = lid; r < hd; r += nthreads)
-        epilogue(t, h, r, hd, head, 1, e0, e1, e2, y, N, n_heads, n_kv_heads, hd, n_past, start_pos);
+        epilogue(t, h, r, hd, head, 1, e0, e1, e2, y, N, n_heads, n_kv_heads, hd, EPI_ROWS_PASS);
 #endif
 }
 #endif

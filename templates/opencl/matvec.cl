@@ -152,7 +152,7 @@ inline void quantize_x_lanes(__global const float4* x4, __local int* xq, __local
 #ifdef EPI_ROPE_KV
 #define MV_HAS_KV 1                          // e1, e2, n_heads, n_kv_heads, hd
 #endif
-// then b (BIAS); qn, kn, qk_eps (QK_NORM)
+// then b (BIAS); qn, kn, qk_eps (QK_NORM); QK_SPLIT's scratch; positions, slots, n_slots (STEP_ROWS)
 __kernel __attribute__((reqd_work_group_size(MV_WG, 1, 1)))
 void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #ifdef MV_HAS_NW
@@ -180,7 +180,7 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #ifdef QK_SPLIT
             , gout qscb, ulong qsc_off
 #endif
-            ) {
+            KERNEL_ROWS_ARGS) {
 #ifndef MV_HAS_NW
     gin nwb = 0;
     ulong nw_off = 0;
@@ -422,7 +422,7 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #endif
 #ifdef QK_SPLIT
     qk_split_epilogue(t, g, lid, MV_WG, out, MV_ROWS, e0b + e0_off, e1b + e1_off, e2b + e2_off, yb + y_off, M, N,
-                      n_heads, n_kv_heads, hd, STEP_N_PAST(step), STEP_START_POS(step), biasb + bias_off,
+                      n_heads, n_kv_heads, hd, EPI_ROWS_OF(step), biasb + bias_off,
                       qnormb + qnorm_off, knormb + knorm_off, qk_eps, qk_part, qk_head, &qk_last, qscb + qsc_off);
     return;
 #endif
@@ -432,10 +432,10 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #if defined(EPI_ROPE_KV) && defined(KV_Q8_0)
     if (lid < MV_ROWS / 32)
         epilogue_chunk(t, g, lid, MV_ROWS, out, 1, e0b + e0_off, e1b + e1_off, e2b + e2_off,
-                       yb + y_off, N, n_heads, n_kv_heads, hd, STEP_N_PAST(step), STEP_START_POS(step));
+                       yb + y_off, N, n_heads, n_kv_heads, hd, EPI_ROWS_OF(step));
 #else
     for (int r = lid; r < MV_ROWS; r += MV_WG)
         epilogue(t, g, r, MV_ROWS, out, 1, e0b + e0_off, e1b + e1_off, e2b + e2_off,
-                 yb + y_off, N, n_heads, n_kv_heads, hd, STEP_N_PAST(step), STEP_START_POS(step));
+                 yb + y_off, N, n_heads, n_kv_heads, hd, EPI_ROWS_OF(step));
 #endif
 }

@@ -88,14 +88,16 @@ def _cache(g: Graph, arrays: dict, name: str, S: int, kvh: int, hd: int, dtype: 
 def matmul_case(wdtype: str, T: int, n_tokens: int, prologue: bool, epilogue: str | None,
                 cache_dtype: str = "f32", seed: int = 0, K: int = 96, N: int = 40,
                 heads: tuple[int, int, int] = (4, 2, 32), bias: bool = False, qk_norm: bool = False,
-                qk_norm_dtype: str = "bf16") -> Case:
+                qk_norm_dtype: str = "bf16", step_rows: bool = False) -> Case:
     """heads = (n_heads, n_kv_heads, head_dim) of a rope_kv_store epilogue; bias: b[N] added before
     the epilogue (a plain matmul's third input, or attr bias); qk_norm: Qwen3's per-head q/k norms
-    in the rope_kv_store epilogue, their weights in qk_norm_dtype."""
+    in the rope_kv_store epilogue, their weights in qk_norm_dtype; step_rows: a step graph's
+    rope_kv_store, each row at its own position (far apart, out of order) and KV slot (a shuffled
+    pick of the cache's S = max(16, T) rows)."""
     rng = _rng(seed)
     g = Graph("prefill" if T > 1 else "decode", T)
     arrays: dict[str, np.ndarray] = {}
-    (h, kvh, hd), S, n_past = heads, 16, 3
+    (h, kvh, hd), S, n_past = heads, max(16, T), 3
     if epilogue == "rope_kv_store":
         N = (h + 2 * kvh) * hd
     if epilogue == "silu_mul":
@@ -127,6 +129,13 @@ def matmul_case(wdtype: str, T: int, n_tokens: int, prologue: bool, epilogue: st
             arrays["kn"] = _weight(g, "kn", (hd,), qk_norm_dtype, rng)
             inputs += ["qn", "kn"]
             attrs.update(qk_norm=True, qk_eps=1e-6)
+        if step_rows:
+            for name, vals in (("positions", rng.permutation(np.arange(0, 97 * T, 97)) + rng.integers(0, 97, T)),
+                               ("slots", rng.permutation(S)[:T])):
+                g.add_value(name, (T,), "i32", "input")
+                arrays[name] = vals.astype(np.int32)
+            inputs += ["positions", "slots"]
+            attrs["step_rows"] = True
         g.add_value("y", (T, h * hd), "f32")
         g.add_value("kc2", (S, kvh, hd), cache_dtype, alias="kc")
         g.add_value("vc2", (S, kvh, hd), cache_dtype, alias="vc")
@@ -142,7 +151,7 @@ def matmul_case(wdtype: str, T: int, n_tokens: int, prologue: bool, epilogue: st
     op = g.add_op(kind, inputs, outputs, **(attrs if kind == "fused_matmul" else {}))
     name = f"{kind}-{wdtype}-T{T}-n{n_tokens}-{'rms' if prologue else 'x'}-{epilogue}-{cache_dtype}-K{K}"
     if epilogue == "rope_kv_store":
-        name += f"-h{h}.{kvh}x{hd}" + ("-qknorm" if qk_norm else "")
+        name += f"-h{h}.{kvh}x{hd}" + ("-qknorm" if qk_norm else "") + ("-steprows" if step_rows else "")
     if bias:
         name += "-bias"
     return Case(name, g, op, arrays, Step(n_tokens, n_past, n_past + 2), rtol=1e-4)

@@ -15,6 +15,7 @@ from llmrs.compiler.passes.fuse import RULE_NAMES, fuse
 from llmrs.compiler.passes.quantize import quantize
 from llmrs.models.config import parse_config
 from llmrs.models.llama import build_graph, build_graphs, load_model
+from llmrs.models.step import step_graph
 from llmrs.models.tiny import make_config
 
 from ..conftest import rel_err, run_steps, unloadable_weights
@@ -308,3 +309,101 @@ def test_biased_matmuls_keep_their_bias_through_every_rule(wdtype):
         one = fuse(g, disabled=[r for r in RULE_NAMES if r != rule]).verify()
         got = Interpreter(one).run({"tokens": tokens}, {}, 0)["logits"][-1:]
         assert rel_err(got, want) < 1e-5, rule
+
+
+# -- step graphs (compiler/ir.py "Step graphs"): fused as the prefill graph is ---------------------
+
+STEP_SEQS, STEP_BS = 3, 4
+
+
+def _step(prefill: Graph) -> Graph:
+    return fold(step_graph(prefill, max_seqs=STEP_SEQS, block_size=STEP_BS))
+
+
+def _step_inputs(g: Graph, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A full step of rows from 3 sequences, out of order: positions far apart and shuffled, each
+    row's KV slot a different one of the pool's, block tables shuffled blocks, every row's
+    context within what earlier steps stored (the pool starts as random non-zero state)."""
+    T, S = g.T, g.kv_slots
+    vocab = g.values["logits"].shape[1]
+    seqs = rng.integers(0, STEP_SEQS, T)
+    return {"tokens": rng.integers(0, vocab, T).astype(np.int32),
+            "positions": rng.permutation(np.arange(0, 50 * T, 50))[:T] + rng.integers(0, 50, T),
+            "slots": rng.permutation(S)[:T], "row_seq": seqs, "ctx_len": rng.integers(1, S + 1, T),
+            "block_tables": np.stack([rng.permutation(S // STEP_BS) for _ in range(STEP_SEQS)]),
+            "logit_rows": rng.permutation(T)[:STEP_SEQS]}
+
+
+def _check_same_step(g: Graph, f: Graph, tol: float = 1e-5) -> None:
+    """Two steps with the same inputs on both graphs: the same logits and the same KV pool."""
+    rng = np.random.default_rng(9)
+    ig, if_ = Interpreter(g), Interpreter(f.verify())
+    state = {k: (rng.standard_normal(v.shape) + 0.1).astype(v.dtype) if v.dtype == np.float32 else v
+             for k, v in ig.new_state().items()}
+    state_f = {k: v.copy() for k, v in state.items()}
+    for _ in range(2):
+        inputs = _step_inputs(g, rng)
+        want = ig.run(inputs, state, n_past=0)["logits"]
+        got = if_.run(inputs, state_f, n_past=0)["logits"]
+        assert rel_err(got, want) < tol
+    for k in state:
+        np.testing.assert_allclose(state_f[k], state[k], rtol=tol, atol=tol, err_msg=k)
+
+
+STEP_LAYER = [("fused_matmul", "rms_norm", "rope_kv_store"), ("attention", None, None),
+              ("fused_matmul", None, "add"), ("fused_matmul", "rms_norm", "silu_mul"), ("fused_matmul", None, "add")]
+
+
+@pytest.mark.parametrize("name", ["golden-a", "golden-b", *sorted(QWEN)])
+def test_a_step_graph_fuses_into_the_prefill_graphs_five_kernels_a_layer_with_the_same_logits(name):
+    p = _graphs(f"tests/data/{name}")[0] if name.startswith("golden") else _qwen(name)[0]
+    s = _step(p)
+    f = fuse(s)
+    layers = f.meta["config"]["num_hidden_layers"]
+    # embedding, 5 a layer, the gather of the logit rows and the head (its norm fused): the
+    # prefill graph's kernels, its last-row slice (no kernel) become the gather (a kernel)
+    assert f.kernel_count() == 1 + 5 * layers + 2 == fuse(fold(p)).kernel_count() + 1
+    assert [(op.kind, op.attrs.get("prologue"), op.attrs.get("epilogue")) for op in f.ops[1:6]] == STEP_LAYER
+    qkv = f.ops[1]
+    assert qkv.attrs["step_rows"] is True and qkv.inputs[-2 - bool(qkv.attrs.get("bias")):][:2] == ["positions", "slots"]
+    assert f.ops[2].attrs["block_size"] == STEP_BS and f.ops[2].inputs[3:] == ["row_seq", "ctx_len", "block_tables"]
+    # the head stays on the gathered rows: last_token_logits does not fire on them
+    assert [op.kind for op in f.ops[-2:]] == ["gather", "fused_matmul"] and f.values["logits"].shape[0] == STEP_SEQS
+    _check_same_step(s, f)
+
+
+@pytest.mark.parametrize("name", ["golden-b", "qwen3", "qwen2"])
+@pytest.mark.parametrize("wdtype", ["q4_0", "f16"])
+def test_a_fused_quantized_step_graph_gives_the_same_logits(name, wdtype):
+    p = _graphs(f"tests/data/{name}")[0] if name.startswith("golden") else _qwen(name)[0]
+    s = fold(step_graph(quantize(p, wdtype), max_seqs=STEP_SEQS, block_size=STEP_BS))
+    _check_same_step(s, fuse(s), tol=1e-5 if wdtype == "q4_0" else 2e-3)
+
+
+@pytest.mark.parametrize("rule", RULE_NAMES)
+def test_each_rule_switched_off_or_alone_keeps_a_step_graphs_logits(rule):
+    s = _step(_qwen("qwen3+bias")[0])
+    others = [r for r in RULE_NAMES if r != rule]
+    for disabled in ([rule], others):
+        _check_same_step(s, fuse(s, disabled=disabled))
+    if rule == "last_token_logits":   # alone it changes nothing in a step graph
+        assert fuse(s, disabled=others).kernel_count() == s.kernel_count()
+
+
+def test_a_rope_and_store_at_other_rows_than_their_neighbours_are_left_unfused():
+    """q and k roped at different positions, or k and v stored at different slots, are no one
+    epilogue: the rule declines and the graph keeps its meaning."""
+    p = _graphs("tests/data/golden-b")[0]
+    for which, extra in (("rope", "positions2"), ("kv_store", "slots2")):
+        s = step_graph(p, max_seqs=STEP_SEQS, block_size=STEP_BS)
+        s.inputs.append(s.add_value(extra, (s.T,), "i32", kind="input"))
+        first = next(op for op in s.ops if op.kind == which)
+        first.inputs[-1] = extra
+        s = fold(s.verify())
+        f = fuse(s)
+        assert sum(op.attrs.get("epilogue") == "rope_kv_store" for op in f.ops) == f.meta["config"]["num_hidden_layers"] - 1
+        rng = np.random.default_rng(2)
+        ig, if_ = Interpreter(s), Interpreter(f.verify())
+        inputs = {**_step_inputs(s, rng), extra: rng.permutation(s.kv_slots)[:s.T]}
+        st, st_f = ig.new_state(), if_.new_state()
+        assert rel_err(if_.run(inputs, st_f, 0)["logits"], ig.run(inputs, st, 0)["logits"]) < 1e-5

@@ -76,11 +76,12 @@ class OneOp:
 
     def run(self, kind: str, inputs: list[str], outputs: list[str], n_tokens: int, n_past: int = 0,
             start_pos: int | None = None, again: bool = False, tuning: OpenCLTuning = TUNING,
-            **attrs) -> tuple[list[np.ndarray], list[np.ndarray]]:
+            oracle: bool = True, **attrs) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """(opencl outputs, interpreter outputs), each trimmed to the step's rows, the kernels
         generated with `tuning`; self.launches: the launch table. again: the step runs twice, and
         the second run's outputs must equal the first's bit for bit (state a kernel leaves for the
-        next launch, such as ticket counters, is put back)."""
+        next launch, such as ticket counters, is put back). oracle=False: no interpreter outputs
+        (inputs it refuses, which a kernel must survive)."""
         g = self.g
         op = g.add_op(kind, inputs, outputs, **attrs)
         g.inputs = []   # acts are written below; enqueue() then writes no tokens
@@ -105,7 +106,8 @@ class OneOp:
             else:  # the interpreter holds only the step's rows of an activation
                 rows = n_tokens if v.kind == "input" and v.shape[0] == g.T else None
                 args.append(self.data[name][:rows].copy())
-        want = OPS[kind](it, op, Step(n_tokens, n_past, start_pos), *args)
+        want = OPS[kind](it, op, Step(n_tokens, n_past, start_pos), *args) if oracle else []
+
         def read() -> list[np.ndarray]:
             got = []
             for name in outputs:
@@ -906,14 +908,19 @@ def test_matmul_with_a_bias_matches_interpreter(wdt, kind, prologue, epilogue, r
 
 def _qkv(wdt: str, kv: str, heads: tuple[int, int, int], rows: int, n_tokens: int, n_past: int = 3,
          start_pos: int = 11, qk_norm: bool = True, bias: bool = False, norm_dtype: str = "bf16",
-         d: int = 64, tuning: OpenCLTuning = TUNING, seed: int = 43, again: bool = False) -> tuple[OneOp, list, list]:
+         d: int = 64, tuning: OpenCLTuning = TUNING, seed: int = 43, again: bool = False,
+         slots: np.ndarray | None = None, x: np.ndarray | None = None,
+         positions: np.ndarray | None = None, oracle: bool = True) -> tuple[OneOp, list, list]:
     """A fused QKV (RMS prologue, rope_kv_store) with Qwen3's per-head norms and / or Qwen2's
-    bias on random data: the op, its opencl and interpreter outputs."""
+    bias on random data: the op, its opencl and interpreter outputs. slots (a step graph's, attr
+    step_rows): row t stored at cache row slots[t] and roped at positions[t] (else positions far
+    apart, out of order), n_past and start_pos unused; x: the activations, else random."""
     rng = np.random.default_rng(seed)
     h, kvh, hd = heads
     s, n = n_past + rows + 5, (h + 2 * kvh) * hd
-    b = OneOp(rows)
-    ins = [b.act("x", _rand(rng, rows, d)), b.param("w", _rand(rng, n, d), wdt), b.param("nw", _rand(rng, d), "f32"),
+    b = OneOp(rows, name="decode" if slots is None else "step")
+    xs = _rand(rng, rows, d)
+    ins = [b.act("x", xs if x is None else x), b.param("w", _rand(rng, n, d), wdt), b.param("nw", _rand(rng, d), "f32"),
            b.param("inv_freq", rope_inv_freq(hd, 1000000.0, None), "f32", kind="const"),
            b.state("kc", _rand(rng, s, kvh, hd), kv), b.state("vc", _rand(rng, s, kvh, hd), kv)]
     attrs = dict(prologue="rms_norm", epilogue="rope_kv_store", eps=1e-5, n_heads=h, n_kv_heads=kvh, head_dim=hd,
@@ -921,12 +928,17 @@ def _qkv(wdt: str, kv: str, heads: tuple[int, int, int], rows: int, n_tokens: in
     if qk_norm:
         ins += [b.param("qn", 1.0 + 0.3 * _rand(rng, hd), norm_dtype), b.param("kn", 1.0 + 0.3 * _rand(rng, hd), norm_dtype)]
         attrs.update(qk_norm=True, qk_eps=1e-6)
+    if slots is not None:
+        drawn = rng.permutation(np.arange(0, 61 * rows, 61))[:rows] + rng.integers(0, 61, rows)
+        ins += [b.act("positions", drawn if positions is None else positions, "i32"), b.act("slots", slots, "i32")]
+        attrs["step_rows"] = True
     if bias:
         ins.append(b.param("bias", _rand(rng, n), "f32"))
         attrs["bias"] = True
     outs = [b.out("q", (rows, h * hd)), b.out("kc2", (s, kvh, hd), kv, alias="kc"),
             b.out("vc2", (s, kvh, hd), kv, alias="vc")]
-    got, want = b.run("fused_matmul", ins, outs, n_tokens, n_past, start_pos, tuning=tuning, again=again, **attrs)
+    got, want = b.run("fused_matmul", ins, outs, n_tokens, n_past, start_pos, tuning=tuning, again=again,
+                      oracle=oracle, **attrs)
     return b, got, want
 
 

@@ -20,7 +20,7 @@ from llmrs.compiler.pipeline import CompileOptions, run_passes
 from llmrs.compiler.rope import rope_inv_freq
 from llmrs.models.step import step_graph
 
-from .test_opencl_kernels import OneOp, _close, _rand, _storage
+from .test_opencl_kernels import OneOp, _close, _close_qkv, _emulate_mma, _qkv, _rand, _storage
 
 cl = pytest.importorskip("pyopencl")
 from llmrs.runtime.backends.opencl import OpenCLBackend  # noqa: E402
@@ -161,9 +161,32 @@ def test_a_1b_step_graph_runs_every_matmul_in_the_tiled_kernel_and_pages_every_a
     g = run_passes(step_graph(prefill, max_seqs=16, block_size=16), CompileOptions(weights=weights))
     kernels = Counter(launch.kernel for launch in lower_graph(g))
     layers = 16
-    assert kernels["matmul_tiled"] == 6 * layers + 1 and kernels["matvec"] == 0   # q k v o gate_up down; head
+    assert kernels["matmul_tiled"] == 4 * layers + 1 and kernels["matvec"] == 0   # qkv o gate_up down; head
     assert kernels["attention_paged_rows"] == kernels["attention_paged_tiles"] == layers
     assert kernels["attention_tiled"] == kernels["attention_decode"] == kernels["attention_split"] == 0
+
+
+@pytest.mark.parametrize("weights", ["q4_0", "f16"])
+def test_a_1b_step_graph_launches_the_prefill_graphs_kernels_a_layer_but_for_paged_attention(llama_1b_graphs,
+                                                                                              weights):
+    """The step graph fused as the prefill graph: a layer's launches are the prefill graph's
+    (QKV with RoPE and the KV store in its epilogue, o, gate_up, down: a staging and a tiled
+    matmul each), its attention the paged pair instead of the prefill kernel (and the eviction
+    scores a prefill may add, which a step graph does not keep). Unfused, a layer took 19."""
+    prefill, _ = llama_1b_graphs
+    opts = CompileOptions(weights=weights)
+    step = Counter(launch.kernel for launch in lower_graph(run_passes(step_graph(prefill, max_seqs=16,
+                                                                                 block_size=16), opts)))
+    pre = Counter(launch.kernel for launch in lower_graph(run_passes(prefill, opts)))
+    layers, paged = 16, ("attention_paged_rows", "attention_paged_tiles")
+    prefill_attention = ("attention_tiled", "attention_scores")
+    per_layer = {k: n / layers for k, n in step.items() if k not in ("embedding", "gather_rows")}
+    assert per_layer == {"stage_x": 4 + 1 / layers, "matmul_tiled": 4 + 1 / layers,   # + the head's
+                         "attention_paged_rows": 1, "attention_paged_tiles": 1}
+    # less attention, the embedding and the head (the prefill's on its last row: a matvec)
+    assert step - Counter({k: step[k] for k in paged}) - Counter(embedding=1, gather_rows=1, stage_x=1, matmul_tiled=1) \
+        == pre - Counter({k: pre[k] for k in prefill_attention}) - Counter(embedding=1, last_row=1, matvec=1)
+    assert sum(step.values()) - 4 == (8 + len(paged)) * layers   # embedding, gather, the head's staging and matmul
 
 
 def test_rope_at_per_row_positions_matches_interpreter():
@@ -226,3 +249,73 @@ def test_gather_of_the_logit_rows_matches_interpreter():
     y = b.out("y", (4, 70))
     got, want = b.run("gather", [x, rows], [y], 9)
     np.testing.assert_array_equal(got[0], want[0])
+
+
+# -- the fused QKV of a step graph (fused_matmul rope_kv_store, attr step_rows: STEP_ROWS) ---------
+
+# (weights, cache, heads, qk_norm, bias): Llama's (pairs over 128-row tiles), a q8_0 cache (blocks
+# by epilogue_chunk), head_dim 96 into q8_0 (a group per head: the matvec, a token a group row),
+# Qwen3's norms (whole heads a tile), Qwen2's biases, heads wider than a tile (the matvec, heads
+# split over groups by tickets)
+STEP_QKV = [("q4_0", "f16", (4, 2, 64), False, False), ("f16", "q8_0", (4, 2, 64), False, False),
+            ("q8_0", "q8_0", (3, 1, 96), True, False), ("q4_1", "f32", (4, 2, 128), True, True),
+            ("f16", "f16", (6, 1, 64), False, True), ("q8_0", "f16", (2, 1, 256), True, True)]
+STEP_QKV_IDS = [f"{w}-{k}-{h}.{g}x{d}" + "-qknorm" * n + "-bias" * b for w, k, (h, g, d), n, b in STEP_QKV]
+
+
+@pytest.mark.parametrize("wdt,kv,heads,qk_norm,bias", STEP_QKV, ids=STEP_QKV_IDS)
+@pytest.mark.parametrize("rows,n_tokens", [(70, 67), (9, 1)])
+def test_fused_qkv_ropes_and_stores_each_row_at_its_own_position_and_slot(wdt, kv, heads, qk_norm, bias, rows,
+                                                                          n_tokens):
+    slots = np.random.default_rng(rows).permutation(rows + 8)[:rows].astype(np.int32)
+    b, got, want = _qkv(wdt, kv, heads, rows, n_tokens, n_past=3, start_pos=11, qk_norm=qk_norm, bias=bias,
+                        slots=slots, again=True)
+    assert all("-DSTEP_ROWS" in launch["options"] for launch in b.launches if launch["kernel"] != "stage_x")
+    _close_qkv(got, want, wdt, kv)
+    untouched = np.setdiff1d(np.arange(rows + 8), slots[:n_tokens])
+    for cache in ("kc", "vc"):   # rows no step row writes keep their bytes
+        np.testing.assert_array_equal(b.data[cache][untouched], got[1 if cache == "kc" else 2][untouched])
+
+
+@pytest.mark.parametrize("kv,heads", [("f32", (4, 2, 64)), ("q8_0", (4, 2, 64)), ("q8_0", (3, 1, 96))])
+def test_fused_qkv_stores_nothing_for_a_slot_outside_the_cache(kv, heads):
+    """As the step graph's kv_store: the runtime refuses such a step; the kernel given one anyway
+    writes no cache row for it (nor next to the cache), and ropes its q all the same."""
+    rows = 6
+    bad = np.array([2, -1, rows + 8, 1 << 20, 5, 0], np.int32)
+    b, got, _ = _qkv("q4_0", kv, heads, rows, rows, qk_norm=False, slots=bad, oracle=False)
+    good = bad.copy()
+    good[[1, 2, 3]] = [1, 3, 4]
+    _, _, want = _qkv("q4_0", kv, heads, rows, rows, qk_norm=False, slots=good)
+    _close_qkv(got[:1], want[:1], "q4_0", kv)
+    for i, cache in ((1, "kc"), (2, "vc")):
+        expect = b.data[cache].copy()
+        expect[[2, 5, 0]] = want[i][[2, 5, 0]]
+        _close_qkv([got[0], got[i]], [want[0], expect], "q4_0", kv)
+
+
+@pytest.mark.parametrize("wdt,kv,heads,qk_norm", [("q4_0", "f16", (4, 2, 64), False), ("f16", "q8_0", (4, 2, 128), True),
+                                                  ("q8_0", "q8_0", (3, 1, 96), False)])
+def test_a_rows_fused_qkv_is_the_same_bits_alone_and_among_other_rows(wdt, kv, heads, qk_norm):
+    """Row invariance of the fused QKV: a row's q and the k / v it stores are the same bits in a
+    step of one row as among 67 (the kernel is chosen by the graph's rows, a row sums alone)."""
+    rows, row = 70, 40
+    slots = np.random.default_rng(1).permutation(rows + 8)[:rows].astype(np.int32)
+    x = _rand(np.random.default_rng(2), rows, 64)
+    b, many, _ = _qkv(wdt, kv, heads, rows, 67, qk_norm=qk_norm, slots=slots, x=x)
+    positions = b.data["positions"].copy()
+    alone_x, alone_slots, alone_pos = x.copy(), slots.copy(), positions.copy()
+    alone_x[0], alone_slots[0], alone_pos[0] = x[row], slots[row], positions[row]
+    _, one, _ = _qkv(wdt, kv, heads, rows, 1, qk_norm=qk_norm, slots=alone_slots, x=alone_x, positions=alone_pos)
+    np.testing.assert_array_equal(one[0][0], many[0][row])
+    for i in (1, 2):
+        np.testing.assert_array_equal(one[i][slots[row]], many[i][slots[row]])
+
+
+def test_fused_qkv_on_the_tensor_core_body_ropes_and_stores_at_the_rows_slots(monkeypatch):
+    _emulate_mma(monkeypatch)
+    monkeypatch.setenv("LLMRS_OPENCL_NO_WGMMA", "1")
+    slots = np.random.default_rng(5).permutation(139)[:131].astype(np.int32)
+    b, got, want = _qkv("q4_0", "f16", (4, 2, 128), 131, 130, qk_norm=True, bias=True, d=512, slots=slots, seed=47)
+    assert "-DUSE_NV_MMA" in b.build_options
+    _close_qkv(got, want, "q4_0", "f16")

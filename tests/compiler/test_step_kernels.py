@@ -1,5 +1,6 @@
-"""A step graph's CPU kernels (RoPE at per-row positions, the KV store at per-row slots, paged
-attention through block tables, the gather of the logit rows), JIT-compiled for this host and,
+"""A step graph's CPU kernels (RoPE at per-row positions, the KV store at per-row slots, the fused
+QKV matmul's RoPE + KV-store epilogue at both, paged attention through block tables, the gather of
+the logit rows), JIT-compiled for this host and,
 on a VNNI machine, for AVX2, against the interpreter on random non-zero data; and the batch
 invariance a step needs: a row's matmul result is the same bits alone and among 8 rows."""
 from __future__ import annotations
@@ -136,3 +137,60 @@ def test_a_rows_matmul_result_is_the_same_bits_alone_and_among_8_rows(target, wd
             alone.arrays["res"][0] = case.arrays["res"][row]
         got = run_case(alone, TARGETS[target], nth=2)[0]["y"][0]
         np.testing.assert_array_equal(got, batch[row], err_msg=f"row {row} alone vs in 8 rows")
+
+
+# -- the fused QKV matmul of a step graph (fused_matmul rope_kv_store, attr step_rows) ------------
+
+# (weights, cache, heads, qk_norm, bias): Llama's, a q8_0 cache, head_dim 100 (RoPE halves of 50),
+# Qwen3's per-head norms, Qwen2's biases
+FUSED_STEP = [("q4_0", "f32", (4, 2, 32), False, False), ("q8_0", "q8_0", (4, 1, 64), False, False),
+              ("f16", "f16", (2, 2, 100), False, False), ("q4_1", "f16", (4, 2, 48), True, False),
+              ("f32", "f32", (3, 1, 32), False, True), ("q4_0", "f16", (4, 2, 48), True, True)]
+FUSED_IDS = [f"{w}-{c}-{h}.{k}x{d}" + "-qknorm" * n + "-bias" * b for w, c, (h, k, d), n, b in FUSED_STEP]
+
+
+@pytest.mark.parametrize("target", TARGET_NAMES)
+@pytest.mark.parametrize("wdtype,cache_dtype,heads,qk_norm,bias", FUSED_STEP, ids=FUSED_IDS)
+@pytest.mark.parametrize("T,n_tokens", [(9, 9), (9, 6), (16, 1)])
+def test_fused_qkv_epilogue_ropes_and_stores_each_row_at_its_own_position_and_slot(
+        target, wdtype, cache_dtype, heads, qk_norm, bias, T, n_tokens):
+    case = matmul_case(wdtype, T, n_tokens, True, "rope_kv_store", cache_dtype=cache_dtype, heads=heads,
+                       qk_norm=qk_norm, bias=bias, step_rows=True, seed=T + n_tokens)
+    arrays = run_case(case, TARGETS[target], nth=2)[0]
+    check(case, arrays)
+    untouched = np.setdiff1d(np.arange(case.graph.values["kc"].shape[0]), case.arrays["slots"][:n_tokens])
+    for c in ("kc", "vc"):
+        np.testing.assert_array_equal(arrays[c][untouched], case.arrays[c][untouched])
+
+
+def test_fused_qkv_epilogue_stores_nothing_for_a_slot_outside_the_cache():
+    """As the step graph's kv_store: the back ends refuse such a step, and the kernel never writes
+    outside the cache whatever it is given; q is roped all the same."""
+    case = matmul_case("q8_0", 5, 5, True, "rope_kv_store", cache_dtype="f16", step_rows=True, seed=3)
+    good = matmul_case("q8_0", 5, 5, True, "rope_kv_store", cache_dtype="f16", step_rows=True, seed=3)
+    case.arrays["slots"][:] = [3, -1, 16, 1 << 30, 7]
+    good.arrays["slots"][:] = [3, 0, 1, 2, 7]
+    got, want = run_case(case, TARGETS["host"], nth=2)[0], good.expected()
+    np.testing.assert_allclose(got["y"][:5], want["y"], rtol=1e-4, atol=1e-5)
+    for c, out in (("kc", "kc2"), ("vc", "vc2")):
+        expect = case.arrays[c].copy()
+        expect[[3, 7]] = want[out][[3, 7]]
+        np.testing.assert_allclose(got[c].astype(np.float32), expect.astype(np.float32), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("target", TARGET_NAMES)
+@pytest.mark.parametrize("wdtype", ["q4_0", "q4_1", "q8_0", "f16", "f32"])
+def test_a_rows_fused_qkv_result_is_the_same_bits_alone_and_among_8_rows(target, wdtype):
+    """The fused QKV of a step graph keeps the prefill kernel's batch invariance: q, and the k / v
+    it stores at the row's slot, are the same bits alone (decode's tiles) and among 8 rows."""
+    case = matmul_case(wdtype, 16, 8, True, "rope_kv_store", K=576, heads=(4, 2, 32), step_rows=True, seed=5)
+    batch = run_case(case, TARGETS[target], nth=2)[0]
+    for row, n in ((6, 1), (7, 3)):
+        alone = matmul_case(wdtype, 16, n, True, "rope_kv_store", K=576, heads=(4, 2, 32), step_rows=True, seed=5)
+        alone.arrays["x"][0] = case.arrays["x"][row]
+        alone.arrays["positions"][0] = case.arrays["positions"][row]
+        alone.arrays["slots"][0] = slot = case.arrays["slots"][row]
+        got = run_case(alone, TARGETS[target], nth=2)[0]
+        np.testing.assert_array_equal(got["y"][0], batch["y"][row], err_msg=f"q of row {row}")
+        for c in ("kc", "vc"):
+            np.testing.assert_array_equal(got[c][slot], batch[c][slot], err_msg=f"{c} of row {row}")

@@ -32,7 +32,13 @@ CASES = [rope_case(T=7, n=6, hd=100),
          # blocks of 2 slots: fewer than a NEON vector's 4 lanes, each lane looks its block up
          paged_attention_case(T=9, rows=[(s, min(c, 8)) for s, c in ROWS], kv_dtype="f16",
                               pool=Paged.shuffled(2, 12, 3, np.random.default_rng(5))),
-         gather_case(T=11, n=9, picked=[4, 0, 8, 4])]
+         gather_case(T=11, n=9, picked=[4, 0, 8, 4]),
+         # the fused QKV of a step graph: each row roped at its position, stored at its slot
+         matmul_case("q4_0", 9, 6, True, "rope_kv_store", cache_dtype="q8_0", heads=(4, 1, 64), step_rows=True,
+                     seed=11),
+         matmul_case("q8_0", 9, 9, True, "rope_kv_store", cache_dtype="f16", heads=(4, 2, 48), qk_norm=True,
+                     bias=True, step_rows=True, seed=12),
+         matmul_case("f16", 9, 1, True, "rope_kv_store", heads=(2, 2, 100), step_rows=True, seed=13)]
 # a row of an 8-row step (whole tiles of 4) and the same row alone (a one-token tail)
 WEIGHTS = ("q4_0", "q4_1", "q8_0")
 BATCH = {w: matmul_case(w, 16, 8, True, "silu_mul", K=160, N=48, seed=3) for w in WEIGHTS}
@@ -45,7 +51,12 @@ def _alone(wdtype: str, row: int) -> Case:
 
 
 ALONE = {w: _alone(w, 6) for w in WEIGHTS}
-KERNELS = CASES + list(BATCH.values()) + list(ALONE.values())
+# the same for the fused QKV of a step graph (q, and the k / v stored at the row's slot)
+QKV_BATCH = matmul_case("q4_0", 16, 8, True, "rope_kv_store", K=160, heads=(4, 2, 32), step_rows=True, seed=3)
+QKV_ALONE = matmul_case("q4_0", 16, 1, True, "rope_kv_store", K=160, heads=(4, 2, 32), step_rows=True, seed=3)
+for name in ("x", "positions", "slots"):
+    QKV_ALONE.arrays[name][0] = QKV_BATCH.arrays[name][6]
+KERNELS = CASES + list(BATCH.values()) + list(ALONE.values()) + [QKV_BATCH, QKV_ALONE]
 
 
 def _build(gcc: str, tmp: Path, dotprod: bool, i8mm: bool) -> Path:
@@ -102,3 +113,11 @@ def test_aarch64_matmul_row_is_the_same_bits_alone_and_among_8_rows_under_qemu(d
     batch = _run_case(driver, BATCH[wdtype])["y"][6]
     alone = _run_case(driver, ALONE[wdtype])["y"][0]
     np.testing.assert_array_equal(alone, batch)
+
+
+def test_aarch64_fused_qkv_row_is_the_same_bits_alone_and_among_8_rows_under_qemu(driver):
+    batch, alone = _run_case(driver, QKV_BATCH), _run_case(driver, QKV_ALONE)
+    np.testing.assert_array_equal(alone["y"][0], batch["y"][6])
+    slot = QKV_BATCH.arrays["slots"][6]
+    for c in ("kc", "vc"):
+        np.testing.assert_array_equal(alone[c][slot], batch[c][slot])

@@ -72,11 +72,15 @@ def test_bad_step_options_are_refused_before_any_work(values, says):
 
 def test_a_plan_carries_the_step_graph_where_one_of_its_back_ends_runs_it(tmp_path):
     cpu = compile_plan(DATA / "golden-b", tmp_path / "cpu.bin", CompileOptions(target="cpu", block_size=4, **SMALL))
-    assert "step graph    up to 8 sequences, 8 tokens a step, KV in blocks of 4 tokens: 27 kernels" in cpu.summary
+    # fused as the prefill graph (5 kernels a layer, 2 layers), its last-row slice (no kernel) the
+    # gather of the logit rows (a kernel)
+    assert "prefill chunk of 8 tokens 12" in cpu.summary
+    assert "step graph    up to 8 sequences, 8 tokens a step, KV in blocks of 4 tokens: 13 kernels" in cpu.summary
     shape = Plan.open(cpu.path).step_shape()
     assert (shape.rows, shape.seqs, shape.block_size, shape.blocks_per_seq, shape.n_blocks) == (8, 8, 4, 16, 16)
-    # OpenCL runs it too; max_num_seqs 0 leaves it out
+    # OpenCL runs step graphs too: an OpenCL-only plan carries it, fused the same way; max_num_seqs 0
+    # leaves it out
     opencl = compile_plan(DATA / "golden-b", tmp_path / "cl.bin", CompileOptions(target="opencl", **SMALL))
-    assert "step graph" in opencl.summary and Plan.open(opencl.path).step_shape() is not None
+    assert "KV in blocks of 16 tokens: 13 kernels" in opencl.summary and Plan.open(opencl.path).step_shape() is not None
     none = compile_plan(DATA / "golden-b", tmp_path / "none.bin", CompileOptions(target="cpu", max_num_seqs=0, **SMALL))
     assert "step graph" not in none.summary and Plan.open(none.path).step_shape() is None

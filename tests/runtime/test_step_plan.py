@@ -69,5 +69,6 @@ def test_attention_ops_with_different_block_sizes_are_refused(step_plan, tmp_pat
     path.write_bytes(with_manifest(step_plan, _two_block_sizes))
     with pytest.raises(PlanError) as err:
         Plan.open(path)
-    assert str(err.value) == (f"{path}: graph 'step' is malformed: op attention_21 (attention): block_tables "
+    # the second layer's attention: embedding, then 5 fused kernels a layer (attention the 2nd)
+    assert str(err.value) == (f"{path}: graph 'step' is malformed: op attention_7 (attention): block_tables "
                               "'block_tables' must be an i32[B, 6] graph input; recompile the plan")
