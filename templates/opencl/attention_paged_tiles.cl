@@ -6,6 +6,14 @@
 // warp w scores it for rows w, w + NW, ... of the run (lane i: entry i), keeping each row's
 // slot, group and total states in registers as the rows kernel's groups keep them.
 // Grid: (H * ATT_WG, ceil(rows / ATT_PQ)).
+//
+// Each chunk and each run ends at a barrier (rather than the next one starting with it): the
+// branches that differ between work-items (a warp's row past the run, lanes past HEAD_DIM) must
+// rejoin at a barrier of the kernel's own. PoCL 3.x puts implicit barriers on the exit and latch
+// of a loop that holds barriers; a branch that rejoins only there it takes for a conditional
+// barrier, uniform in the group, and work-item 0 (its "peeled" work-item) decides for all: lanes
+// past HEAD_DIM and warps past the run then wrote o rows that are not theirs, past the run and
+// past o itself (NaN logits from a step whose prompt chunk filled a group's last warp row).
 #ifdef ATT_TILES
 #define ATT_PQ (ATT_NW * ATT_RPW)                // rows a group
 
@@ -43,7 +51,6 @@ void attention_paged_tiles(__global const int* step, gin qb, ulong q_off, gin kb
         __global const int* tab = (__global const int*)(tbb + tb_off) + (size_t)seq * tab_w;
         int lmax = 0;
         for (int r = cur; r < end; r++) lmax = max(lmax, ctx_len[r]);
-        barrier(CLK_LOCAL_MEM_FENCE);            // the last run's reads of qs are done
         for (int e = lid; e < (end - cur) * ATT_D4; e += ATT_WG)
             qs[e / ATT_D4][e % ATT_D4] = q[((size_t)(cur + e / ATT_D4) * n_heads + h) * ATT_D4 + e % ATT_D4];
         // each row of the warp: L, P (chunks a slot), and its slot (cm, cl, co), group (gm, gl,
@@ -63,7 +70,6 @@ void attention_paged_tiles(__global const int* step, gin qb, ulong q_off, gin kb
             for (int i = 0; i < ATT_DPL; i++) co[r][i] = go[r][i] = to[r][i] = 0.0f;
         }
         for (int c = 0; c < (lmax + 31) / 32; c++) {
-            barrier(CLK_LOCAL_MEM_FENCE);        // the last chunk's reads are done
             for (int e = lid; e < 32 * ATT_D4; e += ATT_WG) {
                 int i = e / ATT_D4, d4 = e % ATT_D4;
                 size_t at = kv_row(tab, min(32 * c + i, lmax - 1)) * kv_stride + head_at + 4 * d4;
@@ -117,6 +123,7 @@ void attention_paged_tiles(__global const int* step, gin qb, ulong q_off, gin kb
                                 co[r][i] = fma(pj, vs[j * HEAD_DIM + lane + 32 * i], co[r][i]);
                 }
             }
+            barrier(CLK_LOCAL_MEM_FENCE);        // the chunk's reads are done; its branches rejoin
         }
 #pragma unroll
         for (int r = 0; r < ATT_RPW; r++) {
@@ -133,6 +140,7 @@ void attention_paged_tiles(__global const int* step, gin qb, ulong q_off, gin kb
             for (int i = 0; i < ATT_DPL; i++)
                 if (lane + 32 * i < HEAD_DIM) out[lane + 32 * i] = fold1(to[r][i], go[r][i], fw) / tl[r];
         }
+        barrier(CLK_LOCAL_MEM_FENCE);            // the run's branches rejoin (see the top)
         cur = end;
     }
 }

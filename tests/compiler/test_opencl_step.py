@@ -39,18 +39,21 @@ class PagedAttention:
     run() is a step of other rows."""
 
     def __init__(self, h: int, kvh: int, hd: int, kv: str, bs: int, tuning: OpenCLTuning = TUNING,
-                 T: int = 40, seed: int = 0):
+                 T: int = 40, seed: int = 0, seqs: list[list[int]] = SEQS,
+                 tables: list[list[int]] | None = None, slots: int = 1600):
+        """seqs: each sequence's rows' ctx_len, in step order; tables: their blocks (else drawn
+        from a shuffled pool); slots: the cache's entries."""
         rng = np.random.default_rng(seed)
-        self.rng, self.T, self.h, self.hd = rng, T, h, hd
-        slots = bs * math.ceil(1600 / bs)
+        self.rng, self.T, self.h, self.hd, self.seqs = rng, T, h, hd, seqs
+        slots = bs * math.ceil(slots / bs)
         blocks = slots // bs
         # each sequence's blocks drawn from a shuffled pool; entries past them are garbage the
         # kernels must never follow
         free = list(rng.permutation(blocks))
-        self.tables = np.full((len(SEQS) + 1, blocks), 1 << 30, np.int32)
-        for i, lens in enumerate(SEQS):
+        self.tables = np.full((len(seqs) + 1, blocks), 1 << 30, np.int32)
+        for i, lens in enumerate(seqs):
             need = math.ceil(max(lens) / bs)
-            self.tables[i, :need] = [free.pop() for _ in range(need)]
+            self.tables[i, :need] = tables[i][:need] if tables else [free.pop() for _ in range(need)]
         g = self.g = Graph("step", T, meta={})
         for name, shape in (("q", (T, h * hd)), ("row_seq", (T,)), ("ctx_len", (T,)),
                             ("block_tables", self.tables.shape)):
@@ -73,9 +76,9 @@ class PagedAttention:
         self.be.write_value("step", "block_tables", self.tables)
 
     def rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """q, row_seq, ctx_len of a step of every sequence's rows (SEQS)."""
-        row_seq = np.array([i for i, lens in enumerate(SEQS) for _ in lens], np.int32)
-        ctx_len = np.array([n for lens in SEQS for n in lens], np.int32)
+        """q, row_seq, ctx_len of a step of every sequence's rows (self.seqs)."""
+        row_seq = np.array([i for i, lens in enumerate(self.seqs) for _ in lens], np.int32)
+        ctx_len = np.array([n for lens in self.seqs for n in lens], np.int32)
         return _rand(self.rng, len(row_seq), self.h * self.hd, scale=0.5), row_seq, ctx_len
 
     def run(self, q: np.ndarray, row_seq: np.ndarray, ctx_len: np.ndarray) -> np.ndarray:
@@ -135,6 +138,34 @@ def test_paged_attention_with_several_chunks_a_slot_matches_interpreter_and_keep
     _close(batch, pa.want(q, row_seq, ctx_len), 1e-4)
     for t in np.flatnonzero(ctx_len >= 300):
         np.testing.assert_array_equal(pa.run(q[t:t + 1], row_seq[t:t + 1], ctx_len[t:t + 1])[0], batch[t])
+
+
+# steps whose prompt chunk reaches a tiles group's last row of warps (16 rows a group: rows 12..15)
+# with head_dim 16 (lanes 16..31 own no dims): on PoCL its lanes and warps past the run wrote rows
+# that were not theirs (attention_paged_tiles.cl). The first is the step that broke golden-b's
+# batch as the scheduler built it (a decode row at ctx_len 25, then a 15-row prompt chunk of
+# another sequence), the second a 14-row chunk before two decode rows.
+BROKE = [([[25], list(range(1, 16))], [[0, 6, 4, 1], [2, 3]]),
+         ([list(range(1, 15)), [30], [7]], None)]
+
+
+@pytest.mark.parametrize("seqs,tables", BROKE, ids=["decode-then-chunk15", "chunk14-then-decodes"])
+def test_a_prompt_chunk_filling_a_tiles_group_writes_its_own_rows_alone_and_keeps_their_bits(seqs, tables):
+    """golden-b's attention (8 heads, 2 KV heads, head_dim 16, f32 cache of 64 entries in blocks
+    of 8) over 16 rows of a 20-row graph: every row as the interpreter's, rows 16..19 of o
+    untouched, and each row alone (the rows kernel) the same bits."""
+    pa = PagedAttention(8, 2, 16, "f32", 8, T=20, seqs=seqs, tables=tables, slots=64)
+    assert pa.kernels == ["attention_paged_rows", "attention_paged_tiles"]
+    q, row_seq, ctx_len = pa.rows()
+    n = len(q)
+    untouched = np.full((pa.T, 8 * 16), -7.5, np.float32)
+    pa.be.write_value("step", "o", untouched)
+    batch = pa.run(q, row_seq, ctx_len)
+    _close(batch, pa.want(q, row_seq, ctx_len), 1e-4)
+    np.testing.assert_array_equal(pa.be.read_value("step", "o")[n:], untouched[n:])
+    for t in range(n):
+        alone = pa.run(q[t:t + 1], row_seq[t:t + 1], ctx_len[t:t + 1])
+        np.testing.assert_array_equal(alone[0], batch[t], err_msg=f"row {t} (ctx_len {ctx_len[t]})")
 
 
 def test_paged_splits_halve_to_keep_the_partials_of_a_step_within_the_budget():
