@@ -38,6 +38,21 @@ SWEEPS = {
     "test_decoding_with_eviction_matches_the_interpreter_on_the_surviving_cache",
     "test_fused_qkv_rope_kv_store_matches_interpreter", "test_rms_prologue_with_a_folded_norm_weight_matches_interpreter",
     "test_decode_rms_prologue_late_or_prepared_and_each_group_size_matches_interpreter",
+    # Qwen on every back end, and the step graph's kernels and whole-model runs
+    "test_cpu_f32_plan_gives_transformers_tokens_and_logits", "test_cpu_quantized_plan_matches_the_interpreter_on_the_same_plan",
+    "test_opencl_f32_plan_gives_transformers_tokens_and_logits",
+    "test_opencl_quantized_plan_matches_the_interpreter_on_the_same_plan",
+    "test_aarch64_under_qemu_generates_the_tokens_of_x86_64", "test_qwen_plan_gives_the_interpreters_logits_and_greedy_tokens",
+    "test_aarch64_step_kernel_matches_interpreter_under_qemu",
+    "test_aarch64_matmul_row_is_the_same_bits_alone_and_among_8_rows_under_qemu",
+    "test_paged_attention_through_shuffled_block_tables_matches_interpreter",
+    "test_interleaved_sequences_match_the_interpreter_and_their_greedy_tokens_a_run_alone",
+    "test_a_rows_logits_are_the_same_bits_alone_and_among_8_rows",
+    "test_fused_qkv_ropes_and_stores_each_row_at_its_own_position_and_slot",
+    "test_a_rows_fused_qkv_is_the_same_bits_alone_and_among_other_rows",
+    "test_a_rows_matmul_result_is_the_same_bits_alone_and_among_8_rows",
+    "test_fused_qkv_epilogue_ropes_and_stores_each_row_at_its_own_position_and_slot",
+    "test_a_rows_fused_qkv_result_is_the_same_bits_alone_and_among_8_rows",
 }
 
 
