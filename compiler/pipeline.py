@@ -59,6 +59,9 @@ class CompileOptions:
     max_num_seqs: int = option(8, "sequences one step of the plan's step graph serves (continuous batching; "
                                "at most --prefill-chunk, the rows of a step); 0 leaves the step graph out "
                                "(default 8)", metavar="N")
+    max_draft_tokens: int = option(8, "drafted tokens one speculative verify step checks (llmrs-run "
+                                   "--speculative): the step graph returns logits for this many + 1 rows "
+                                   "(default 8)", metavar="K")
     block_size: int | None = option(None, "KV-cache block in tokens, the step graph's unit of paged attention; "
                                     "must divide --max-seq-len (default: 16, or the largest power of 2 below 16 "
                                     "that divides it)", metavar="TOKENS", type=int)
@@ -95,6 +98,8 @@ class CompileOptions:
             if not whole(value) or not 1 <= value <= MAX_POSITIONS:
                 raise OptionError(f"{{0}} must be a whole number from 1 to {MAX_POSITIONS} (positions are 32-bit), "
                                   f"got {value!r}", name)
+        if not whole(self.max_draft_tokens) or not 0 <= self.max_draft_tokens <= MAX_POSITIONS:
+            raise OptionError(f"{{0}} must be a whole number >= 0, got {self.max_draft_tokens!r}", "max_draft_tokens")
         if not whole(self.max_num_seqs) or not 0 <= self.max_num_seqs <= MAX_POSITIONS:
             raise OptionError(f"{{0}} must be a whole number from 0 (no step graph) to {MAX_POSITIONS}, "
                               f"got {self.max_num_seqs!r}", "max_num_seqs")
@@ -181,7 +186,8 @@ def compile_phases(model: LlamaModel | str | Path, opts: CompileOptions = Compil
     prefill, decode = build_graphs(model, opts.prefill_chunk, opts.max_seq_len, opts.kv_type)
     built = {"prefill": prefill, "decode": decode}
     if opts.max_num_seqs:
-        built["step"] = step_graph(prefill, min(opts.max_num_seqs, prefill.T), _block_size(opts, prefill.kv_slots))
+        built["step"] = step_graph(prefill, min(opts.max_num_seqs, prefill.T), _block_size(opts, prefill.kv_slots),
+                                   logit_rows=opts.max_draft_tokens + 1)
     graphs = {name: run_passes(g, opts) for name, g in built.items()}
     kv = {name: g.meta.get("layout", {}).get("kv") for name, g in graphs.items()}
     for name, layout in kv.items():

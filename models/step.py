@@ -18,9 +18,10 @@ from ..compiler.ir import Graph, IRError, Op
 STEP_INPUTS = ("positions", "slots", "row_seq", "ctx_len")
 
 
-def step_graph(prefill: Graph, max_seqs: int, block_size: int, name: str = "step") -> Graph:
+def step_graph(prefill: Graph, max_seqs: int, block_size: int, name: str = "step", logit_rows: int = 0) -> Graph:
     """The step graph of `prefill` (an unfused, built graph) for up to `max_seqs` sequences a step,
-    returning the logits of `max_seqs` chosen rows (`logit_rows`)."""
+    returning the logits of up to max(max_seqs, logit_rows) chosen rows (`logit_rows`): one a
+    sequence, or every row of a speculative verify step (runtime/speculative)."""
     g = prefill.copy()
     g.name = name
     T = g.T
@@ -34,7 +35,8 @@ def step_graph(prefill: Graph, max_seqs: int, block_size: int, name: str = "step
     for n in STEP_INPUTS:
         g.inputs.append(g.add_value(n, (T,), "i32", kind="input"))
     g.inputs.append(g.add_value("block_tables", (max_seqs, slots // block_size), "i32", kind="input"))
-    g.inputs.append(g.add_value("logit_rows", (max_seqs,), "i32", kind="input"))
+    picked = min(max(max_seqs, logit_rows), T)
+    g.inputs.append(g.add_value("logit_rows", (picked,), "i32", kind="input"))
     ops = []
     for op in g.ops:
         if op.kind == "rope":
@@ -50,7 +52,7 @@ def step_graph(prefill: Graph, max_seqs: int, block_size: int, name: str = "step
             op.attrs["block_size"] = block_size
         ops.append(op)
     g.ops = ops
-    _gather_head(g, max_seqs)
+    _gather_head(g, picked)
     return g.verify()
 
 

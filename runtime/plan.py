@@ -442,13 +442,19 @@ STEP_INPUTS = ("tokens", "positions", "slots", "row_seq", "ctx_len", "block_tabl
 class StepShape:
     """What a step graph takes: up to `rows` tokens a step, from up to `seqs` sequences whose KV
     entries lie in the cache's `n_blocks` blocks of `block_size` slots (a sequence's block table
-    `blocks_per_seq` long); logits come back for up to `seqs` rows. Token ids index `vocab`."""
+    `blocks_per_seq` long); logits come back for up to `logits` rows (at least `seqs`: one a
+    sequence, more for a speculative verify step). Token ids index `vocab`."""
     rows: int
     seqs: int
     block_size: int
     blocks_per_seq: int
     n_blocks: int
     vocab: int
+    logits: int = 0         # 0: seqs (a plan from before verify steps)
+
+    def __post_init__(self) -> None:
+        if not self.logits:
+            object.__setattr__(self, "logits", self.seqs)
 
     @property
     def slots(self) -> int:
@@ -469,13 +475,13 @@ class StepShape:
         if len(sizes) != 1 or not _is_int(bs := next(iter(sizes))) or bs < 1 or slots is None or slots % bs:
             raise ValueError(f"its attention ops' block sizes {sorted(map(str, sizes))} are not one divisor of "
                              f"the {slots}-slot KV cache")
-        if len(tables) != 2 or tables[1] * bs != slots or picked != (tables[0],) or not 1 <= tables[0] <= T:
+        if len(tables) != 2 or tables[1] * bs != slots or len(picked) != 1 or not 1 <= tables[0] <= picked[0] <= T:
             raise ValueError(f"block_tables {list(tables)} and logit_rows {list(picked)} do not fit {T} rows "
                              f"and {slots // bs} blocks of {bs}")
         embed = next((op for op in g.ops if op.kind == "embedding"), None)
-        if embed is None or g.values[g.outputs[0]].shape[0] != tables[0]:
-            raise ValueError("it has no embedding or its logits are not one row per sequence")
-        return StepShape(T, tables[0], bs, tables[1], slots // bs, v[embed.inputs[0]].shape[0])
+        if embed is None or g.values[g.outputs[0]].shape[0] != picked[0]:
+            raise ValueError("it has no embedding or its logits are not one row per logit_rows entry")
+        return StepShape(T, tables[0], bs, tables[1], slots // bs, v[embed.inputs[0]].shape[0], picked[0])
 
 
 def _check_step(graphs: dict[str, Graph], fail) -> None:

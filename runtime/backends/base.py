@@ -32,7 +32,7 @@ class StepRows:
     row_seq: np.ndarray         # [n] its sequence's row of block_tables
     ctx_len: np.ndarray         # [n] KV entries each attends (its own included)
     block_tables: np.ndarray    # [b, M] physical blocks of each sequence (b <= the graph's B)
-    logit_rows: np.ndarray      # [r] rows whose logits come back (r <= B)
+    logit_rows: np.ndarray      # [r] rows whose logits come back (r <= the graph's logit rows)
 
 
 class StepRowsError(ValueError):
@@ -71,8 +71,8 @@ def check_step_rows(rows: StepRows, shape: StepShape) -> StepRows:
     if not 1 <= b <= shape.seqs or tables.shape[1] != shape.blocks_per_seq:
         raise StepRowsError(f"step rows: block_tables is {list(tables.shape)}; give [1..{shape.seqs}, "
                             f"{shape.blocks_per_seq}] (a row of block ids per sequence)")
-    if not 1 <= len(picked) <= shape.seqs:
-        raise StepRowsError(f"step rows: logit_rows has {len(picked)} entries; give 1..{shape.seqs}")
+    if not 1 <= len(picked) <= shape.logits:
+        raise StepRowsError(f"step rows: logit_rows has {len(picked)} entries; give 1..{shape.logits}")
     _within("tokens", per_row["tokens"], 0, shape.vocab - 1, "the vocabulary")
     _within("positions", per_row["positions"], 0, 2**31 - 1, "RoPE positions")
     _within("slots", per_row["slots"], 0, shape.slots - 1, "the KV cache's slots")

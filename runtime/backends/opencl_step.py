@@ -8,32 +8,13 @@ another back end can check its steps with the same function.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from ...compiler.ir import Graph, IRError
+from ..plan import StepShape
 from .base import StepRows
 
 ROW_FIELDS = ("positions", "slots", "row_seq", "ctx_len")   # int32 [n] each, beside tokens [n]
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """What a step's checks read of a step graph."""
-    rows: int            # T: rows a step at most
-    seqs: int            # B: rows of block_tables, and logit rows at most
-    table_width: int     # M: blocks a sequence at most
-    block_size: int
-    slots: int           # S: the KV cache's rows
-    vocab: int | None    # the embedding's rows (token ids below it)
-
-    @staticmethod
-    def of(g: Graph) -> "StepShape":
-        B, M = g.values["block_tables"].shape
-        bs = next(op.attrs["block_size"] for op in g.ops if op.kind == "attention")
-        vocab = next((g.values[op.inputs[0]].shape[0] for op in g.ops if op.kind == "embedding"), None)
-        return StepShape(g.T, B, M, bs, M * bs, vocab)
 
 
 def _ints(name: str, a: np.ndarray, ndim: int) -> np.ndarray:
@@ -67,15 +48,14 @@ def check_step(rows: StepRows, shape: StepShape) -> dict[str, np.ndarray]:
             raise IRError(f"step: {name} has {len(out[name])} rows and tokens {n}; give one a row")
     given = _ints("block_tables", rows.block_tables, 2)
     b, m = given.shape
-    if not 1 <= b <= shape.seqs or m > shape.table_width:
+    if not 1 <= b <= shape.seqs or m > shape.blocks_per_seq:
         raise IRError(f"step: block_tables is [{b}, {m}]; the step graph takes 1..{shape.seqs} sequences "
-                      f"of at most {shape.table_width} blocks")
+                      f"of at most {shape.blocks_per_seq} blocks")
     picked = _ints("logit_rows", rows.logit_rows, 1)
-    if not 1 <= len(picked) <= min(shape.seqs, n):
-        raise IRError(f"step: logit_rows has {len(picked)} rows; give 1..{min(shape.seqs, n)} "
-                      f"(at most one a sequence, and no more than the step's {n} rows)")
-    if shape.vocab is not None:
-        _within("tokens", tokens, 0, shape.vocab - 1, "the vocabulary")
+    if not 1 <= len(picked) <= min(shape.logits, n):
+        raise IRError(f"step: logit_rows has {len(picked)} rows; give 1..{min(shape.logits, n)} "
+                      f"(the step graph's logit rows, and no more than the step's {n} rows)")
+    _within("tokens", tokens, 0, shape.vocab - 1, "the vocabulary")
     _within("positions", out["positions"], 0, np.iinfo(np.int32).max, "positions count from 0")
     _within("slots", out["slots"], 0, shape.slots - 1, "the KV cache's rows")
     _within("row_seq", out["row_seq"], 0, b - 1, f"the {b} rows of block_tables")
@@ -89,10 +69,10 @@ def check_step(rows: StepRows, shape: StepShape) -> dict[str, np.ndarray]:
         t, j = (int(x) for x in bad[0])
         raise IRError(f"step: block_tables[{int(out['row_seq'][t])}, {j}] = {int(entries[t, j])}, read by row {t}, "
                       f"is outside 0..{shape.slots // shape.block_size - 1} (the cache's blocks)")
-    tables = np.zeros((b, shape.table_width), np.int32)
+    tables = np.zeros((b, shape.blocks_per_seq), np.int32)
     tables[:, :m] = given
     out["block_tables"] = tables
-    out["logit_rows"] = np.zeros(shape.seqs, np.int32)
+    out["logit_rows"] = np.zeros(shape.logits, np.int32)
     out["logit_rows"][:len(picked)] = picked
     return out
 

@@ -26,7 +26,8 @@ def test_the_step_graph_shares_the_kv_layout_and_leaves_prefill_and_decode_as_th
         assert with_step[phase].meta["layout"] == without[phase].meta["layout"]
     step = with_step["step"]
     assert step.meta["layout"]["kv"] == with_step["decode"].meta["layout"]["kv"]
-    assert step.T == 8 and step.values["block_tables"].shape == (3, 8) and step.values["logits"].shape == (3, 384)
+    # logits: every row of a verify step (8 drafts and the token before them), at most the step's 8 rows
+    assert step.T == 8 and step.values["block_tables"].shape == (3, 8) and step.values["logits"].shape == (8, 384)
     assert {op.attrs["block_size"] for op in step.ops if op.kind == "attention"} == {8}
     # the passes ran on it: weights quantized, the MLP fused, memory planned
     assert {step.values[op.inputs[1]].dtype for op in step.ops if op.kind in ("matmul", "fused_matmul")} == {"q8_0"}

@@ -103,7 +103,7 @@ BAD = [
     ({"block_tables": np.zeros((4, 8), np.int32)}, "block_tables is [4, 8]; give [1..3, 8] (a row of block ids per sequence)"),
     ({"block_tables": np.zeros((2, 7), np.int32)}, "block_tables is [2, 7]; give [1..3, 8]"),
     ({"logit_rows": [0, 3]}, "logit_rows[1] = 3 is outside 0..2 (the step's rows)"),
-    ({"logit_rows": [0, 1, 2, 0]}, "logit_rows has 4 entries; give 1..3"),
+    ({"logit_rows": [0] * 9}, "logit_rows has 9 entries; give 1..8"),   # a verify step's rows: 8 of 8
     ({"ctx_len": [1, 2]}, "ctx_len has 2 entries for 3 tokens"),
     ({"tokens": np.zeros(9, np.int32)}, "a step takes 1..8 rows, got 9"),
     ({"positions": [0.5, 1, 2]}, "positions must be a 1-d array of integers, got float64[3]"),

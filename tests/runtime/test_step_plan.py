@@ -29,7 +29,9 @@ def test_the_step_shape_comes_from_the_step_graph(step_plan, tmp_path):
     path = tmp_path / "p.bin"
     path.write_bytes(step_plan)
     plan = Plan.open(path)
-    assert plan.step_shape() == StepShape(rows=12, seqs=5, block_size=8, blocks_per_seq=6, n_blocks=6, vocab=384)
+    # logits: a verify step's 8 drafts and the token before them, past the 5 sequences' rows
+    assert plan.step_shape() == StepShape(rows=12, seqs=5, block_size=8, blocks_per_seq=6, n_blocks=6, vocab=384,
+                                          logits=9)
     assert plan.step_shape().slots == 48 == plan.manifest["max_seq_len"]
 
 
