@@ -24,6 +24,8 @@ from .batch import BatchOptions, batch_refusal
 from .model import Completion, Model, check_threads
 from .plan import Plan, PlanError
 from .sampler import SamplerConfig
+from .speculative import TITLE as SPEC_TITLE
+from .speculative import SpeculativeOptions
 
 # where llmrs-run's flag is not the option's Python name with dashes
 FLAGS = {"max_tokens": "-n"}
@@ -80,6 +82,7 @@ def parser() -> argparse.ArgumentParser:
                     help="save tokens (prompt + generated) and the logits each generated token came from")
     add_option_flags(ap, KVOptions, title=KV_TITLE)
     add_option_flags(ap, BatchOptions, title="many prompts at once (several --prompt, or --prompts-file)")
+    add_option_flags(ap, SpeculativeOptions, title=SPEC_TITLE)
     add_option_flags(ap, BackendOptions, KIND_OPTIONS,
                      "hybrid (--backend hybrid: one back end, then the other, the KV cache handed over)")
     return ap
@@ -151,8 +154,11 @@ def load_model(args: argparse.Namespace, backend_options: BackendOptions, kv: KV
                batch: BatchOptions = BatchOptions()) -> Model:
     """The plan on --backend; with --profile, on a back end that times each kernel."""
     path = args.plan or default_plan()
+    spec = options_from(args, SpeculativeOptions).check()
     if not args.profile:
-        return Model.open(path, args.backend, backend_options, kv, batch)
+        return Model.open(path, args.backend, backend_options, kv, batch, spec)
+    if spec.enabled:
+        raise EngineError("--profile times the plain decode step; leave out --speculative")
     from ..measure.profile import profiling_backend
 
     t0 = time.perf_counter()
@@ -199,6 +205,8 @@ def run_many(args: argparse.Namespace) -> int:
             raise EngineError(f"--{flag.replace('_', '-')} records one generation; give one --prompt")
     texts = [prompt_text(t) for t in args.prompts]
     sampler, backend_options, kv = typed_options(args)
+    if options_from(args, SpeculativeOptions).enabled:
+        raise EngineError("--speculative runs one sequence at a time; give one --prompt")
     refusal = batch_refusal(kv)
     if refusal is not None:
         raise EngineError(refusal + " (give one --prompt)", "eviction_policy")
@@ -263,7 +271,8 @@ def run_chat(args: argparse.Namespace) -> int:
     check_max_new_tokens(args.max_new_tokens)
     sampler, backend_options, kv = typed_options(args)     # before the plan loads, naming the flags
     settings = ChatSettings(args.system, args.max_new_tokens, sampler, args.stats, args.chat_template_kwargs)
-    with Model.open(args.plan or default_plan(), args.backend, backend_options, kv) as model:
+    spec = options_from(args, SpeculativeOptions).check()
+    with Model.open(args.plan or default_plan(), args.backend, backend_options, kv, spec=spec) as model:
         return chat(model, settings, describe=lambda e: error_line(e, FLAGS))
 
 

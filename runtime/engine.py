@@ -4,14 +4,17 @@ from __future__ import annotations
 import resource
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 
 from ..options import OptionError
-from .backends.base import Backend
+from .backends.base import Backend, StepRows
 from .kv import CacheManager, StepInfo, summarize
 from .sampler import Sampler
+
+if TYPE_CHECKING:
+    from .speculative import SpecStats, Speculator
 
 
 class EngineError(OptionError):
@@ -35,6 +38,7 @@ class Stats:
     load_s: float = 0.0
     evictions: list = field(default_factory=list)   # runtime/kv EvictionEvents of the request
     eviction_policy: str | None = None
+    speculative: SpecStats | None = None            # drafted / accepted, with speculative decoding
 
     @property
     def prefill_tok_s(self) -> float:
@@ -60,6 +64,7 @@ class Stats:
             f"({self.decode_tok_s:.2f} tok/s)",
             f"peak memory       {self.peak_rss_bytes() / 2**20:.0f} MiB (resident)",
             *evictions,
+            *([self.speculative.line()] if self.speculative is not None else []),
         ])
 
 
@@ -101,6 +106,8 @@ class Engine:
         self.cache = cache
         self.n_past = 0
         self.start_pos = 0
+        self.speculator: Speculator | None = None    # set by the Model: drafts verified in one step
+        self.use_step_graph(None)
 
     @property
     def evicts(self) -> bool:
@@ -163,6 +170,62 @@ class Engine:
             self.n_past = self.cache.after_step(self.n_past)
         return out
 
+    # -- speculative decoding (runtime/speculative) ---------------------------------------------------
+    def verify_room(self, rows: int) -> int:
+        """The most rows (1..rows) a verify step may feed now: the step graph's logit rows, and only
+        rows that decoding one token at a time would run with nothing evicted or scored between."""
+        shape = self._step_shape
+        if shape is None or self.speculator is None:
+            return 1
+        rows = min(rows, shape.logits, shape.rows, self.max_seq_len - self.n_past)
+        if self.cache is not None:
+            rows = self.cache.plain_rows(self.n_past, rows)
+        return max(rows, 1)
+
+    def verify(self, tokens: Sequence[int]) -> np.ndarray:
+        """Feed tokens (the last emitted one, then the drafts) in one step of the step graph at the
+        next slots and positions: f32 [len(tokens), vocab], row i the logits after tokens[i].
+        Nothing is committed: advance() keeps rows one at a time, and the rest are written over."""
+        n = len(tokens)
+        if not 1 <= n <= self.verify_room(n):
+            raise EngineError(f"a verify step of {n} tokens does not fit here (at most {self.verify_room(n)})")
+        if self.cache is not None:
+            self.cache.before_step(StepInfo("decode", self.n_past, n, 0, False, self.max_seq_len))
+        at = np.arange(n, dtype=np.int32)
+        rows = StepRows(tokens=np.asarray(tokens, np.int32), positions=self.start_pos + at, slots=self.n_past + at,
+                        row_seq=np.zeros(n, np.int32), ctx_len=self.n_past + 1 + at,
+                        block_tables=self._identity_table, logit_rows=at)
+        return self.backend.run_step(rows)
+
+    def advance(self) -> None:
+        """Commit the next row of the last verify step, as a decode step of its token would have."""
+        if self.cache is not None:
+            self.cache.record_step(self.n_past, self.start_pos, 1)
+        self.n_past += 1
+        self.start_pos += 1
+        if self.cache is not None:
+            self.n_past = self.cache.after_step(self.n_past)
+
+    def _speculate(self, token: int, draft, sampler: Sampler, history: list[int], stats: SpecStats,
+                   step: int) -> list[tuple[int, np.ndarray]]:
+        """One verify step of `token` and the drafts: the tokens it yields (the kept drafts, then
+        the replacement of the first refused or a bonus token), each with its logits row."""
+        spec = self.speculator
+        rows = self.verify([token, *draft.tokens])
+        verdict = spec.judge(sampler, rows, draft.tokens, draft.q, history, step)
+        spec.update(len(draft.tokens), len(verdict.accepted))
+        stats.drafted += len(draft.tokens)
+        stats.accepted += len(verdict.accepted)
+        stats.steps += 1
+        kept = [*verdict.accepted, verdict.token]
+        return [(t, rows[i]) for i, t in enumerate(kept)]
+
+    def use_step_graph(self, shape) -> None:
+        """The plan's step graph shape (runtime/plan.py StepShape), read by verify steps: a
+        sequence alone with the identity block table sees the contiguous cache."""
+        self._step_shape = shape
+        self._identity_table = None if shape is None else np.arange(shape.blocks_per_seq, dtype=np.int32)[None]
+
     def generate(self, prompt: list[int], max_new_tokens: int, sampler: Sampler,
                  on_token: Callable[[int], None] | None = None, keep_logits: bool = False) -> Generation:
         gen = Generation(tokens=[])
@@ -183,18 +246,30 @@ class Engine:
         if self.cache is not None:
             st.eviction_policy = self.cache.policy.name
             seen = len(self.cache.events)
+        spec = self.speculator
+        if spec is not None:
+            st.speculative = spec.start(sampler.cfg)
         on_device = sampler.greedy and not keep_logits and self.backend.device_argmax
         t0 = time.perf_counter()
         logits = self.prefill(prompt, on_device)
         st.prefill_s = time.perf_counter() - t0
         history = [*context, *prompt]
         t_dec = None
+        # chosen tokens not yet emitted, each with the logits it was drawn from; `verified`: they
+        # come from a verify step, whose row for the token before each is committed as it is emitted
+        queue: list[tuple[int, np.ndarray | None]] = []
+        verified = False
         try:
             while True:
+                if not queue:
+                    # a device argmax returns no logits to look at; every row sampled here is checked
+                    token = int(logits) if on_device else sampler.sample(check_finite(logits, len(gen.tokens)), history)
+                    queue, verified = [(token, None if on_device else logits)], False
+                token, row = queue.pop(0)
+                if verified:
+                    self.advance()
                 if keep_logits:
-                    gen.logits.append(np.asarray(logits, np.float32).copy())
-                # a device argmax returns no logits to look at; every row sampled here is checked
-                token = int(logits) if on_device else sampler.sample(check_finite(logits, len(gen.tokens)), history)
+                    gen.logits.append(np.asarray(row, np.float32).copy())
                 if not gen.tokens:
                     st.ttft_s = time.perf_counter() - t0
                 if token in self.stop_ids:
@@ -206,13 +281,25 @@ class Engine:
                 yield token
                 if len(gen.tokens) >= max_new_tokens:
                     break
+                if queue:
+                    continue
                 if self.n_past >= self.max_seq_len and not self.evicts:
                     gen.stop_reason = "cache full"
                     gen.notice = cache_full_notice(self.max_seq_len)
                     break
                 t_dec = t_dec or time.perf_counter()
-                logits = self.decode_one_token(token, on_device)
-                st.decode_tokens += 1
+                k = 0 if spec is None else min(spec.next_k(), max_new_tokens - len(gen.tokens) - 1,
+                                               self.verify_room(spec.k_max + 1) - 1)
+                draft = spec.drafter.propose(history, k) if k > 0 else None
+                if draft is not None and draft.tokens:
+                    queue = self._speculate(token, draft, sampler, history, st.speculative, len(gen.tokens))
+                    verified = True
+                    st.decode_tokens += len(queue)
+                else:
+                    if spec is not None:
+                        st.speculative.plain += 1
+                    logits = self.decode_one_token(token, on_device)
+                    st.decode_tokens += 1
                 st.decode_s = time.perf_counter() - t_dec  # per step: a closed stream keeps its stats
         finally:   # a stream closed early keeps its stats too
             if self.cache is not None:

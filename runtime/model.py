@@ -35,10 +35,13 @@ from .engine import Engine, EngineError, Generation, Stats, prompt_too_long
 from .kv import KVOptions, cache_manager
 from .plan import Plan
 from .sampler import Sampler, SamplerConfig
+from .speculative import Speculator, SpeculativeOptions
+from .speculative.build import make_speculator
 
 _BACKEND_NAMES = option_names(BackendOptions)
 _BATCH_NAMES = option_names(BatchOptions)
-LOAD_OPTIONS = _BACKEND_NAMES + option_names(KVOptions) + _BATCH_NAMES   # Model.load's keywords besides the back end
+_SPEC_NAMES = option_names(SpeculativeOptions)
+LOAD_OPTIONS = _BACKEND_NAMES + option_names(KVOptions) + _BATCH_NAMES + _SPEC_NAMES  # Model.load's keywords but backend
 
 
 class TextRepairWarning(UserWarning):
@@ -243,7 +246,7 @@ class Model:
     one call would judge slots another chose. Sampling, max_tokens and stop are per call."""
 
     def __init__(self, plan: Plan, backend: Backend, kv: KVOptions = KVOptions(),
-                 batch: BatchOptions = BatchOptions()):
+                 batch: BatchOptions = BatchOptions(), speculator: Speculator | None = None):
         m = plan.manifest
         self.plan = plan
         self.backend = backend
@@ -254,6 +257,10 @@ class Model:
         self.kv = kv
         self.engine = Engine(backend, int(m["prefill_chunk"]), self.max_seq_len, tuple(m.get("stop_ids", ())),
                              cache=cache_manager(kv, backend))
+        if speculator is not None:
+            self.engine.speculator = speculator
+            self.engine.use_step_graph(plan.step_shape())
+        self.speculator = speculator
         self.load_s = 0.0
         self._tokens: list[int] = []        # what the cache was fed, then what the live generation adds
         self._active: Completion | None = None
@@ -287,28 +294,39 @@ class Model:
                                          **{k: v for k, v in options.items() if k in _BACKEND_NAMES})
         kv = KVOptions(**{k: v for k, v in options.items() if k in option_names(KVOptions)}).check()
         batch = BatchOptions(**{k: v for k, v in options.items() if k in _BATCH_NAMES}).check()
-        return cls.open(plan, backend, backend_options, kv, batch)
+        spec = SpeculativeOptions(**{k: v for k, v in options.items() if k in _SPEC_NAMES}).check()
+        return cls.open(plan, backend, backend_options, kv, batch, spec)
 
     @classmethod
     def open(cls, plan: str | Path, backend: str = "cpu", backend_options: BackendOptions = BackendOptions(),
-             kv: KVOptions = KVOptions(), batch: BatchOptions = BatchOptions()) -> "Model":
+             kv: KVOptions = KVOptions(), batch: BatchOptions = BatchOptions(),
+             spec: SpeculativeOptions = SpeculativeOptions()) -> "Model":
         """load() from typed options (what the command lines build from their flags)."""
         t0 = time.perf_counter()
         opened = Plan.open(plan)
         kv.check()
         batch.check()
-        return cls.bind(opened, open_backend(opened, backend, backend_options), kv, t0, batch)
+        speculator = make_speculator(spec, opened, backend, backend_options)
+        try:
+            be = open_backend(opened, backend, backend_options)
+        except BaseException:
+            if speculator is not None:
+                speculator.close()
+            raise
+        return cls.bind(opened, be, kv, t0, batch, speculator)
 
     @classmethod
     def bind(cls, plan: Plan, backend: Backend, kv: KVOptions = KVOptions(), t0: float | None = None,
-             batch: BatchOptions = BatchOptions()) -> "Model":
+             batch: BatchOptions = BatchOptions(), speculator: Speculator | None = None) -> "Model":
         """A Model over a back end already opened on `plan` (llmrs-run --profile's timing one);
         the back end is closed if that fails. load_s counts from t0 (default: now)."""
         t0 = time.perf_counter() if t0 is None else t0
         try:
-            model = cls(plan, backend, kv, batch)
+            model = cls(plan, backend, kv, batch, speculator)
         except BaseException:
             backend.close()
+            if speculator is not None:
+                speculator.close()
             raise
         model.load_s = time.perf_counter() - t0
         return model
@@ -509,6 +527,8 @@ class Model:
                 self._batch.close()
             self._closed = True
             self.backend.close()
+            if self.speculator is not None:
+                self.speculator.close()
 
     def __enter__(self) -> "Model":
         return self

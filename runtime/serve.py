@@ -15,6 +15,8 @@ from ..cliutil import OneLineParser, add_option_flags, error_line, options_from
 from .backends import BACKENDS, BackendOptions
 from .backends.options import KIND_OPTIONS
 from .batch import BatchOptions, batch_refusal
+from .speculative import TITLE as SPEC_TITLE
+from .speculative import SpeculativeOptions
 from .engine import EngineError
 from .kv.options import TITLE as KV_TITLE
 from .kv.options import KVOptions
@@ -64,6 +66,7 @@ def parser() -> argparse.ArgumentParser:
     add_option_flags(ap, KVOptions, title=KV_TITLE + "; for every request: one whose prompt and max_tokens "
                                                      "outgrow the cache evicts instead of failing")
     add_option_flags(ap, BatchOptions, title="many requests at once (a plan with a step graph; not with eviction)")
+    add_option_flags(ap, SpeculativeOptions, title=SPEC_TITLE + "; requests then take turns")
     add_option_flags(ap, BackendOptions, KIND_OPTIONS, "hybrid (--backend hybrid: one back end, then the other)")
     return ap
 
@@ -114,6 +117,9 @@ def many_at_once(model) -> str:
     if batch_refusal(model.kv) is not None:
         return (f"one request at a time: {model.kv.eviction_policy} evicts by attention scores, which a batch "
                 "does not keep yet")
+    if model.speculator is not None:
+        return (f"one request at a time, each with {model.speculator.drafter.name} speculative decoding (a verify "
+                "step holds one sequence's drafts)")
     n = model.batch_options.max_num_seqs or model.plan.step_shape().seqs
     return f"up to {n} requests at once"
 
@@ -162,8 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         backend_options = options_from(args, BackendOptions).check_for(args.backend)
         kv = options_from(args, KVOptions).check()
         batch = options_from(args, BatchOptions).check()
+        spec = options_from(args, SpeculativeOptions).check()
         plan = args.plan or default_plan()
-        model = Model.open(plan, args.backend, backend_options, kv, batch)
+        model = Model.open(plan, args.backend, backend_options, kv, batch, spec)
         sock = listen(args.host, args.port)
     except (PlanError, EngineError, ValueError, OSError, RuntimeError) as e:
         print(f"llmrs-serve: error: {error_line(e)}", file=sys.stderr)

@@ -309,7 +309,8 @@ class Server:
 
     def __post_init__(self):
         self.lock = asyncio.Lock()   # FIFO: requests are served in the order they asked
-        self.batching = self.model.can_batch and batch_refusal(self.model.kv) is None
+        # speculative decoding verifies one sequence's drafts a step: requests take turns
+        self.batching = self.model.can_batch and batch_refusal(self.model.kv) is None and self.model.speculator is None
 
     def start(self, ids: list[int], opts: GenerationOptions) -> Completion | BatchRequest:
         """A generation of ids: a request of the batch where the plan runs many, else a Completion."""

@@ -30,7 +30,7 @@ CLI_MODULES = CONSOLE_SCRIPTS | {CLI_HELPER}
 RUNTIME_CORE = ("llmrs.runtime.engine", "llmrs.runtime.backends", "llmrs.runtime.kv", "llmrs.runtime.sampler",
                 "llmrs.runtime.model", "llmrs.runtime.server", "llmrs.runtime.chat", "llmrs.runtime.chat_session",
                 "llmrs.runtime.plan", "llmrs.runtime.calibrate", "llmrs.runtime.batch", "llmrs.runtime.scheduler",
-                "llmrs.runtime.text")
+                "llmrs.runtime.text", "llmrs.runtime.speculative")
 # what of the compiler the runtime may share: the IR, its interpreter and the plan format
 COMPILER_ONLY = ("llmrs.compiler.passes", "llmrs.compiler.codegen", "llmrs.compiler.pipeline",
                  "llmrs.compiler.build", "llmrs.compiler.cli")

@@ -152,6 +152,25 @@ class CacheManager:
         self.positions[:, :, n_past:n_past + n_tokens] = start_pos + np.arange(n_tokens)
         self._start_pos = start_pos + n_tokens
 
+    def plain_rows(self, n_past: int, rows: int) -> int:
+        """The most rows (1..rows) that one step may take from n_past on and leave the cache as
+        that many one-token steps would: no eviction due between them (the cache full, the policy's
+        budget, memory pressure, which may strike at any step) and none of them scored, since a
+        speculative verify step may keep only some of its rows."""
+        if self.evicts and self.threshold is not None:
+            return 1
+        rows = min(rows, self.slots - n_past)
+        if self.evicts:
+            for i in range(rows - 1):           # after row i, a plain step would evict here
+                if self.policy.over_budget(n_past + i + 1, self.slots, False):
+                    rows = i + 1
+                    break
+        if self.policy.uses_scores:
+            first = self.policy.score_from(StepInfo("decode", n_past, rows, 0, False, self.slots))
+            if first is not None:
+                rows = min(rows, first - n_past)
+        return max(rows, 1)
+
     def make_room(self, n_past: int, n_tokens: int) -> int:
         """Evict so that n_tokens more slots fit (the cache is full for them)."""
         if n_past + n_tokens <= self.slots or not self.evicts:
