@@ -82,6 +82,19 @@ def parser() -> argparse.ArgumentParser:
                     "on --gguf, in the same run")
     ap.add_argument("--ngl", type=int, default=None, metavar="N",
                     help="llama.cpp's -ngl for --llama-batched-bench (layers on the GPU; default: its own)")
+    ap.add_argument("--speculative", choices=("lookup", "draft"), help="instead: decode with and without "
+                    "speculative decoding on each prompt type (code, quote, list, chat), greedy, interleaved; "
+                    "--decode tokens each")
+    ap.add_argument("--draft", metavar="PLAN", help="with --speculative draft: the draft plan")
+    ap.add_argument("--draft-backend", choices=BACKENDS, help="the draft plan's back end (default: --backend)")
+    ap.add_argument("--num-speculative-tokens", type=int, metavar="K",
+                    help="with --speculative: drafts per verify step (default adaptive); llama.cpp gets "
+                         "--spec-draft-n-max K (default 8)")
+    ap.add_argument("--llama-lookup", metavar="BIN", help="with --speculative lookup: llama.cpp's llama-lookup on "
+                    "--gguf, same prompts (its speed without speculation: --llama-bench at the prompt's depth)")
+    ap.add_argument("--llama-speculative", metavar="BIN", help="with --speculative draft: llama.cpp's "
+                    "llama-speculative on --gguf with --gguf-draft")
+    ap.add_argument("--gguf-draft", metavar="FILE", help="the draft GGUF for --llama-speculative")
     ap.add_argument("--read-mib", type=int, default=1024, help="read probe buffer, MiB (default 1024)")
     ap.add_argument("--gemm", type=int, default=2048, help="GEMM probe size n (n x n x n; default 2048)")
     return ap
@@ -310,6 +323,50 @@ def bench_streams(a: argparse.Namespace) -> dict[str, Any]:
             "llama_cpp": {"command": command, "rows": lcpp} if lcpp else None}
 
 
+def bench_spec(a: argparse.Namespace) -> dict[str, Any]:
+    """--speculative: measure/bench_speculative.py's figures for each prompt type."""
+    from ..runtime.speculative import SpeculativeOptions
+    from .bench_speculative import bench_speculative, llama_plain_decode, prompt_ids, run_llama_spec
+    from .spec_prompts import PROMPTS
+
+    threads = a.threads or physical_cores()
+    options = BackendOptions(threads=threads, device=a.device)
+    spec = SpeculativeOptions(a.speculative, a.draft, a.draft_backend, a.num_speculative_tokens).check()
+    say(f"llmrs-bench: {a.plan} on {a.backend}, {a.speculative} speculative decoding")
+    rows = bench_speculative(str(a.plan), a.backend, options, spec, a.decode, a.repeats, say)
+    lcpp = None
+    binary = a.llama_lookup or a.llama_speculative
+    if binary:
+        from ..runtime.model import Model
+        with Model.open(str(a.plan), "cpu" if a.backend == "cpu" else a.backend, options) as m:
+            texts = {name: m.detokenize(prompt_ids(m, text)) for name, text in PROMPTS.items()}
+        lcpp = []
+        for r in rows:
+            say(f"llmrs-bench: llama.cpp on {r['prompt']}")
+            run = run_llama_spec(binary, a.gguf, a.gguf_draft, texts[r["prompt"]], threads, a.decode,
+                                 a.num_speculative_tokens or 8, a.repeats)
+            run["plain_tok_s"] = llama_plain_decode(a.llama_bench, a.gguf, threads, r["prompt_tokens"], a.decode,
+                                                    a.repeats)
+            lcpp.append(run)
+    return {"schema": SCHEMA + "/speculative", "plan": str(a.plan), "backend": a.backend, "threads": threads,
+            "speculative": a.speculative, "draft": a.draft, "num_speculative_tokens": a.num_speculative_tokens,
+            "decode": a.decode, "repeats": a.repeats, "machine": ceilings.machine(),
+            "date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows, "llama_cpp": lcpp}
+
+
+def report_spec(r: dict[str, Any]) -> str:
+    from .bench_speculative import report_speculative
+    lines = [f"plan {r['plan']}  backend {r['backend']}, {r['threads']} threads  {r['speculative']}"
+             + (f" (draft {r['draft']})" if r["draft"] else "") + f"  K {r['num_speculative_tokens'] or 'adaptive'}"
+             + f"  repeats {r['repeats']}  ({r['machine']}, {r['date']})",
+             f"{r['decode']} greedy tokens after each prompt"]
+    lines += report_speculative(r["rows"], r["llama_cpp"])
+    if r["llama_cpp"]:
+        lines.append(f"llama.cpp: {r['llama_cpp'][0]['command']}; without speculation: llama-bench -p 0 -n "
+                     f"{r['decode']} -d <prompt tokens>")
+    return "\n".join(lines)
+
+
 def report_streams(r: dict[str, Any]) -> str:
     from .bench_parallel import report_parallel
     where = f"{r['backend']}" + (f" ({r['device']})" if r["device"] else f", {r['threads']} threads")
@@ -367,6 +424,15 @@ def main(argv: list[str] | None = None) -> int:
             raise BenchError("--threads, --repeats and --decode must be at least 1")
         if a.read_mib < 1 or a.gemm < 1:
             raise BenchError("--read-mib and --gemm must be at least 1")
+        if a.speculative is None and any((a.draft, a.llama_lookup, a.llama_speculative, a.gguf_draft,
+                                          a.num_speculative_tokens)):
+            raise BenchError("--draft, --num-speculative-tokens, --llama-lookup, --llama-speculative and "
+                             "--gguf-draft go with --speculative")
+        if a.speculative and (a.llama_lookup or a.llama_speculative) and not (a.llama_bench and a.gguf):
+            raise BenchError("--llama-lookup / --llama-speculative need --gguf and --llama-bench (llama.cpp's "
+                             "speed without speculation)")
+        if a.llama_speculative and not a.gguf_draft:
+            raise BenchError("--llama-speculative needs --gguf-draft (the draft's GGUF)")
         if ((a.llama_bench or a.llama_batched_bench) is None) != (a.gguf is None):
             raise BenchError("--llama-bench (or --llama-batched-bench) and --gguf go together: pass both or neither")
         if a.llama_batched_bench and not a.parallel:
@@ -375,13 +441,13 @@ def main(argv: list[str] | None = None) -> int:
             raise BenchError(f"plan {a.plan}: no such file")
         if a.json:
             check_output_file(a.json, "--json", [p for p in (a.plan, a.gguf, a.llama_bench) if p])
-        result = bench_streams(a) if a.parallel else bench(a)
+        result = bench_streams(a) if a.parallel else bench_spec(a) if a.speculative else bench(a)
     except (BenchError, PlanError, ValueError, OSError, RuntimeError) as e:
         print(f"llmrs-bench: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    print(report_streams(result) if a.parallel else report(result))
+    print(report_streams(result) if a.parallel else report_spec(result) if a.speculative else report(result))
     if a.json:
         write_output(a.json, json.dumps(result, indent=1) + "\n", "--json", [a.plan])
     return 0
