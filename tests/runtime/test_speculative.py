@@ -60,8 +60,9 @@ def test_lookup_drafts_what_followed_the_latest_occurrence_of_the_longest_match(
     h = [1, 2, 3, 9, 9, 5, 2, 3, 7, 8, 1, 2, 3]
     assert d.propose(h, 2).tokens == [9, 9]          # [1 2 3] before a later [2 3]: the longest wins
     assert d.propose([1, 2, 4, 1, 2, 5, 1, 2], 2).tokens == [5, 1]   # of two [1 2], the latest
-    assert d.propose([4, 5, 6, 5, 6, 1], 3).tokens == []   # nothing before ends like "... 6 1" or "1"
-    assert d.propose([4, 5, 6, 7, 5], 3).tokens == [6, 7, 5]   # only the 1-gram [5] matches
+    assert d.propose([4, 5, 6, 5, 6, 1], 3).tokens == []   # nothing before ends like "... 6 1"
+    assert d.propose([4, 5, 6, 7, 5], 3).tokens == []      # a lone token's match is not enough
+    assert PromptLookup(ngram=1).propose([4, 5, 6, 7, 5], 3).tokens == [6, 7, 5]   # unless asked for
     assert d.propose([5], 3).tokens == []
 
 
