@@ -81,7 +81,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--llama-batched-bench", metavar="BIN", help="with --parallel: llama.cpp's llama-batched-bench "
                     "on --gguf, in the same run")
     ap.add_argument("--ngl", type=int, default=None, metavar="N",
-                    help="llama.cpp's -ngl for --llama-batched-bench (layers on the GPU; default: its own)")
+                    help="llama.cpp's -ngl for --llama-batched-bench, --llama-lookup, --llama-speculative (layers on "
+                         "the GPU; default: its own)")
     ap.add_argument("--speculative", choices=("lookup", "draft"), help="instead: decode with and without "
                     "speculative decoding on each prompt type (code, quote, list, chat), greedy, interleaved; "
                     "--decode tokens each")
@@ -333,7 +334,7 @@ def bench_spec(a: argparse.Namespace) -> dict[str, Any]:
     options = BackendOptions(threads=threads, device=a.device)
     spec = SpeculativeOptions(a.speculative, a.draft, a.draft_backend, a.num_speculative_tokens).check()
     say(f"llmrs-bench: {a.plan} on {a.backend}, {a.speculative} speculative decoding")
-    rows = bench_speculative(str(a.plan), a.backend, options, spec, a.decode, a.repeats, say)
+    rows, device = bench_speculative(str(a.plan), a.backend, options, spec, a.decode, a.repeats, say)
     lcpp = None
     binary = a.llama_lookup or a.llama_speculative
     if binary:
@@ -344,11 +345,12 @@ def bench_spec(a: argparse.Namespace) -> dict[str, Any]:
         for r in rows:
             say(f"llmrs-bench: llama.cpp on {r['prompt']}")
             run = run_llama_spec(binary, a.gguf, a.gguf_draft, texts[r["prompt"]], threads, a.decode,
-                                 a.num_speculative_tokens or 8, a.repeats)
+                                 a.num_speculative_tokens or 8, a.repeats, a.ngl)
             run["plain_tok_s"] = llama_plain_decode(a.llama_bench, a.gguf, threads, r["prompt_tokens"], a.decode,
-                                                    a.repeats)
+                                                    a.repeats, a.ngl)
             lcpp.append(run)
     return {"schema": SCHEMA + "/speculative", "plan": str(a.plan), "backend": a.backend, "threads": threads,
+            "device": device, "draft_backend": a.draft_backend or a.backend,
             "speculative": a.speculative, "draft": a.draft, "num_speculative_tokens": a.num_speculative_tokens,
             "decode": a.decode, "repeats": a.repeats, "machine": ceilings.machine(),
             "date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows, "llama_cpp": lcpp}
@@ -356,8 +358,9 @@ def bench_spec(a: argparse.Namespace) -> dict[str, Any]:
 
 def report_spec(r: dict[str, Any]) -> str:
     from .bench_speculative import report_speculative
-    lines = [f"plan {r['plan']}  backend {r['backend']}, {r['threads']} threads  {r['speculative']}"
-             + (f" (draft {r['draft']})" if r["draft"] else "") + f"  K {r['num_speculative_tokens'] or 'adaptive'}"
+    where = f"{r['backend']} ({r['device']})" if r["device"] else f"{r['backend']}, {r['threads']} threads"
+    lines = [f"plan {r['plan']}  backend {where}  {r['speculative']}"
+             + (f" (draft {r['draft']} on {r['draft_backend']})" if r["draft"] else "") + f"  K {r['num_speculative_tokens'] or 'adaptive'}"
              + f"  repeats {r['repeats']}  ({r['machine']}, {r['date']})",
              f"{r['decode']} greedy tokens after each prompt"]
     lines += report_speculative(r["rows"], r["llama_cpp"])

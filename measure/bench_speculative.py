@@ -35,9 +35,11 @@ def _one(model: Model, ids: list[int], n: int) -> tuple[float, list[int], Any]:
 
 
 def bench_speculative(plan: str, backend: str, options: BackendOptions, spec: SpeculativeOptions, decode: int,
-                      repeats: int, say: Callable[[str], None]) -> list[dict[str, Any]]:
+                      repeats: int, say: Callable[[str], None]) -> tuple[list[dict[str, Any]], str | None]:
+    """A row per prompt type, and the OpenCL device's name (None on the CPU)."""
     rows = []
     with Model.open(plan, backend, options) as plain, Model.open(plan, backend, options, spec=spec) as fast:
+        device = plain.backend.device_name or None
         for name, text in PROMPTS.items():
             ids = prompt_ids(plain, text)
             _one(plain, ids, 4), _one(fast, ids, 4)         # warm: page in the weights, fill the caches
@@ -60,7 +62,7 @@ def bench_speculative(plan: str, backend: str, options: BackendOptions, spec: Sp
                          "acceptance_rate": round(last.acceptance, 3),
                          "tokens_per_verify_step": round(last.tokens_per_step, 3),
                          "verify_steps": last.steps, "plain_steps": last.plain, "same_tokens": same})
-    return rows
+    return rows, device
 
 
 # -- llama.cpp ------------------------------------------------------------------------------------
@@ -70,11 +72,13 @@ _COUNT = re.compile(r"\b(n_drafted|n_accept)\s*=\s*(\d+)")
 
 
 def run_llama_spec(binary: str, gguf: str, draft_gguf: str | None, text: str, threads: int, decode: int,
-                   k: int, repeats: int) -> dict[str, Any]:
+                   k: int, repeats: int, ngl: int | None = None) -> dict[str, Any]:
     """llama-lookup (draft_gguf None) or llama-speculative on one rendered prompt, greedy: its
-    decode tok/s (median of repeats), drafted and accepted tokens."""
+    decode tok/s (median of repeats), drafted and accepted tokens. ngl: layers on the GPU (both
+    models')."""
+    gpu = [] if ngl is None else ["-ngl", str(ngl), *(["-ngld", str(ngl)] if draft_gguf else [])]
     cmd = [binary, "-m", gguf, *(["-md", draft_gguf] if draft_gguf else []), "-p", text, "-n", str(decode),
-           "-t", str(threads), "--temp", "0", "--spec-draft-n-max", str(k)]
+           "-t", str(threads), "--temp", "0", "--spec-draft-n-max", str(k), *gpu]
     speeds, counts = [], {}
     for _ in range(repeats):
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -96,11 +100,12 @@ def _shown(cmd: list[str]) -> str:
     return " ".join("PROMPT" if i and cmd[i - 1] == "-p" else c for i, c in enumerate(cmd))
 
 
-def llama_plain_decode(binary: str, gguf: str, threads: int, depth: int, decode: int, repeats: int) -> float:
+def llama_plain_decode(binary: str, gguf: str, threads: int, depth: int, decode: int, repeats: int,
+                       ngl: int | None = None) -> float:
     """llama-bench's decode tok/s after `depth` tokens of context: llama.cpp without speculation."""
     import json
     cmd = [binary, "-m", gguf, "-p", "0", "-n", str(decode), "-d", str(depth), "-t", str(threads),
-           "-r", str(repeats), "-o", "json"]
+           "-r", str(repeats), "-o", "json", *([] if ngl is None else ["-ngl", str(ngl)])]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise ValueError(f"{binary} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")

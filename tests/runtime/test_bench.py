@@ -140,3 +140,40 @@ def test_llama_bench_records_are_read_and_failures_are_one_line(tmp_path):
         bench.run_llama_bench(str(fake), "m.gguf", 2, 3, 10, 5)
     with pytest.raises(bench.BenchError, match="cannot run it"):
         bench.run_llama_bench(str(tmp_path / "absent"), "m.gguf", 2, 3, 10, 5)
+
+
+def test_bench_speculative_json_per_prompt_type(tmp_path):
+    """--speculative: a row per prompt type, greedy tokens equal with and without speculation."""
+    from llmrs.compiler.cli import main as compile_main
+    from ..conftest import DATA
+    plan = tmp_path / "b.plan"
+    assert compile_main([str(DATA / "golden-b"), "-o", str(plan), "--target", "cpu", "--weights", "q8_0",
+                         "--max-seq-len", "512", "-q"]) == 0
+    out = tmp_path / "spec.json"
+    assert bench.main([str(plan), "--speculative", "lookup", "--decode", "12", "--repeats", "1", "--threads", "2",
+                       "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["schema"] == bench.SCHEMA + "/speculative" and r["speculative"] == "lookup" and r["llama_cpp"] is None
+    assert [x["prompt"] for x in r["rows"]] == ["code", "quote", "list", "chat"]
+    for x in r["rows"]:
+        assert x["same_tokens"] and x["plain_tok_s"] > 0 and x["speculative_tok_s"] > 0 and x["speedup"] > 0
+        assert 0 <= x["accepted"] <= x["drafted"] and x["prompt_tokens"] > 0
+
+
+def test_llama_lookup_and_speculative_output_is_read(tmp_path):
+    """llama-lookup / llama-speculative print their decode speed and draft counts as log lines."""
+    from llmrs.measure.bench_speculative import run_llama_spec
+    fake = tmp_path / "llama-speculative"
+    fake.write_text("#!/bin/sh\n"
+                    f"echo \"$@\" > {tmp_path / 'argv'}\n"
+                    "echo '0.02.554.649 I decoded   65 tokens in    1.782 seconds, speed:   36.474 t/s' >&2\n"
+                    "echo '0.02.554.720 I n_drafted    = 24' >&2\necho '0.02.554.815 I n_accept     = 6' >&2\n")
+    fake.chmod(0o755)
+    got = run_llama_spec(str(fake), "t.gguf", "d.gguf", "the prompt", 2, 64, 8, 1, ngl=99)
+    assert got["tok_s"] == 36.47 and got["drafted"] == 24 and got["accepted"] == 6 and got["acceptance_rate"] == 0.25
+    argv = (tmp_path / "argv").read_text().split()
+    assert argv[:4] == ["-m", "t.gguf", "-md", "d.gguf"] and "-ngl" in argv and "-ngld" in argv
+    assert "PROMPT" in got["command"] and "the prompt" not in got["command"]
+    fake.write_text("#!/bin/sh\necho 'error: no model' >&2\nexit 1\n")
+    with pytest.raises(ValueError, match="failed: error: no model"):
+        run_llama_spec(str(fake), "t.gguf", None, "p", 2, 64, 8, 1)
