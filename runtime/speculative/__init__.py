@@ -67,7 +67,10 @@ class Speculator:
         self._k = AdaptiveK(self.k_max, self.fixed)
 
     def start(self, sampling: SamplerConfig) -> SpecStats:
+        """A generation begins: K starts afresh, so a seeded sampling run draws the same drafts,
+        verdicts and tokens each time."""
         self.drafter.start(sampling)
+        self._k = AdaptiveK(self.k_max, self.fixed)
         return SpecStats(self.drafter.name)
 
     def next_k(self) -> int:

@@ -105,8 +105,8 @@ def _counting(app, read: dict[str, int]):
     return counted_app
 
 
-def _serve(plan, model_id: str, **app_options):
-    model = Model.load(plan, threads=2)
+def _serve(plan, model_id: str, load: dict | None = None, **app_options):
+    model = Model.load(plan, threads=2, **(load or {}))
     app = make_app(model, model_id, **app_options)
     read = {"bytes": 0}
     sock = listen("127.0.0.1", 0)
@@ -557,3 +557,22 @@ def test_the_api_key_comes_from_the_flag_or_the_environment():
     assert api_key_of(parser().parse_args([]), {"LLMRS_API_KEY": ""}) is None
     with pytest.raises(ValueError, match="--api-key is empty"):
         api_key_of(parser().parse_args(["--api-key", " "]), {})
+
+
+def test_a_speculating_server_answers_as_the_plain_one(srv, plans):
+    """llmrs-serve --speculative lookup: requests take turns, each decoded with drafts verified a
+    step at a time, and the replies are the plain server's, streamed or not."""
+    prompt = "What is the value of self? What is the value of self? What is the value"
+    plain = srv.client().completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+    running, stop = _serve(plans["chat"], "tiny", load={"speculative": "lookup"})
+    try:
+        from llmrs.runtime.serve import many_at_once
+        assert many_at_once(running.model).startswith("one request at a time, each with lookup speculative")
+        client = running.client()
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True))
+        assert got.choices[0].text == plain.choices[0].text == streamed
+        assert running.model.speculator is not None
+    finally:
+        stop()

@@ -170,6 +170,22 @@ def test_a_conversation_goes_on_from_what_was_kept(plans):
         assert c.tokens == b and c.cached_tokens == len(prompt) + len(a) - 1
 
 
+def test_sampling_with_a_draft_is_reproducible_and_keeps_to_top_k(plans):
+    """Sampling end to end: a seed gives the same tokens again, every token is one of the target's
+    top-k at its step (the drafter's own choices outside them are refused), and drafts are kept."""
+    prompt = _prompt(5)
+    runs = []
+    with llmrs.load(plans["target"], speculative="draft", draft=plans["draft"]) as m:
+        for _ in range(2):
+            c = m.generate(prompt, max_tokens=30, temperature=0.7, top_k=3, seed=11, keep_logits=True)
+            list(c)
+            runs.append(c)
+    assert runs[0].tokens == runs[1].tokens and len(runs[0].tokens) == 30
+    for token, row in zip(runs[0].tokens, runs[0].generation.logits):
+        assert token in np.argsort(row)[-3:]
+    assert runs[0].stats.speculative.accepted > 0
+
+
 # -- refusals --------------------------------------------------------------------------------------
 
 def test_a_plan_without_a_step_graph_is_refused_naming_the_fix(plans):
