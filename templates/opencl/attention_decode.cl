@@ -33,16 +33,6 @@ inline void ld_kv_lane(gin p, size_t i, float* out) {
 #define SEG_MAX(v) warp_max(v)
 #define SEG_SUM(v) warp_sum(v)
 #else
-// the same over each 32 threads through local memory (every thread of the group calls it)
-inline float seg_reduce(float v, __local float* scr, bool is_max) {
-    int lid = get_local_id(0), base = lid & ~31;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    scr[lid] = v;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    float r = scr[base];
-    for (int i = 1; i < 32; i++) r = is_max ? fmax(r, scr[base + i]) : r + scr[base + i];
-    return r;
-}
 #define SEG_MAX(v) seg_reduce(v, scr, true)
 #define SEG_SUM(v) seg_reduce(v, scr, false)
 #endif

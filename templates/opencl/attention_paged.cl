@@ -60,18 +60,8 @@ inline bool in_run(__global const int* row_seq, int t, int n) {
 #define SEG_BCAST(v, j) warp_bcast(v, j)
 #define SEG_PUBLISH(v)
 #else
-// each 32 threads' max or sum through local memory (every thread of the group calls it)
-inline float pg_seg_reduce(float v, __local float* scr, bool is_max) {
-    int lid = get_local_id(0), base = lid & ~31;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    scr[lid] = v;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    float r = scr[base];
-    for (int i = 1; i < 32; i++) r = is_max ? fmax(r, scr[base + i]) : r + scr[base + i];
-    return r;
-}
-#define SEG_MAX(v) pg_seg_reduce(v, scr, true)
-#define SEG_SUM(v) pg_seg_reduce(v, scr, false)
+#define SEG_MAX(v) seg_reduce(v, scr, true)
+#define SEG_SUM(v) seg_reduce(v, scr, false)
 // lane j's v, once SEG_PUBLISH(v) has put every lane's in scr
 #define SEG_BCAST(v, j) scr[(get_local_id(0) & ~31) + (j)]
 #define SEG_PUBLISH(v) { barrier(CLK_LOCAL_MEM_FENCE); scr[get_local_id(0)] = (v); barrier(CLK_LOCAL_MEM_FENCE); }

@@ -179,6 +179,18 @@ inline int dot4_ss(int a, int b, int c) {
 inline float2 half2_bits_to_float2(uint u) {
     return vload_half2(0, (__private const half*)&u);
 }
+// each 32 threads' max or sum through local memory, where there are no warp shuffles (every
+// thread of the group calls it; scr holds a float per thread): the decode and paged attention
+// kernels' SEG_MAX / SEG_SUM
+inline float seg_reduce(float v, __local float* scr, bool is_max) {
+    int lid = get_local_id(0), base = lid & ~31;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    scr[lid] = v;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    float r = scr[base];
+    for (int i = 1; i < 32; i++) r = is_max ? fmax(r, scr[base + i]) : r + scr[base + i];
+    return r;
+}
 #endif
 
 // -- tensor-core emulation (tests) --------------------------------------------------------------
