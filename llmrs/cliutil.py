@@ -82,7 +82,7 @@ def add_option_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, 
                 kwargs["choices"] = meta["choices"]
             if meta.get("metavar"):
                 kwargs["metavar"] = meta["metavar"]
-        where.add_argument(flag_of(f.name), **kwargs)
+        where.add_argument(flag_of(f.name), *meta.get("aliases", ()), **kwargs)
     return where
 
 

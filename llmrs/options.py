@@ -35,12 +35,13 @@ class OptionTypeError(OptionError, TypeError):
 
 def option(default: Any = None, help: str = "", *, metavar: str | None = None,
            choices: Sequence[str] | None = None, type: Callable[[str], Any] | None = None,
-           repeat: bool = False) -> Any:
+           repeat: bool = False, aliases: Sequence[str] = ()) -> Any:
     """A dataclass field of an options class, with what its command-line flag shows. `type`
     parses the flag's text (default: the type of `default`; a bool default makes a switch);
-    `repeat`: a tuple field whose flag is given once per item (`--no-fuse A --no-fuse B`)."""
+    `repeat`: a tuple field whose flag is given once per item (`--no-fuse A --no-fuse B`);
+    `aliases`: other spellings of the flag (the seeds' names)."""
     meta = {"help": help, "metavar": metavar, "choices": tuple(choices) if choices else None, "type": type,
-            "repeat": repeat}
+            "repeat": repeat, "aliases": tuple(aliases)}
     return dataclasses.field(default=default, metadata=meta)
 
 

@@ -1,5 +1,5 @@
 """SpeculativeOptions: how tokens are drafted for a verify step; Model.load's keywords, llmrs-run's
-and llmrs-serve's flags (the seed's --speculative and --num-speculative-tokens; its --draft-model is --draft)."""
+and llmrs-serve's flags (the seed's --speculative, --draft-model (also --draft), --num-speculative-tokens)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,7 +17,7 @@ class SpeculativeOptions:
                                            "prompt and the text so far) or draft (a smaller plan, --draft PLAN); "
                                            "default off", choices=DRAFTERS, type=str)
     draft: str | None = option(None, "the draft plan of --speculative draft (same tokenizer and vocabulary)",
-                                     metavar="PLAN", type=str)
+                               metavar="PLAN", type=str, aliases=("--draft-model",))
     draft_backend: str | None = option(None, "back end the draft plan runs on (default: the target's)",
                                        metavar="BACKEND", type=str)
     num_speculative_tokens: int | None = option(None, "tokens drafted per verify step (default: adaptive, growing "

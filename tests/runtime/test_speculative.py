@@ -224,6 +224,8 @@ def test_llmrs_run_speculates_and_reports_it(plans):
     plain, spec = run(), run("--speculative", "lookup", "--num-speculative-tokens", "3")
     assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
     assert spec.stdout == plain.stdout
+    drafted = run("--speculative", "draft", "--draft-model", plans["draft"])    # the seed's spelling of --draft
+    assert drafted.returncode == 0 and drafted.stdout == plain.stdout, drafted.stderr
     line = next(x for x in spec.stderr.splitlines() if x.startswith("speculative"))
     assert "lookup:" in line and "accepted" in line and "tokens per verify step" in line
     bad = run("--speculative", "draft")
