@@ -22,20 +22,26 @@ def plan(tmp_path_factory) -> Plan:
     return Plan.open(out)
 
 
-def test_every_step_kernel_passes_on_the_cpu_and_opencl(plan):
+def test_every_step_kernel_passes_on_the_cpu(plan):
     kernels = kernel_checks.plan_kernels(plan.graphs())
     step = [k for k in kernels if k.phase == "step"]
     assert {"attention", "gather", "fused_matmul"} <= {k.op.kind for k in step}
     assert any(k.op.attrs.get("step_rows") for k in step)     # RoPE and the KV store in the QKV's epilogue
-    results = kernel_checks.check_kernels(kernels, kernel_checks.open_runners(plan, kernel_checks.BACKENDS))
-    cpu = [r for r in results if r.backend == "cpu"]
-    assert len(cpu) == len(kernels)
-    for r in cpu:
+    results = kernel_checks.check_kernels(kernels, kernel_checks.open_runners(plan, ["cpu"]))
+    assert len(results) == len(kernels)
+    for r in results:
         assert r.status == "PASS", (r.kernel.phase, r.kernel.label, r.note)
         assert 0 <= r.error <= r.kernel.tolerance
+
+
+def test_every_step_kernel_passes_on_opencl(plan, opencl_device):
+    """(A machine whose OpenCL cannot build kernels skips this, naming what to install.)"""
+    kernels = [k for k in kernel_checks.plan_kernels(plan.graphs()) if k.phase == "step"]
+    results = kernel_checks.check_kernels(kernels, kernel_checks.open_runners(plan, ["opencl"]))
+    assert len(results) == len(kernels)
     for r in results:
-        if r.backend == "opencl" and r.kernel.phase == "step":
-            assert r.status == "PASS", (r.kernel.label, r.note)
+        assert r.status == "PASS", (r.kernel.label, r.note)
+        assert 0 <= r.error <= r.kernel.tolerance
 
 
 def test_kernel_timings_take_the_step_graph_on_the_cpu_and_opencl(plan, opencl_device):
