@@ -158,6 +158,7 @@ def compile_graphs(model: LlamaModel | str | Path, opts: CompileOptions = Compil
 
 
 DEFAULT_BLOCK = 16
+VERIFY = "verify"       # the OpenCL verify graph's name (runtime/speculative)
 
 
 def _block_size(opts: CompileOptions, slots: int) -> int:
@@ -188,7 +189,15 @@ def compile_phases(model: LlamaModel | str | Path, opts: CompileOptions = Compil
     if opts.max_num_seqs:
         built["step"] = step_graph(prefill, min(opts.max_num_seqs, prefill.T), _block_size(opts, prefill.kv_slots),
                                    logit_rows=opts.max_draft_tokens + 1)
-    graphs = {name: run_passes(g, opts) for name, g in built.items()}
+        if opts.max_draft_tokens and "opencl" in opts.target:
+            # OpenCL's speculative verify step: the prefill graph for K + 1 rows, every row through
+            # the head, lowered to decode's kernels (codegen/opencl.py VERIFY), so each row sums as a
+            # decode step does; the CPU verifies through the step graph, whose rows already do
+            verify, _ = build_graphs(model, opts.max_draft_tokens + 1, opts.max_seq_len, opts.kv_type)
+            verify.name = VERIFY
+            built[VERIFY] = verify
+    no_slice = replace(opts, no_fuse=tuple(opts.no_fuse) + ("last_token_logits",))
+    graphs = {name: run_passes(g, no_slice if name == VERIFY else opts) for name, g in built.items()}
     kv = {name: g.meta.get("layout", {}).get("kv") for name, g in graphs.items()}
     for name, layout in kv.items():
         if layout != kv["decode"]:

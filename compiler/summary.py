@@ -85,6 +85,10 @@ def summarize(cfg: LlamaConfig, graphs: dict[str, Graph], info, seconds: float) 
         arena = step.meta.get("layout", {}).get("arena_bytes", 0)
         lines.append(f"step graph    up to {B} sequences, {step.T} tokens a step, KV in blocks of {bs} tokens: "
                      f"{step.kernel_count()} kernels, arena {fmt_bytes(arena)}")
+    verify = graphs.get("verify")
+    if verify is not None:
+        lines.append(f"verify graph  {verify.T - 1} drafts and the token before them, each row as a decode step "
+                     f"(OpenCL): {verify.kernel_count()} kernels")
     lines += [
         f"arena shared  {fmt_bytes(s['arena_bytes'])} (max of the phases)",
         f"KV cache      {fmt_bytes(s['kv_bytes'])} (+ {fmt_bytes(s['kv_score_bytes'])} of eviction scores)",

@@ -106,7 +106,8 @@ def profiled_cpu(plan: Any, threads: int | None) -> Any:
     if missing:
         raise ValueError(f"{plan.path}: {missing}")
     print("llmrs-run: --profile: compiling the plan's CPU code again with clock stamps", file=sys.stderr)
-    graphs = plan.graphs()
+    from ..runtime.plan import cpu_graphs
+    graphs = cpu_graphs(plan.graphs())
     code = NativeCode(ir_text=str(build_module(graphs, host_target(), profile=True)))
 
     class ProfiledCpu(CpuBackend):

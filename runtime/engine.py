@@ -178,6 +178,8 @@ class Engine:
         if shape is None or self.speculator is None:
             return 1
         rows = min(rows, shape.logits, shape.rows, self.max_seq_len - self.n_past)
+        if self.backend.verify_graph:
+            rows = min(rows, self.backend.graphs["verify"].T)
         if self.cache is not None:
             rows = self.cache.plain_rows(self.n_past, rows)
         return max(rows, 1)
@@ -191,6 +193,8 @@ class Engine:
             raise EngineError(f"a verify step of {n} tokens does not fit here (at most {self.verify_room(n)})")
         if self.cache is not None:
             self.cache.before_step(StepInfo("decode", self.n_past, n, 0, False, self.max_seq_len))
+        if self.backend.verify_graph:     # decode's kernels, row by row (OpenCL)
+            return self.backend.run("verify", np.asarray(tokens, np.int32), self.n_past, self.start_pos)
         at = np.arange(n, dtype=np.int32)
         rows = StepRows(tokens=np.asarray(tokens, np.int32), positions=self.start_pos + at, slots=self.n_past + at,
                         row_seq=np.zeros(n, np.int32), ctx_len=self.n_past + 1 + at,

@@ -435,6 +435,13 @@ def _check_run_keys(m: dict[str, Any], graphs: dict[str, Graph], fail) -> None:
 # -- the step graph (compiler/ir.py "Step graphs"; models/step.py makes it) -----------------------
 
 STEP = "step"
+VERIFY = "verify"       # OpenCL's speculative verify graph (compiler/pipeline.py)
+
+
+def cpu_graphs(graphs: dict[str, Graph]) -> dict[str, Graph]:
+    """The graphs a plan's CPU code holds: all but OpenCL's verify graph (the CPU verifies drafts
+    through the step graph, whose rows already sum as its decode step does)."""
+    return {phase: g for phase, g in graphs.items() if phase != VERIFY}
 STEP_INPUTS = ("tokens", "positions", "slots", "row_seq", "ctx_len", "block_tables", "logit_rows")
 
 

@@ -284,8 +284,12 @@ def qk_norm_parts(threads: int, tokens: int, hpg: int, hd: int) -> int:
     return max(1, min(threads // (tokens * hpg), hd // 8))
 
 
+VERIFY = "verify"   # compiler/pipeline.py: its rows go through decode's matvec and attention kernels
+
+
 def _matmul(ctx: _Ctx, op: Op) -> None:
     tuning = ctx.tuning
+    matvec = ctx.graph.name == VERIFY
     a = op.attrs if op.kind == "fused_matmul" else {}
     x, w, extra = op.inputs[0], op.inputs[1], list(op.inputs[2:])
     m, k = ctx.shape(x)
@@ -345,7 +349,7 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     wide_heads = qk_norm and heads[2] > TILE_N_WIDE
     _need(not (wide_heads and k % 8), op, f"head_dim {heads[2]} with per-head norms and K = {k} (no multiple "
           "of 8): the OpenCL kernels have no layout for it; use --weights q8_0 or the CPU")
-    tiled = (m > 1 or k % 8 != 0) and not rope_heads and not wide_heads
+    tiled = ((m > 1 and not matvec) or k % 8 != 0) and not rope_heads and not wide_heads
     mv_wg = tuning.mv_wg_quant if quantized else tuning.mv_wg
     qk_split = 0
     if rope_heads:
@@ -443,7 +447,7 @@ def _attention(ctx: _Ctx, op: Op) -> None:
     options = [f"-DHEAD_DIM={hd}", *_kv_options(kv), f"-DATT_WG={tuning.att_wg}"]
     args = [_v(q), _v(k), _v(v), _v(op.outputs[0])]
     scalars = [{"int": h}, {"int": a["n_kv_heads"]}, {"float": float(a["scale"])}, {"int": m}]
-    if m > 1:
+    if m > 1 and ctx.graph.name != VERIFY:     # a verify step's rows each as a decode step (row t: t + 1 more keys)
         keys = min(32, _pow2_at_most(tuning.att_tile_bytes // (2 * 4 * hd)))
         tile = [f"-DATT_BQ={tuning.att_bq}"] + ([f"-DATT_BK={keys}"] if keys != 32 else [])
         ctx.launches.append(Launch(op.name, "attention", "attention_tiled", options + tile,

@@ -92,6 +92,10 @@ class Backend(ABC):
     device_name: str             # the OpenCL device's name; "" where everything runs on the host
     graphs: dict[str, Graph]     # the plan's graphs by phase
     device_argmax: bool          # run_argmax reads back a token per row, not the logits: greedy callers prefer it
+    # run("verify", tokens, n_past, start_pos) runs the plan's verify graph: each row summed as a
+    # decode step sums it, logits for every row (OpenCL, whose step graph's kernels sum otherwise);
+    # without it a speculative verify step goes through run_step
+    verify_graph: bool = False
 
     @abstractmethod
     def run(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:

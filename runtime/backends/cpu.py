@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...compiler.ir import Graph, storage_shape
-from ..plan import STEP, STEP_INPUTS, Plan, StepShape
+from ..plan import STEP, STEP_INPUTS, Plan, StepShape, cpu_graphs
 from .base import Backend, StepRows, check_step_rows
 from .cpu_native import NativeCode, NativeCodeError, host_triple
 from .options import MAX_THREADS
@@ -165,7 +165,7 @@ class CpuBackend(Backend):
                                   f"(this machine has {os.cpu_count()} CPUs)")
         self.plan = plan
         self.threads = threads
-        self.graphs: dict[str, Graph] = plan.graphs()
+        self.graphs: dict[str, Graph] = cpu_graphs(plan.graphs())
         self.code = code or load_code(plan)
         self.layouts = {name: g.meta["layout"] for name, g in self.graphs.items()}
         self.arena = _huge_zeros(max(l["arena_bytes"] for l in self.layouts.values()))

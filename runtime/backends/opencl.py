@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from ...compiler.ir import Graph, IRError, storage_shape
-from ..plan import Plan
+from ..plan import VERIFY, Plan
 from .base import Backend, StepRows
 # the parts' public names, importable from here as before the split
 from .opencl_device import INSTALL_OPENCL, OpenCLError, _cl, list_devices, pick_device
@@ -74,6 +74,7 @@ class OpenCLBackend(Backend):
         if program.get("format") != 1:
             raise OpenCLError(f"opencl section format {program.get('format')!r} is not 1; recompile the plan")
         self.graphs = graphs
+        self.verify_graph = VERIFY in graphs and VERIFY in program["graphs"]
         self.device = pick_device(device)
         self.device_name = self.device.name.strip()
         try:

@@ -20,7 +20,11 @@ SMALL = dict(weights="q8_0", max_seq_len=64, prefill_chunk=8)
 def test_the_step_graph_shares_the_kv_layout_and_leaves_prefill_and_decode_as_they_were():
     with_step = compile_phases(DATA / "golden-a", CompileOptions(block_size=8, max_num_seqs=3, **SMALL))
     without = compile_phases(DATA / "golden-a", CompileOptions(max_num_seqs=0, **SMALL))
-    assert sorted(with_step) == ["decode", "prefill", "step"] and sorted(without) == ["decode", "prefill"]
+    assert sorted(with_step) == ["decode", "prefill", "step", "verify"] and sorted(without) == ["decode", "prefill"]
+    verify = with_step["verify"]    # OpenCL's verify step: 8 drafts and the token before them, each row's logits
+    assert verify.T == 9 and verify.values[verify.outputs[0]].shape == (9, 384)
+    assert not any(op.kind == "slice" for op in verify.ops)
+    assert verify.meta["layout"]["kv"] == with_step["decode"].meta["layout"]["kv"]
     for phase in ("prefill", "decode"):
         assert str(with_step[phase]) == str(without[phase])
         assert with_step[phase].meta["layout"] == without[phase].meta["layout"]

@@ -244,6 +244,28 @@ def both(tmp_path_factory) -> dict[str, str]:
             "draft": _compile(d / "b-q4.plan", DATA / "golden-b", "--weights", "q4_0", *flags)}
 
 
+@pytest.mark.parametrize("weights", ["f32", "q4_0"])
+def test_opencl_verify_rows_are_the_decode_steps_bits(tmp_path, opencl_device, weights):
+    """OpenCL verifies through the plan's verify graph (decode's matvec and attention kernels over
+    K + 1 rows): each row's logits are the bits decode steps of the same tokens give."""
+    from llmrs.runtime.backends import BackendOptions, open_backend
+    from llmrs.runtime.plan import Plan, cpu_graphs
+    path = _compile(tmp_path / "v.plan", DATA / "golden-b", "--weights", weights, "--target", "cpu,opencl",
+                    "--max-seq-len", "64")
+    plan = Plan.open(path)
+    assert "verify" in plan.graphs() and "verify" not in cpu_graphs(plan.graphs())
+    be = open_backend(plan, "opencl", BackendOptions())
+    try:
+        assert be.verify_graph
+        rng = np.random.default_rng(6)
+        be.run("prefill", rng.integers(0, 300, 16).astype(np.int32), 0, 0)
+        tokens = rng.integers(0, 300, 9).astype(np.int32)
+        decoded = np.stack([be.run("decode", tokens[i:i + 1], 16 + i, 16 + i)[-1] for i in range(9)])
+        np.testing.assert_array_equal(be.run("verify", tokens, 16, 16), decoded)
+    finally:
+        be.close()
+
+
 @pytest.mark.parametrize("backend,kv", [("opencl", {}), ("hybrid", {}),
                                         ("opencl", dict(eviction_policy="sliding", eviction_window=40)),
                                         ("opencl", dict(eviction_policy="snapkv", eviction_window=40,
