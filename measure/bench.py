@@ -327,20 +327,16 @@ def bench_streams(a: argparse.Namespace) -> dict[str, Any]:
 def bench_spec(a: argparse.Namespace) -> dict[str, Any]:
     """--speculative: measure/bench_speculative.py's figures for each prompt type."""
     from ..runtime.speculative import SpeculativeOptions
-    from .bench_speculative import bench_speculative, llama_plain_decode, prompt_ids, run_llama_spec
-    from .spec_prompts import PROMPTS
+    from .bench_speculative import bench_speculative, llama_plain_decode, run_llama_spec
 
     threads = a.threads or physical_cores()
     options = BackendOptions(threads=threads, device=a.device)
     spec = SpeculativeOptions(a.speculative, a.draft, a.draft_backend, a.num_speculative_tokens).check()
     say(f"llmrs-bench: {a.plan} on {a.backend}, {a.speculative} speculative decoding")
-    rows, device = bench_speculative(str(a.plan), a.backend, options, spec, a.decode, a.repeats, say)
+    rows, device, texts = bench_speculative(str(a.plan), a.backend, options, spec, a.decode, a.repeats, say)
     lcpp = None
     binary = a.llama_lookup or a.llama_speculative
     if binary:
-        from ..runtime.model import Model
-        with Model.open(str(a.plan), "cpu" if a.backend == "cpu" else a.backend, options) as m:
-            texts = {name: m.detokenize(prompt_ids(m, text)) for name, text in PROMPTS.items()}
         lcpp = []
         for r in rows:
             say(f"llmrs-bench: llama.cpp on {r['prompt']}")

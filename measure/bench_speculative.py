@@ -35,14 +35,18 @@ def _one(model: Model, ids: list[int], n: int) -> tuple[float, list[int], Any]:
 
 
 def bench_speculative(plan: str, backend: str, options: BackendOptions, spec: SpeculativeOptions, decode: int,
-                      repeats: int, say: Callable[[str], None]) -> tuple[list[dict[str, Any]], str | None]:
-    """A row per prompt type, and the OpenCL device's name (None on the CPU)."""
-    rows = []
+                      repeats: int, say: Callable[[str], None]
+                      ) -> tuple[list[dict[str, Any]], str | None, dict[str, str]]:
+    """A row per prompt type, the OpenCL device's name (None on the CPU), and each prompt as the
+    model is fed it (chat template applied: what llama.cpp's runs are given)."""
+    rows, texts = [], {}
     with Model.open(plan, backend, options) as plain, Model.open(plan, backend, options, spec=spec) as fast:
         device = plain.backend.device_name or None
         for name, text in PROMPTS.items():
             ids = prompt_ids(plain, text)
-            _one(plain, ids, 4), _one(fast, ids, 4)         # warm: page in the weights, fill the caches
+            texts[name] = plain.detokenize(ids)
+            _one(plain, ids, 4)         # warm: page in the weights, fill the caches
+            _one(fast, ids, 4)
             base, sped, ratios, stats, same = [], [], [], [], True
             for r in range(repeats):
                 say(f"llmrs-bench: {name}, repeat {r + 1}/{repeats}")
@@ -62,7 +66,7 @@ def bench_speculative(plan: str, backend: str, options: BackendOptions, spec: Sp
                          "acceptance_rate": round(last.acceptance, 3),
                          "tokens_per_verify_step": round(last.tokens_per_step, 3),
                          "verify_steps": last.steps, "plain_steps": last.plain, "same_tokens": same})
-    return rows, device
+    return rows, device, texts
 
 
 # -- llama.cpp ------------------------------------------------------------------------------------

@@ -189,8 +189,9 @@ class Engine:
         next slots and positions: f32 [len(tokens), vocab], row i the logits after tokens[i].
         Nothing is committed: advance() keeps rows one at a time, and the rest are written over."""
         n = len(tokens)
-        if not 1 <= n <= self.verify_room(n):
-            raise EngineError(f"a verify step of {n} tokens does not fit here (at most {self.verify_room(n)})")
+        room = self.verify_room(n)
+        if not 1 <= n <= room:
+            raise EngineError(f"a verify step of {n} tokens does not fit here (at most {room})")
         if self.cache is not None:
             self.cache.before_step(StepInfo("decode", self.n_past, n, 0, False, self.max_seq_len))
         if self.backend.verify_graph:     # decode's kernels, row by row (OpenCL)

@@ -58,6 +58,8 @@ def check_step(rows: StepRows, shape: StepShape) -> dict[str, np.ndarray]:
     _within("tokens", tokens, 0, shape.vocab - 1, "the vocabulary")
     _within("positions", out["positions"], 0, np.iinfo(np.int32).max, "positions count from 0")
     _within("slots", out["slots"], 0, shape.slots - 1, "the KV cache's rows")
+    if n > 1 and len(np.unique(out["slots"])) != n:    # two writers of one row race on a device
+        raise IRError("step: two rows write the same KV slot; give each row its own slot")
     _within("row_seq", out["row_seq"], 0, b - 1, f"the {b} rows of block_tables")
     _within("ctx_len", out["ctx_len"], 1, m * shape.block_size, f"{m} blocks of {shape.block_size}")
     _within("logit_rows", picked, 0, n - 1, "the step's rows")

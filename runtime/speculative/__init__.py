@@ -49,11 +49,6 @@ class SpecStats:
                 f"({100 * self.acceptance:.1f} %), {self.tokens_per_step:.2f} tokens per verify step "
                 f"({self.steps} verify, {self.plain} plain steps)")
 
-    def to_json(self) -> dict:
-        return {"drafter": self.drafter, "drafted": self.drafted, "accepted": self.accepted,
-                "acceptance_rate": self.acceptance, "verify_steps": self.steps, "plain_steps": self.plain,
-                "tokens_per_verify_step": self.tokens_per_step}
-
 
 @dataclass
 class Speculator:
@@ -61,10 +56,7 @@ class Speculator:
     drafter: Drafter
     k_max: int
     fixed: int | None = None
-    _k: AdaptiveK = field(init=False)
-
-    def __post_init__(self) -> None:
-        self._k = AdaptiveK(self.k_max, self.fixed)
+    _k: AdaptiveK | None = field(default=None, init=False)   # made by start()
 
     def start(self, sampling: SamplerConfig) -> SpecStats:
         """A generation begins: K starts afresh, so a seeded sampling run draws the same drafts,

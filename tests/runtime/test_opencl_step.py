@@ -180,6 +180,7 @@ def small_step() -> tuple[OpenCLBackend, StepRows]:
 BAD = [("tokens", [5, 384, 7], r"tokens\[1\] = 384 is outside 0..383 \(the vocabulary\)"),
        ("positions", [0, -3, 0], r"positions\[1\] = -3 is outside 0..2147483647"),
        ("slots", [1, 64, 2], r"slots\[1\] = 64 is outside 0..63 \(the KV cache's rows\)"),
+       ("slots", [1, 2, 1], r"two rows write the same KV slot; give each row its own slot"),
        ("row_seq", [0, 0, 2], r"row_seq\[2\] = 2 is outside 0..1 \(the 2 rows of block_tables\)"),
        ("ctx_len", [1, 0, 1], r"ctx_len\[1\] = 0 is outside 1..4"),
        ("ctx_len", [1, 2, 5], r"ctx_len\[2\] = 5 is outside 1..4 \(1 blocks of 4\)"),
