@@ -375,11 +375,18 @@ class OpenCLRunner:
         self.device = found.index(dev)  # an index: no device probe per kernel
         self.program = json.loads(bytes(plan.section("opencl")).decode())
 
-    def run(self, kernel: Kernel, case: Case) -> dict[str, np.ndarray]:
+    def parts(self, kernel: Kernel) -> list[str]:
+        """A step graph's row-split matmul runs as two kernels (prompt rows tiled, generated rows
+        in the matvec: compiler/codegen/opencl.py ROW_SPLIT), each checked on its own."""
+        found = {e.get("part", "") for e in self.program["graphs"].get(kernel.phase, []) if e["op"] == kernel.op.name}
+        return sorted(found) if found - {""} else [""]
+
+    def run(self, kernel: Kernel, case: Case, part: str = "") -> dict[str, np.ndarray]:
         if kernel.phase not in self.program["graphs"]:
             raise Unavailable(f"the plan's OpenCL code has no {kernel.phase} graph")
         g = with_layout(kernel)
-        launches = [e for e in self.program["graphs"].get(kernel.phase, []) if e["op"] == kernel.op.name]
+        launches = [e for e in self.program["graphs"].get(kernel.phase, [])
+                    if e["op"] == kernel.op.name and e.get("part", "") == part]
         # an attention's scores launch goes along, a matmul's stage_x (its activations prepared
         # once) comes first, and paged attention's tiles kernel follows its rows kernel
         if sum(1 for e in launches if not e.get("scores") and e["kernel"] not in ("stage_x", "attention_paged_tiles")) != 1:
@@ -396,7 +403,8 @@ class OpenCLRunner:
         for name, arr in case.arrays.items():
             be.write_value(g.name, name, arr)
         st = case.step
-        be.enqueue(g.name, np.zeros(st.n_tokens, np.int32), st.n_past, st.start_pos)
+        be.enqueue(g.name, np.zeros(st.n_tokens, np.int32), st.n_past, st.start_pos,
+                   generated=st.n_tokens if part == "rest" else 0)
         be.queue.finish()
         return {n: be.read_value(g.name, n, rows=_rows(g, n, st)) for n in kernel.op.outputs}
 
@@ -427,16 +435,20 @@ def check_kernels(kernels: list[Kernel], runners: dict[str, Runner | Unavailable
             if isinstance(runner, Unavailable):
                 results.append(Result(kernel, name, None, "SKIP", str(runner)))
                 continue
-            try:
-                got = runner.run(kernel, Case({k: v.copy() for k, v in case.arrays.items()}, case.step))
-            except Unavailable as e:    # this back end runs the plan but not this kernel's graph
-                results.append(Result(kernel, name, None, "SKIP", str(e)))
-                continue
-            except Exception as e:  # one broken kernel must not hide the others' results
-                results.append(Result(kernel, name, None, "FAIL", " ".join(f"{type(e).__name__}: {e}".split())))
-                continue
-            err = kernel_error(kernel, want, got)
-            results.append(Result(kernel, name, err, "PASS" if err <= kernel.tolerance else "FAIL"))
+            for part in runner.parts(kernel) if hasattr(runner, "parts") else [""]:
+                label = name + {"": "", "lead": " (prompt rows)", "rest": " (generated rows)"}[part]
+                try:
+                    got = runner.run(kernel, Case({k: v.copy() for k, v in case.arrays.items()}, case.step),
+                                     *([part] if part else []))
+                except Unavailable as e:    # this back end runs the plan but not this kernel's graph
+                    results.append(Result(kernel, label, None, "SKIP", str(e)))
+                    continue
+                except Exception as e:  # one broken kernel must not hide the others' results
+                    results.append(Result(kernel, label, None, "FAIL",
+                                          " ".join(f"{type(e).__name__}: {e}".split())))
+                    continue
+                err = kernel_error(kernel, want, got)
+                results.append(Result(kernel, label, err, "PASS" if err <= kernel.tolerance else "FAIL"))
     return results
 
 

@@ -292,7 +292,7 @@ class Batcher:
                 # runs on at least one row: row 0's logits are computed and dropped
                 picked = flat.logit_rows if len(flat.logit_rows) else np.zeros(1, np.int32)
                 logits = self.backend.run_step(StepRows(flat.tokens, flat.positions, flat.slots, flat.row_seq,
-                                                        flat.ctx_len, flat.block_tables, picked))
+                                                        flat.ctx_len, flat.block_tables, picked, flat.generated))
                 self.steps += 1
                 self.rows_run += len(flat.tokens)
                 with self.cond:

@@ -193,6 +193,7 @@ class FlatBatch:
     logit_rows: np.ndarray     # int32 [R]: rows whose logits are sampled
     logit_seq_ids: list        # [R]: the sequence of each
     score_from: np.ndarray     # int32 [T]: row t adds eviction scores if its KV index >= this (NEVER: no)
+    generated: np.ndarray      # int32 [T]: 1 where the row's token was sampled, 0 the prompt's (StepRows)
 
 
 @dataclass(frozen=True)
@@ -231,7 +232,10 @@ class StepPlan:
             logit_rows=np.array([r for r, _ in logits], dtype=np.int32),
             logit_seq_ids=[sid for _, sid in logits],
             score_from=cat([np.full(s.num_tokens, NEVER if s.score_from is None else s.score_from)
-                            for s in self.seqs]))
+                            for s in self.seqs]),
+            # a recomputed (preempted) sequence's sampled tokens stay generated rows, so they
+            # are summed as when they were first decoded
+            generated=cat([s.positions >= len(s.seq.prompt) for s in self.seqs]))
 
 
 class Scheduler:

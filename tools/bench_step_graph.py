@@ -1,37 +1,43 @@
-"""Decode through a plan's step graph on the CPU back end: one sequence (the identity block table)
-against the decode graph, and the aggregate tok/s of 1, 4 and 8 sequences decoding together.
-Medians of interleaved repeats (each repeat runs every plan and mode once), after a 64-token
-prompt per sequence (fed through the step graph, one sequence a step).
+"""Decode through a plan's step graph: one sequence (the identity block table) against the
+decode graph, and the aggregate tok/s of several sequences decoding together. Medians of
+interleaved repeats (each repeat runs every plan and mode once), after a 64-token prompt per
+sequence (fed through the step graph, one sequence a step).
 
-    python tools/bench_step_graph.py PLAN [PLAN ...] [--threads 2] [--repeats 9] [--steps 32]
+    python tools/bench_step_graph.py PLAN [PLAN ...] [--backend cpu|opencl] [--threads 2]
+        [--repeats 9] [--steps 32] [--streams 1,4,8] [--profile]
+
+--profile (opencl): each mode once more on a profiling queue, device microseconds a step summed
+by kernel, so a step's device time can be told from its host time.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from collections import defaultdict
 
 import numpy as np
 
+from llmrs.runtime.backends import BackendOptions, open_backend
 from llmrs.runtime.backends.base import StepRows
-from llmrs.runtime.backends.cpu import CpuBackend
 from llmrs.runtime.plan import Plan, StepShape
 
 PROMPT = 64
-STREAMS = (1, 4, 8)
 
 
-def decode_graph(be: CpuBackend, shape: StepShape, steps: int, rng: np.random.Generator) -> float:
+def decode_graph(be, shape: StepShape, steps: int, rng: np.random.Generator, after_prompt=None) -> float:
     """Seconds a token: the prompt through the prefill graph, then `steps` decode-graph steps."""
     be.reset()
     be.run("prefill", rng.integers(0, shape.vocab, PROMPT).astype(np.int32), 0, 0)
+    if after_prompt:
+        after_prompt()
     t0 = time.perf_counter()
     for i in range(steps):
         be.run("decode", np.array([1], np.int32), PROMPT + i, PROMPT + i)
     return (time.perf_counter() - t0) / steps
 
 
-def step_graph(be: CpuBackend, shape: StepShape, n: int, steps: int, rng: np.random.Generator) -> float:
+def step_graph(be, shape: StepShape, n: int, steps: int, rng: np.random.Generator, after_prompt=None) -> float:
     """Seconds a step of one decode row per sequence; sequence s owns an equal run of blocks (one
     sequence: the identity table)."""
     be.reset()
@@ -43,43 +49,75 @@ def step_graph(be: CpuBackend, shape: StepShape, n: int, steps: int, rng: np.ran
     for s in range(n):
         be.run_step(StepRows(rng.integers(0, shape.vocab, PROMPT), pos, tables[s, pos // bs] * bs + pos % bs,
                              np.full(PROMPT, s), pos + 1, tables, np.array([PROMPT - 1])))
+    if after_prompt:
+        after_prompt()
     seqs = np.arange(n)
     t0 = time.perf_counter()
     for i in range(steps):
         p = np.full(n, PROMPT + i)
         be.run_step(StepRows(np.ones(n, np.int32), p, tables[seqs, p // bs] * bs + p % bs, seqs, p + 1, tables,
-                             seqs))
+                             seqs, generated=np.ones(n, np.int32)))
     return (time.perf_counter() - t0) / steps
+
+
+def device_profile(plan: Plan, shape: StepShape, streams: list[int], rng: np.random.Generator) -> None:
+    """Device us a step by kernel (OpenCL profiling events) for the decode graph and each stream count."""
+    from llmrs.measure.profile import profiled_opencl
+
+    be = profiled_opencl(plan, None)
+    steps = 8
+    drop = lambda: be.kernel_slices("profile", 0)   # noqa: E731  the prompt's events
+    modes = [("decode graph", lambda: decode_graph(be, shape, steps, rng, drop))]
+    modes += [(f"step graph, {n} rows", lambda n=n: step_graph(be, shape, n, steps, rng, drop)) for n in streams]
+    for label, run in modes:
+        run()
+        slices = be.kernel_slices("profile", 0)
+        per: dict[str, float] = defaultdict(float)
+        for name, s, e, args in slices:
+            per[args["cl_kernel"]] += (e - s) / 1e3 / steps
+        total = sum(per.values())
+        print(f"  {label}: {len(slices) // steps} launches a step, {total:.0f} us of device time a step; by kernel:")
+        for fn, us in sorted(per.items(), key=lambda kv: -kv[1])[:8]:
+            print(f"    {fn:28s} {us:9.1f} us ({us / total:.0%})")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("plans", nargs="+")
+    ap.add_argument("--backend", default="cpu", choices=("cpu", "opencl"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--streams", default="1,4,8", help="comma-separated sequence counts (default 1,4,8)")
+    ap.add_argument("--profile", action="store_true", help="opencl: device time by kernel, once per mode")
     args = ap.parse_args()
+    streams = [int(s) for s in args.streams.split(",")]
     rng = np.random.default_rng(0)
     runs = []
     for path in args.plans:
         plan = Plan.open(path)
-        runs.append((path, CpuBackend(plan, threads=args.threads), plan.step_shape()))
+        be = open_backend(plan, args.backend, BackendOptions(threads=args.threads))
+        runs.append((path, plan, be, plan.step_shape()))
     times: dict[tuple[str, object], list[float]] = {}
     for _ in range(args.repeats):
-        for path, be, shape in runs:
+        for path, _, be, shape in runs:
             times.setdefault((path, "decode"), []).append(decode_graph(be, shape, args.steps, rng))
-            for n in STREAMS:
+            for n in streams:
                 times.setdefault((path, n), []).append(step_graph(be, shape, n, args.steps, rng))
-    print(f"{args.threads} threads, medians of {args.repeats} interleaved repeats of {args.steps} steps "
+    where = f"{args.threads} threads" if args.backend == "cpu" else f"opencl ({runs[0][2].device_name})"
+    print(f"{where}, medians of {args.repeats} interleaved repeats of {args.steps} steps "
           f"after a {PROMPT}-token prompt")
-    for path, be, _ in runs:
-        dec, one = statistics.median(times[path, "decode"]), statistics.median(times[path, 1])
+    for path, plan, be, shape in runs:
+        dec = statistics.median(times[path, "decode"])
+        one = statistics.median(times[path, streams[0]]) / streams[0]
         print(f"{path}: decode graph {1 / dec:.1f} tok/s ({dec * 1e3:.2f} ms a token)")
-        for n in STREAMS:
+        for n in streams:
             t = statistics.median(times[path, n])
             vs = f"{dec / t:.3f}x the decode graph" if n == 1 else f"{one * n / t:.2f}x one sequence"
             print(f"  step graph, {n} sequence{'s' * (n > 1)}: {n / t:.1f} tok/s ({t * 1e3:.2f} ms a step), {vs}")
         be.close()
+        if args.profile and args.backend == "opencl":
+            device_profile(plan, shape, streams, rng)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,7 @@ class Launch:
     rows: int
     row_tile: int = 1
     scores: bool = False
+    part: str = ""        # a step graph's row split (ROW_SPLIT): "lead" rows before it, "rest" from it
 
 
 @dataclass
@@ -285,6 +286,7 @@ def qk_norm_parts(threads: int, tokens: int, hpg: int, hd: int) -> int:
 
 
 VERIFY = "verify"   # compiler/pipeline.py: its rows go through decode's matvec and attention kernels
+STEP = "step"       # models/step.py: many sequences' rows a step
 
 
 def _matmul(ctx: _Ctx, op: Op) -> None:
@@ -349,7 +351,33 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     wide_heads = qk_norm and heads[2] > TILE_N_WIDE
     _need(not (wide_heads and k % 8), op, f"head_dim {heads[2]} with per-head norms and K = {k} (no multiple "
           "of 8): the OpenCL kernels have no layout for it; use --weights q8_0 or the CPU")
+    # a step graph's row matmuls run each row by its kind (ROW_SPLIT): prompt rows through the
+    # tiled kernels, generated rows through the matvec, so no row's bits depend on what else is
+    # in its step, and a decode row pays a matvec, not a 64-row tile
+    if ctx.graph.name == STEP and m == ctx.graph.T and m > 1 and k % 8 == 0 and not rope_heads and not wide_heads:
+        _matmul_variant(ctx, op, True, "lead", **_variant_inputs(locals()))
+        _matmul_variant(ctx, op, False, "rest", **_variant_inputs(locals()))
+        return
     tiled = ((m > 1 and not matvec) or k % 8 != 0) and not rope_heads and not wide_heads
+    _matmul_variant(ctx, op, tiled, "", **_variant_inputs(locals()))
+
+
+_VARIANT_INPUTS = ("options", "a", "x", "w", "extra", "m", "k", "n", "wt", "quantized", "nw", "bias", "e", "epi",
+                   "heads", "rope_heads", "step_rows", "qk_norm")
+
+
+def _variant_inputs(names: dict[str, Any]) -> dict[str, Any]:
+    return {key: names[key] for key in _VARIANT_INPUTS}
+
+
+def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[str], a: dict[str, Any], x: str,
+                    w: str, extra: list[str], m: int, k: int, n: int, wt: str, quantized: bool, nw: dict[str, Any],
+                    bias: str | None, e: list[dict[str, Any]], epi: str | None, heads: tuple[int, int, int],
+                    rope_heads: bool, step_rows: list[dict[str, Any]], qk_norm: bool) -> None:
+    """One launch (two with X_STAGED) of a matmul: the tiled kernel or the matvec; `part`
+    "lead" / "rest": only the step's rows before / from its row split (ROW_SPLIT)."""
+    tuning = ctx.tuning
+    options = options + (["-DROW_SPLIT"] if part else [])
     mv_wg = tuning.mv_wg_quant if quantized else tuning.mv_wg
     qk_split = 0
     if rope_heads:
@@ -416,7 +444,7 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
             staged = {"staging": max(staging_bytes(m, k, wt), parts)}
             ctx.launches.append(Launch(op.name, "matmul", "stage_x", options,
                                        [_v(x), nw, staged, {"int": m}, {"int": k}, eps],
-                                       local=STAGE_WG, groups=1, rows=m, row_tile=1))
+                                       local=STAGE_WG, groups=1, rows=m, row_tile=1, part=part))
         args.append(staged)
         if split > 1:   # partials (in the staging buffer, after x) and the tiles' ticket counters
             args += [staged, {"scratch": 4 * tiles}]
@@ -424,7 +452,7 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     ctx.launches.append(Launch(op.name, "matmul" if tiled else "matvec", "matmul_tiled" if tiled else "matvec",
                                options, args,
                                local=256 if tiled else mv_wg, groups=row_groups * split,
-                               rows=m, row_tile=(2 * TILE_M if pair else TILE_M) if tiled else 1))
+                               rows=m, row_tile=(2 * TILE_M if pair else TILE_M) if tiled else 1, part=part))
 
 
 def _attention(ctx: _Ctx, op: Op) -> None:

@@ -33,6 +33,10 @@ class StepRows:
     ctx_len: np.ndarray         # [n] KV entries each attends (its own included)
     block_tables: np.ndarray    # [b, M] physical blocks of each sequence (b <= the graph's B)
     logit_rows: np.ndarray      # [r] rows whose logits come back (r <= the graph's logit rows)
+    # [n] 1 where the row's token was sampled, 0 where it is the prompt's (None: all prompt). A
+    # kind of the row alone: OpenCL runs the two kinds through different matmul kernels (its
+    # row split), so a row's bits never depend on the step's other rows
+    generated: np.ndarray | None = None
 
 
 class StepRowsError(ValueError):
@@ -42,7 +46,7 @@ class StepRowsError(ValueError):
 
 def _ints(name: str, value: object, ndim: int) -> np.ndarray:
     arr = np.asarray(value)
-    if arr.ndim != ndim or (arr.size and arr.dtype.kind not in "iu"):
+    if arr.ndim != ndim or (arr.size and arr.dtype.kind not in "iub"):
         raise StepRowsError(f"step rows: {name} must be a {ndim}-d array of integers, got "
                             f"{arr.dtype}{list(arr.shape)}")
     return arr
@@ -82,9 +86,16 @@ def check_step_rows(rows: StepRows, shape: StepShape) -> StepRows:
     _within("logit_rows", picked, 0, n - 1, "the step's rows")
     if n > 1 and len(np.unique(per_row["slots"])) != n:
         raise StepRowsError("step rows: two rows write the same KV slot; give each row its own slot")
+    generated = None
+    if rows.generated is not None:
+        generated = _ints("generated", rows.generated, 1)
+        if len(generated) != n:
+            raise StepRowsError(f"step rows: generated has {len(generated)} entries for {n} tokens")
+        _within("generated", generated, 0, 1, "1: a sampled token, 0: the prompt's")
+        generated = np.ascontiguousarray(generated, np.int32)
     as32 = {k: np.ascontiguousarray(v, np.int32) for k, v in per_row.items()}
     return StepRows(**as32, block_tables=np.ascontiguousarray(tables, np.int32),
-                    logit_rows=np.ascontiguousarray(picked, np.int32))
+                    logit_rows=np.ascontiguousarray(picked, np.int32), generated=generated)
 
 
 class Backend(ABC):

@@ -5,7 +5,8 @@ The parts, one module each: which device (opencl_device.py), its programs and th
 kernels bound and the ways to launch them (opencl_launch.py). This module is the back end: it
 opens them in that order and runs steps. Besides the regions it holds
     step     int32[4]: n_tokens, n_past, start_pos, k; written once per step, or once per
-             batch of greedy steps, which advance it on the device (k: the batch's step)
+             batch of greedy steps, which advance it on the device (k: the batch's step; in a
+             step graph's step, its generated rows: common.cl ROW_SPLIT)
 and the kernels' own buffers (scratch, result, staging: opencl_launch.Binding). Every kernel's
 arguments are set at load; a step writes `step` and the tokens, enqueues the launch table and
 reads the logits back.
@@ -28,7 +29,7 @@ from .opencl_launch import GREEDY_MAX_STEPS, Bound, CommandBuffer, DirectLaunche
 from .opencl_memory import (ALIGN, DeviceMemory, Region, from_split_blocks, naive_layout, pack_weights,
                             split_region, to_split_blocks)
 from .opencl_program import build_program, cache_dir, device_options, patch_wgmma_ptx
-from .opencl_step import StepShape, check_step
+from .opencl_step import StepShape, check_step, split_rows
 
 COMMAND_BUFFERS_KEPT = 8  # recorded launch lists kept (one per phase and size), oldest dropped
 
@@ -107,7 +108,7 @@ class OpenCLBackend(Backend):
         self._limits: dict[str, tuple[int, int, int | None]] = {}
         self._step_shape: StepShape | None = None   # the step graph's bounds, read on its first step
         self._paged_tiles: bool | None = None        # whether it has attention_paged_tiles (likewise)
-        self._sized: dict[tuple[str, int, bool, frozenset[str]], list[Any]] = {}
+        self._sized: dict[tuple[str, int, bool, frozenset[str], int], list[Any]] = {}
         self._command_buffers: dict[tuple[Any, ...], CommandBuffer] = {}
         self._prepared: dict[tuple[Any, ...], list[Any]] = {}
         self.use_command_buffers = ("cl_khr_command_buffer" in self.device.extensions.split()
@@ -210,20 +211,25 @@ class OpenCLBackend(Backend):
             self._limits[phase] = (g.T, slots, vocab)
         return self._limits[phase]
 
-    def _step_launches(self, phase: str, n_tokens: int,
-                       idle: frozenset[str] = frozenset()) -> list[tuple[Any, tuple[int, int], tuple[int, int]]]:
+    def _step_launches(self, phase: str, n_tokens: int, idle: frozenset[str] = frozenset(),
+                       lead: int | None = None) -> list[tuple[Any, tuple[int, int], tuple[int, int]]]:
         """(kernel, global size, local size) of every launch of a step, computed once per size;
-        kernels named in `idle` (with nothing to do this step) left out."""
-        key = (phase, n_tokens, self.scoring, idle)
+        kernels named in `idle` (with nothing to do this step) left out, and a step graph's
+        row-split launches with no row on their side of `lead` (default: every row leads)."""
+        lead = n_tokens if lead is None else lead
+        key = (phase, n_tokens, self.scoring, idle, lead)
         if key not in self._sized:
-            self._sized[key] = [(b.kernel, b.global_size(n_tokens), (b.local, 1)) for b in self.launches[phase]
-                                if (self.scoring or not b.scores) and b.kernel.function_name not in idle]
+            self._sized[key] = [(b.kernel, b.global_size(n_tokens, lead), (b.local, 1)) for b in self.launches[phase]
+                                if (self.scoring or not b.scores) and b.kernel.function_name not in idle
+                                and b.rows_of(n_tokens, lead) > 0]
         return self._sized[key]
 
-    def enqueue(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int, kernels: bool = True) -> None:
+    def enqueue(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int, kernels: bool = True,
+                generated: int = 0) -> None:
         """Write the step's tokens and scalars and enqueue every kernel of the phase (none with
         kernels=False: profiles enqueue their own); returns without waiting (the arena's token
-        slot may be reused within a step, so every step writes its tokens again)."""
+        slot may be reused within a step, so every step writes its tokens again). generated:
+        the step's last rows that a step graph's row-split matmuls run as generated rows."""
         cl = _cl()
         g = self.graphs[phase]
         tokens = np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)
@@ -236,7 +242,7 @@ class OpenCLBackend(Backend):
         if vocab is not None and (tokens.min() < 0 or tokens.max() >= vocab):
             raise IRError(f"graph {phase}: token id out of range 0..{vocab - 1}")
         # fills copy their pattern when enqueued, so no host array must outlive the call
-        step = np.array([n_tokens, n_past, start_pos, 0], np.int32)
+        step = np.array([n_tokens, n_past, start_pos, generated], np.int32)
         cl.enqueue_fill_buffer(self.queue, self.step_buf, step, 0, step.nbytes)
         if g.inputs:
             buf, off = self.locate(phase, g.inputs[0])
@@ -246,7 +252,9 @@ class OpenCLBackend(Backend):
                 self._in_flight.append(tokens)   # released by the next blocking read
                 cl.enqueue_copy(self.queue, buf, tokens, dst_offset=off, is_blocking=False)
         if kernels:
-            self._enqueue_launches((phase, n_tokens, "logits", self.scoring), self._step_launches(phase, n_tokens))
+            lead = n_tokens - generated
+            self._enqueue_launches((phase, n_tokens, "logits", self.scoring, lead),
+                                   self._step_launches(phase, n_tokens, lead=lead))
 
     def _enqueue_launches(self, key: tuple[Any, ...], launches: list[tuple[Any, tuple[int, int], tuple[int, int]]],
                           repeat: int = 1) -> None:
@@ -304,13 +312,15 @@ class OpenCLBackend(Backend):
             self._step_shape = StepShape.of(g)
         inputs = check_step(rows, self._step_shape)
         n = len(inputs["tokens"])
-        cl.enqueue_fill_buffer(self.queue, self.step_buf, np.array([n, 0, 0, 0], np.int32), 0, 16)
+        lead = split_rows(inputs, len(rows.logit_rows))
+        cl.enqueue_fill_buffer(self.queue, self.step_buf, np.array([n, 0, 0, n - lead], np.int32), 0, 16)
         for name, arr in inputs.items():
             buf, off = self.locate("step", name)
             self._in_flight.append(arr)   # released by the blocking read below
             cl.enqueue_copy(self.queue, buf, arr, dst_offset=off, is_blocking=False)
         idle = self._idle_paged_kernels(inputs["row_seq"][:n])
-        self._enqueue_launches(("step", n, "logits", self.scoring, idle), self._step_launches("step", n, idle))
+        self._enqueue_launches(("step", n, "logits", self.scoring, idle, lead),
+                               self._step_launches("step", n, idle, lead))
         out = self.read_value("step", g.outputs[0], rows=len(rows.logit_rows))
         self._in_flight.clear()
         return out.astype(np.float32, copy=False)

@@ -153,9 +153,17 @@ class Bound:
     row_tile: int
     variant: str = ""   # the fused prologue/epilogue switches, for profiles
     scores: bool = False  # eviction scores: in a step only while the back end is scoring
+    part: str = ""      # a step graph's row split: "lead" takes rows 0..lead-1, "rest" the others
 
-    def global_size(self, n_tokens: int) -> tuple[int, int]:
-        return self.groups * self.local, math.ceil(min(self.rows, n_tokens) / self.row_tile)
+    def rows_of(self, n_tokens: int, lead: int) -> int:
+        """Rows this launch runs in a step of n_tokens rows split at `lead` (matmul_common.cl
+        ROW_SPLIT); 0: nothing to launch."""
+        n = lead if self.part == "lead" else n_tokens - lead if self.part == "rest" else n_tokens
+        return min(self.rows, n)
+
+    def global_size(self, n_tokens: int, lead: int | None = None) -> tuple[int, int]:
+        rows = self.rows_of(n_tokens, n_tokens if lead is None else lead)
+        return self.groups * self.local, math.ceil(rows / self.row_tile)
 
 
 @dataclass
@@ -219,7 +227,7 @@ class _Binder:
         variant = "+".join(o[2:].split("=")[0].lower() for o in entry["options"]
                            if o.startswith(("-DEPI_", "-DPROLOGUE_")))
         return Bound(entry["op"], kern, entry["local"], entry["groups"], entry["rows"],
-                     entry["row_tile"], variant, bool(entry.get("scores")))
+                     entry["row_tile"], variant, bool(entry.get("scores")), entry.get("part", ""))
 
     def _args(self, phase: str, entry: dict[str, Any], advance: int | None) -> list[Any]:
         args: list[Any] = [self.step_buf]

@@ -76,7 +76,31 @@ def check_step(rows: StepRows, shape: StepShape) -> dict[str, np.ndarray]:
     out["block_tables"] = tables
     out["logit_rows"] = np.zeros(shape.logits, np.int32)
     out["logit_rows"][:len(picked)] = picked
+    if rows.generated is not None:
+        generated = np.asarray(rows.generated)
+        generated = _ints("generated", generated.astype(np.int32) if generated.dtype == bool else generated, 1)
+        if len(generated) != n:
+            raise IRError(f"step: generated has {len(generated)} rows and tokens {n}; give one a row")
+        _within("generated", generated, 0, 1, "1: a sampled token, 0: the prompt's")
+        out["generated"] = generated
     return out
 
 
-__all__ = ["ROW_FIELDS", "StepShape", "check_step"]
+def split_rows(inputs: dict[str, np.ndarray], n_picked: int) -> int:
+    """Reorder a checked step's rows so its prompt rows come first and its generated rows after
+    them, each kind in step order (matmul_common.cl ROW_SPLIT); logit_rows follow their rows, so
+    the logits still come back in the order asked. Returns the split: the number of prompt rows."""
+    generated = inputs.pop("generated", None)
+    n = len(inputs["tokens"])
+    if generated is None or not generated.any():
+        return n
+    order = np.argsort(generated, kind="stable")
+    for name in ("tokens", *ROW_FIELDS):
+        inputs[name] = np.ascontiguousarray(inputs[name][order])
+    where = np.empty(n, np.int32)
+    where[order] = np.arange(n, dtype=np.int32)
+    inputs["logit_rows"][:n_picked] = where[inputs["logit_rows"][:n_picked]]
+    return n - int(generated.sum())
+
+
+__all__ = ["ROW_FIELDS", "StepShape", "check_step", "split_rows"]

@@ -25,6 +25,18 @@
 #define STEP_N_TOKENS(s) ((s)[0])
 #define STEP_N_PAST(s) ((s)[1])
 #define STEP_START_POS(s) ((s)[2])
+// A step graph's row split (-DROW_SPLIT, compiler/codegen/opencl.py): its prompt rows 0..lead-1
+// go through the tiled matmuls and its generated rows lead..n-1 through the matvec, so a row's
+// arithmetic follows its own kind, never what else shares the step. The last word counts the
+// generated rows (0 unless a step says so: every row then leads, as without the split).
+#define STEP_ROW_LEAD(s) ((s)[0] - (s)[3])
+#ifdef ROW_SPLIT
+#define MM_ROWS(s) STEP_ROW_LEAD(s)
+#define MV_ROW0(s) STEP_ROW_LEAD(s)
+#else
+#define MM_ROWS(s) STEP_N_TOKENS(s)
+#define MV_ROW0(s) 0
+#endif
 
 typedef __global const uchar* gin;   // read-only tensor bytes
 typedef __global uchar* gout;        // written tensor bytes

@@ -108,7 +108,7 @@ void stage_x(__global const int* step, gin xb, ulong x_off, gin nwb, ulong nw_of
              int M, int K, float eps) {
 #if defined(X_STAGED_Q) || defined(X_STAGED_H)
     int lid = get_local_id(0), t = get_group_id(1), n4 = K / 4;
-    if (t >= min(M, STEP_N_TOKENS(step))) return;   // the whole group: no barrier below is skipped by half
+    if (t >= min(M, MM_ROWS(step))) return;   // the whole group: no barrier below is skipped by half
     __global const float4* x = (__global const float4*)(xb + x_off) + (size_t)t * n4;
     gout s = sb + s_off;
     __local float red[STAGE_WG];
@@ -260,7 +260,7 @@ void matmul_tiled(__global const int* step, gin xb, ulong x_off, gin wb, ulong w
     int kb = split * (K / MM_SPLIT), ke = MM_SPLIT > 1 ? kb + K / MM_SPLIT : K;   /* this group's K */ \
     MM_SPLIT_LOCALS \
     MM_QK_LOCALS \
-    int rows = min(M, STEP_N_TOKENS(step)); \
+    int rows = min(M, MM_ROWS(step)); \
     __global const float* x = (__global const float*)(xb + x_off); \
     gin sb = sbb + sb_off;   /* stage_x's output (X_STAGED) */ \
     gin w = wb + w_off;

@@ -195,7 +195,7 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
     ulong e1_off = 0, e2_off = 0;
     int n_heads = 0, n_kv_heads = 0, hd = 0;
 #endif
-    int lid = get_local_id(0), g = get_group_id(0), t = get_group_id(1);
+    int lid = get_local_id(0), g = get_group_id(0), t = get_group_id(1) + MV_ROW0(step);
     int lane = lid & 31, warp = lid >> 5;
     int rset = warp / MV_SPLIT, split = warp % MV_SPLIT;   // row set, K slice
     __global const float4* x4 = (__global const float4*)(xb + x_off) + (size_t)t * (MV_K / 4);  // [K/4]

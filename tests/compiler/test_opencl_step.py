@@ -184,15 +184,21 @@ def test_the_tiles_kernel_takes_the_heads_whose_staged_chunk_fits_the_devices_lo
 
 
 @pytest.mark.parametrize("weights", ["q4_0", "f16"])
-def test_a_1b_step_graph_runs_every_matmul_in_the_tiled_kernel_and_pages_every_attention(llama_1b_graphs, weights):
-    """Row invariance starts with the kernels chosen: by a graph's rows, never a step's, so a
-    step graph's matmuls are all matmul_tiled (no decode matvec for a step of one row), its
-    attention the paged pair (not the contiguous kernels, tensor-core body included)."""
+def test_a_1b_step_graph_splits_each_layer_matmul_by_row_kind_and_pages_every_attention(llama_1b_graphs, weights):
+    """Row invariance starts with the kernels chosen: by a row's own kind, never by what shares
+    its step. A layer's matmuls run their prompt rows in matmul_tiled (part "lead") and their
+    generated rows in the decode matvec (part "rest"), both built with ROW_SPLIT; the head runs
+    every logit row tiled; attention is the paged pair (not the contiguous kernels)."""
     prefill, _ = llama_1b_graphs
     g = run_passes(step_graph(prefill, max_seqs=16, block_size=16), CompileOptions(weights=weights))
-    kernels = Counter(launch.kernel for launch in lower_graph(g))
+    launches = lower_graph(g)
+    kernels = Counter(launch.kernel for launch in launches)
     layers = 16
-    assert kernels["matmul_tiled"] == 4 * layers + 1 and kernels["matvec"] == 0   # qkv o gate_up down; head
+    assert kernels["matmul_tiled"] == 4 * layers + 1 and kernels["matvec"] == 4 * layers   # qkv o gate_up down; head
+    parts = Counter((launch.kernel, launch.part) for launch in launches if launch.family in ("matmul", "matvec"))
+    assert parts[("matmul_tiled", "lead")] == parts[("stage_x", "lead")] == parts[("matvec", "rest")] == 4 * layers
+    assert parts[("matmul_tiled", "")] == parts[("stage_x", "")] == 1                      # the head
+    assert all(("-DROW_SPLIT" in launch.options) == bool(launch.part) for launch in launches)
     assert kernels["attention_paged_rows"] == kernels["attention_paged_tiles"] == layers
     assert kernels["attention_tiled"] == kernels["attention_decode"] == kernels["attention_split"] == 0
 
@@ -202,7 +208,7 @@ def test_a_1b_step_graph_launches_the_prefill_graphs_kernels_a_layer_but_for_pag
                                                                                               weights):
     """The step graph fused as the prefill graph: a layer's launches are the prefill graph's
     (QKV with RoPE and the KV store in its epilogue, o, gate_up, down: a staging and a tiled
-    matmul each), its attention the paged pair instead of the prefill kernel (and the eviction
+    matmul each) and a matvec each for the generated rows, its attention the paged pair instead of the prefill kernel (and the eviction
     scores a prefill may add, which a step graph does not keep). Unfused, a layer took 19."""
     prefill, _ = llama_1b_graphs
     opts = CompileOptions(weights=weights)
@@ -213,11 +219,13 @@ def test_a_1b_step_graph_launches_the_prefill_graphs_kernels_a_layer_but_for_pag
     prefill_attention = ("attention_tiled", "attention_scores")
     per_layer = {k: n / layers for k, n in step.items() if k not in ("embedding", "gather_rows")}
     assert per_layer == {"stage_x": 4 + 1 / layers, "matmul_tiled": 4 + 1 / layers,   # + the head's
-                         "attention_paged_rows": 1, "attention_paged_tiles": 1}
-    # less attention, the embedding and the head (the prefill's on its last row: a matvec)
-    assert step - Counter({k: step[k] for k in paged}) - Counter(embedding=1, gather_rows=1, stage_x=1, matmul_tiled=1) \
+                         "matvec": 4, "attention_paged_rows": 1, "attention_paged_tiles": 1}
+    # less attention, the generated rows' matvecs, the embedding and the head (the prefill's on
+    # its last row: a matvec)
+    assert step - Counter({k: step[k] for k in paged}) - Counter(matvec=4 * layers) \
+        - Counter(embedding=1, gather_rows=1, stage_x=1, matmul_tiled=1) \
         == pre - Counter({k: pre[k] for k in prefill_attention}) - Counter(embedding=1, last_row=1, matvec=1)
-    assert sum(step.values()) - 4 == (8 + len(paged)) * layers   # embedding, gather, the head's staging and matmul
+    assert sum(step.values()) - 4 == (12 + len(paged)) * layers   # embedding, gather, the head's staging and matmul
 
 
 def test_rope_at_per_row_positions_matches_interpreter():

@@ -47,10 +47,13 @@ class Pool:
     """A naive paged layout, as a scheduler keeps one: each sequence takes blocks from a
     shuffled list as it grows."""
 
-    def __init__(self, n_blocks: int, rng: np.random.Generator):
+    def __init__(self, n_blocks: int, rng: np.random.Generator, prompt_lens: dict[int, int] | None = None):
+        """prompt_lens: each sequence's prompt length, so rows past it are marked generated (the
+        back end's row split); None: no row is."""
         self.free = [int(b) for b in rng.permutation(n_blocks)]
         self.tables: dict[int, list[int]] = {}
         self.length: dict[int, int] = {}
+        self.prompt_lens = prompt_lens
 
     def rows(self, rows: list[tuple[int, int]], seqs: list[int], logit_rows: list[int]) -> StepRows:
         """rows: (sequence, token) in step order, each sequence's rows its next positions;
@@ -69,13 +72,17 @@ class Pool:
         for i, s in enumerate(seqs):
             tables[i, :len(self.tables[s])] = self.tables[s]
         i32 = lambda a: np.array(a, np.int32)   # noqa: E731
+        generated = None
+        if self.prompt_lens is not None:
+            generated = i32([p >= self.prompt_lens[seq] for (seq, _), p in zip(rows, pos)])
         return StepRows(tokens=i32([t for _, t in rows]), positions=i32(pos), slots=i32(slots),
                         row_seq=i32([seqs.index(s) for s, _ in rows]), ctx_len=i32([p + 1 for p in pos]),
-                        block_tables=tables, logit_rows=i32(logit_rows))
+                        block_tables=tables, logit_rows=i32(logit_rows), generated=generated)
 
 
 def _interpret(ip: Interpreter, state: dict, rows: StepRows) -> np.ndarray:
     inputs = check_step(rows, StepShape.of(ip.graph))   # the arrays the device gets
+    inputs.pop("generated", None)                         # a kernel choice; the interpreter has one
     return ip.run(inputs, state, n_past=0)[ip.graph.outputs[0]][:len(rows.logit_rows)]
 
 
@@ -94,7 +101,8 @@ def test_interleaved_sequences_match_the_interpreter_and_their_greedy_tokens_a_r
     rng = np.random.default_rng(41)
     vocab = graphs["step"].values[graphs["step"].outputs[0]].shape[1]
     prompts = [rng.integers(0, vocab, n).tolist() for n in (7, 3, 10)]
-    pool, made = Pool(16, rng), {0: [], 1: [], 2: []}
+    lens = {s: len(p) for s, p in enumerate(prompts)}      # sampled tokens run as generated rows
+    pool, made = Pool(16, rng, lens), {0: [], 1: [], 2: []}
 
     def step(rows: list[tuple[int, int]], seqs: list[int], logits_of: list[int]) -> None:
         """One step on both; the rows in logits_of (each a sequence's last) get a token."""
@@ -114,7 +122,7 @@ def test_interleaved_sequences_match_the_interpreter_and_their_greedy_tokens_a_r
 
     for s, prompt in enumerate(prompts):   # each alone: its prompt in one step, then its tokens
         be.reset()
-        alone, want = Pool(16, np.random.default_rng(s)), made[s]
+        alone, want = Pool(16, np.random.default_rng(s), {0: len(prompt)}), made[s]
         logits = be.run_step(alone.rows([(0, t) for t in prompt], [0], [len(prompt) - 1]))
         tokens = [int(np.argmax(logits[0]))]
         for tok in want[:-1]:
@@ -122,16 +130,20 @@ def test_interleaved_sequences_match_the_interpreter_and_their_greedy_tokens_a_r
         assert tokens == want, f"sequence {s}"
 
 
-def test_a_sequences_logits_are_bit_identical_alone_and_in_a_batch_of_8():
+@pytest.mark.parametrize("split", [True, False], ids=["generated-rows-in-matvec", "every-row-tiled"])
+def test_a_sequences_logits_are_bit_identical_alone_and_in_a_batch_of_8(split):
     """8 sequences (prompts of 1 to 5 tokens) decode 3 tokens in steps of all of them; each
     again alone: the same bits every step, whether its prompt runs in one step (as in the
-    batch) or a token a step (its rows then in the rows kernel, not the tiles kernel)."""
+    batch) or a token a step (its rows then in the rows kernel, not the tiles kernel, and a
+    lone prompt row still in the tiled matmul). Split: sampled tokens are generated rows (the
+    decode matvec); else every row runs tiled."""
     graphs = _compiled("golden-b", "q4_0", "f16", T=32, seqs=8)
     be = _backend(graphs)
     rng = np.random.default_rng(42)
     vocab = graphs["step"].values["logits"].shape[1]
     prompts = [rng.integers(0, vocab, n).tolist() for n in (3, 1, 5, 2, 4, 5, 1, 3)]
-    pool = Pool(16, rng)
+    lens = (lambda seqs: {s: len(prompts[q]) for s, q in seqs.items()}) if split else (lambda seqs: None)
+    pool = Pool(16, rng, lens({s: s for s in range(8)}))
     rows = [(s, t) for s, p in enumerate(prompts) for t in p]
     last = np.cumsum([len(p) for p in prompts]) - 1
     batch = [be.run_step(pool.rows(rows, list(range(8)), last.tolist()))]
@@ -140,7 +152,7 @@ def test_a_sequences_logits_are_bit_identical_alone_and_in_a_batch_of_8():
         batch.append(be.run_step(pool.rows([(s, tokens[s]) for s in range(8)], list(range(8)), list(range(8)))))
     for s, prompt in enumerate(prompts):
         be.reset()
-        alone = Pool(16, np.random.default_rng(100 + s))    # other blocks, the same entries
+        alone = Pool(16, np.random.default_rng(100 + s), lens({0: s}))   # other blocks, the same entries
         if s % 2:
             for t in prompt:
                 got = [be.run_step(alone.rows([(0, t)], [0], [0]))[0]]
