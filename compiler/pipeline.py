@@ -25,7 +25,7 @@ from .passes.schedule import schedule
 from .passes.verify import verify
 
 RULES = RULE_NAMES  # fusion rules, each switchable by name
-KV_TYPES = ("f32", "f16", "q8_0")
+KV_TYPES = ("f32", "f16", "q8_0", "q4_0")
 
 
 WEIGHT_CHOICES = WEIGHT_DTYPES + (NATIVE,)
@@ -181,8 +181,8 @@ def compile_phases(model: LlamaModel | str | Path, opts: CompileOptions = Compil
     if not isinstance(model, LlamaModel):
         model = load_model(model)
     hd = model.config.head_dim
-    if opts.kv_type == "q8_0" and hd % QK:
-        raise IRError(f"--kv-type q8_0 stores each head's row in {QK}-value blocks, but head_dim is {hd}; "
+    if opts.kv_type in ("q8_0", "q4_0") and hd % QK:
+        raise IRError(f"--kv-type {opts.kv_type} stores each head's row in {QK}-value blocks, but head_dim is {hd}; "
                       "use --kv-type f16")
     prefill, decode = build_graphs(model, opts.prefill_chunk, opts.max_seq_len, opts.kv_type)
     built = {"prefill": prefill, "decode": decode}
