@@ -173,6 +173,13 @@ def _block_size(opts: CompileOptions, slots: int) -> int:
     return opts.block_size
 
 
+def check_kv_head_dim(kv_type: str, head_dim: int) -> None:
+    """A q8_0 / q4_0 cache stores each head's row as whole 32-value blocks: IRError otherwise."""
+    if kv_type in ("q8_0", "q4_0") and head_dim % QK:
+        raise IRError(f"--kv-type {kv_type} stores each head's row in {QK}-value blocks, but head_dim is "
+                      f"{head_dim}; use --kv-type f16")
+
+
 def compile_phases(model: LlamaModel | str | Path, opts: CompileOptions = CompileOptions()) -> dict[str, Graph]:
     """The plan's graphs after every pass: prefill, decode and, unless opts.max_num_seqs is 0, the
     step graph (for up to min(max_num_seqs, prefill_chunk) sequences a step, made from the built
@@ -180,10 +187,7 @@ def compile_phases(model: LlamaModel | str | Path, opts: CompileOptions = Compil
     opts.check()
     if not isinstance(model, LlamaModel):
         model = load_model(model)
-    hd = model.config.head_dim
-    if opts.kv_type in ("q8_0", "q4_0") and hd % QK:
-        raise IRError(f"--kv-type {opts.kv_type} stores each head's row in {QK}-value blocks, but head_dim is {hd}; "
-                      "use --kv-type f16")
+    check_kv_head_dim(opts.kv_type, model.config.head_dim)
     prefill, decode = build_graphs(model, opts.prefill_chunk, opts.max_seq_len, opts.kv_type)
     built = {"prefill": prefill, "decode": decode}
     if opts.max_num_seqs:
