@@ -15,7 +15,7 @@ from ..models.llama import input_files, load_model
 from ..options import OptionError
 from .outputs import check_output_dir, check_output_file
 from .passes.quantize import Conversion
-from .pipeline import CompileOptions, compile_phases
+from .pipeline import CompileOptions, check_kv_head_dim, compile_phases
 from .plan import write_graph_plan
 from .summary import fmt_bytes, summarize
 
@@ -130,6 +130,7 @@ def compile_plan(model: str | os.PathLike, out: str | os.PathLike, options: Comp
     if opts.dump_ir is not None:
         check_output_dir(opts.dump_ir, "dump_ir")
     loaded = load_model(model_path)
+    check_kv_head_dim(opts.kv_type, loaded.config.head_dim)   # before the memory check sizes its rows
     if opts.max_seq_len is not None:
         check_kv_memory(loaded.config, opts.max_seq_len, opts.kv_type)
     notices: list[str] = []

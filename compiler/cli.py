@@ -21,6 +21,7 @@ EPILOG = """examples:
   llmrs-compile model/ -o plan.bin                       q4_0 weights, CPU + OpenCL code
   llmrs-compile model.gguf -o plan.bin                   the GGUF's own weight formats (native)
   llmrs-compile model/ -o plan.bin --weights q8_0 --lm-head f16 --kv-type f16
+  llmrs-compile model/ -o plan.bin --kv-type q4_0        a KV cache of 18 bytes per 32 values
   llmrs-compile model/ -o plan.bin --no-fuse norm_prologue --dump-ir ir/   measure one fusion
 
 fusion rules (--no-fuse): {rules}

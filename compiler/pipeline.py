@@ -25,7 +25,7 @@ from .passes.schedule import schedule
 from .passes.verify import verify
 
 RULES = RULE_NAMES  # fusion rules, each switchable by name
-KV_TYPES = ("f32", "f16", "q8_0")
+KV_TYPES = ("f32", "f16", "q8_0", "q4_0")
 
 
 WEIGHT_CHOICES = WEIGHT_DTYPES + (NATIVE,)
@@ -53,7 +53,8 @@ class CompileOptions:
     embedding: str | None = option(None, "token embedding format (default: --weights)", choices=WEIGHT_CHOICES,
                                    type=str)
     lm_head: str | None = option(None, "output head format (default: --weights)", choices=WEIGHT_CHOICES, type=str)
-    kv_type: str = option("f16", "KV cache format (default f16)", choices=KV_TYPES)
+    kv_type: str = option("f16", "KV cache format: q8_0 and q4_0 take 34 and 18 bytes per 32 values (head_dim "
+                          "a multiple of 32) (default f16)", choices=KV_TYPES)
     max_seq_len: int | None = option(2048, "KV cache length in tokens (default 2048)", metavar="N", type=int)
     prefill_chunk: int = option(128, "tokens per prefill step (default 128)", metavar="T")
     max_num_seqs: int = option(8, "sequences one step of the plan's step graph serves (continuous batching; "
@@ -173,6 +174,13 @@ def _block_size(opts: CompileOptions, slots: int) -> int:
     return opts.block_size
 
 
+def check_kv_head_dim(kv_type: str, head_dim: int) -> None:
+    """A q8_0 / q4_0 cache stores each head's row as whole 32-value blocks: IRError otherwise."""
+    if kv_type in ("q8_0", "q4_0") and head_dim % QK:
+        raise IRError(f"--kv-type {kv_type} stores each head's row in {QK}-value blocks, but head_dim is "
+                      f"{head_dim}; use --kv-type f16")
+
+
 def compile_phases(model: LlamaModel | str | Path, opts: CompileOptions = CompileOptions()) -> dict[str, Graph]:
     """The plan's graphs after every pass: prefill, decode and, unless opts.max_num_seqs is 0, the
     step graph (for up to min(max_num_seqs, prefill_chunk) sequences a step, made from the built
@@ -180,10 +188,7 @@ def compile_phases(model: LlamaModel | str | Path, opts: CompileOptions = Compil
     opts.check()
     if not isinstance(model, LlamaModel):
         model = load_model(model)
-    hd = model.config.head_dim
-    if opts.kv_type == "q8_0" and hd % QK:
-        raise IRError(f"--kv-type q8_0 stores each head's row in {QK}-value blocks, but head_dim is {hd}; "
-                      "use --kv-type f16")
+    check_kv_head_dim(opts.kv_type, model.config.head_dim)
     prefill, decode = build_graphs(model, opts.prefill_chunk, opts.max_seq_len, opts.kv_type)
     built = {"prefill": prefill, "decode": decode}
     if opts.max_num_seqs:

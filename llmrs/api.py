@@ -91,7 +91,7 @@ def compile(model: str | Path, out: str | Path | None = None, *, quiet: bool = T
     and the options; that plan is reused, not compiled again, while it is a valid plan made by this
     llmrs from the same model files (size, mtime, a hash of each file's head and tail) with the same
     options. An explicit `out`, or dump_ir, always compiles. options are llmrs-compile's flags by
-    their Python names: weights="q8_0", lm_head="f16", kv_type="f16", max_seq_len=4096,
+    their Python names: weights="q8_0", lm_head="f16", kv_type="f16" (or f32, q8_0, q4_0), max_seq_len=4096,
     prefill_chunk=64, target="cpu", triple=["aarch64-linux-android"], no_fuse=["norm_prologue"],
     dump_ir="ir/". quiet=False prints the compiler's notices and its summary to stderr.
     Raises CompileError with llmrs-compile's one-line message (TypeError for a model that is no path)."""

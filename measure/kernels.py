@@ -32,6 +32,7 @@ TOL_QUANT = 2e-3     # quantized weights: activations are quantized to Q8_0/Q8_1
                      # back end, but a rounding tie resolved differently moves a block one step
 TOL_F16_OUT = 1e-3   # an f16 output (KV cache) may round one value to the neighbouring f16
 TOL_Q8_OUT = 2e-2    # a q8_0 cache may put one value one quantization step (1/127 of a block) off
+TOL_Q4_OUT = 0.13    # a q4_0 cache likewise, a step there being 1/8 of its block's largest value
 TOL_F16_ATT = 2e-3   # prefill attention over an f16 cache: NVIDIA's tensor cores take Q (times the
                      # scale) and the softmax weights P rounded to f16 (attention.cl's ATT_MMA_BODY)
 TOL_F16_MMA = 1e-3   # prefill matmuls with f16 weights: NVIDIA's tensor cores take x rounded to f16
@@ -46,6 +47,7 @@ tolerance per kernel, the largest that applies:
   {TOL_F16_MMA:.0e}  prefill matmuls with f16 weights (NVIDIA tensor cores: x in f16)
   {TOL_F16_OUT:.0e}  kernels writing an f16 KV cache
   {TOL_Q8_OUT:.0e}  kernels writing a q8_0 KV cache
+  {TOL_Q4_OUT:.0e}  kernels writing a q4_0 KV cache
   exact  i32 outputs (argmax): error is the fraction of entries that differ
 exit status: 0 every kernel passes, 1 a kernel fails on a back end, 2 bad plan or arguments.
 a back end that cannot run here (no OpenCL device, no code for it in the plan) is SKIP, not FAIL.
@@ -125,7 +127,7 @@ def _tolerance(g: Graph, op: Op) -> float:
     for o in op.outputs:
         v = g.values[o]
         dtype = g.values[v.alias].dtype if v.alias else v.dtype
-        tol = max(tol, {"f16": TOL_F16_OUT, "q8_0": TOL_Q8_OUT}.get(dtype, tol))
+        tol = max(tol, {"f16": TOL_F16_OUT, "q8_0": TOL_Q8_OUT, "q4_0": TOL_Q4_OUT}.get(dtype, tol))
     if all(g.values[o].dtype == "i32" for o in op.outputs):
         tol = 0.0
     return tol

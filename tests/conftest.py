@@ -33,7 +33,7 @@ SWEEPS = {
     "test_shape_compiles_for_both_targets_and_its_logits_match_the_interpreter",
     "test_attention_for_any_head_dim_and_group_matches_interpreter", "test_q4_matmul_with_odd_k_and_n_matches_interpreter",
     "test_decode_attention_key_per_lane_matches_interpreter", "test_hybrid_tokens_equal_either_back_end_alone",
-    "test_fused_qkv_rope_into_q8_0_kv_cache_matches_interpreter", "test_prefill_attention_f16_cache_matches_interpreter",
+    "test_fused_qkv_rope_into_block_kv_cache_matches_interpreter", "test_prefill_attention_f16_cache_matches_interpreter",
     "test_prefill_matmul_wgmma_matches_interpreter",
     "test_decoding_with_eviction_matches_the_interpreter_on_the_surviving_cache",
     "test_fused_qkv_rope_kv_store_matches_interpreter", "test_rms_prologue_with_a_folded_norm_weight_matches_interpreter",

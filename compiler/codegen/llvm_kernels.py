@@ -256,9 +256,16 @@ def load_kv(kb: KernelBuilder, dtype: str, cache: ir.Value, slot: ir.Value, kh: 
     base = kb.idx((slot, kvh * rb), (kh, rb))
     if dtype in ("f32", "f16"):
         return kb.load_floats(dtype, kb.at(cache, base), j, vw)
-    off = b.add(base, b.mul(b.udiv(j, kb.i64(QK)), kb.i64(34)))
+    off = b.add(base, b.mul(b.udiv(j, kb.i64(QK)), kb.i64(BLOCK_BYTES[dtype])))
     d = kb.load_f16(cache, off)
-    q = kb.load(vec(I8, vw), cache, b.add(b.add(off, kb.i64(2)), b.urem(j, kb.i64(QK))))
+    k = b.urem(j, kb.i64(QK))
+    if dtype == "q8_0":
+        q = kb.load(vec(I8, vw), cache, b.add(b.add(off, kb.i64(2)), k))
+    else:   # q4_0: values k..k+vw lie in one half of the block (vw divides 16): low or high nibbles
+        qs = kb.load(vec(I8, vw), cache, b.add(b.add(off, kb.i64(2)), b.urem(k, kb.i64(QK // 2))))
+        nib = b.select(b.icmp_unsigned("<", k, kb.i64(QK // 2)), b.and_(qs, ir.Constant(vec(I8, vw), [15] * vw)),
+                       b.lshr(qs, ir.Constant(vec(I8, vw), [4] * vw)))
+        q = b.sub(nib, ir.Constant(vec(I8, vw), [8] * vw))
     return b.fmul(b.sitofp(q, vec(F32, vw)), kb.splat(d, vw))
 
 

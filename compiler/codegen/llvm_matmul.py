@@ -458,6 +458,44 @@ def quantize_block(kb: KernelBuilder, vals: list[ir.Value]) -> tuple[ir.Value, i
     return d, qs[0]
 
 
+def quantize_block_q4_0(kb: KernelBuilder, vals: list[ir.Value], src: ir.Value, first: ir.Value
+                        ) -> tuple[ir.Value, ir.Value]:
+    """32 floats (as VW-lane vectors, also at byte offset `first` of src) -> (d f32, <16 x i8>
+    packed nibbles) by GGML's quantize_row_q4_0_ref: m = the first value of largest magnitude,
+    d = m / -8, q = min(15, trunc(x / d + 8.5)); byte j holds q[j] low and q[j + 16] high."""
+    b, vw = kb.b, kb.vw
+    amax = kb.fabs(vals[0])
+    for v in vals[1:]:
+        amax = kb.maxnum(amax, kb.fabs(v))
+    amax_v = kb.splat(kb.hmax(amax), vw)
+    # the first lane holding amax (C keeps the first: `if (amax < fabsf(v))`), then its value
+    ivec = vec(I32, vw)
+    first_at = ir.Constant(ivec, [QK] * vw)
+    for k, v in enumerate(vals):
+        at = b.select(b.fcmp_ordered("==", kb.fabs(v), amax_v), ir.Constant(ivec, list(range(k * vw, k * vw + vw))),
+                      ir.Constant(ivec, [QK] * vw))
+        first_at = b.select(b.icmp_signed("<", at, first_at), at, first_at)
+    while first_at.type.count > 1:
+        lo, hi = kb.halves(first_at)
+        first_at = b.select(b.icmp_signed("<", lo, hi), lo, hi)
+    at = b.extract_element(first_at, ir.Constant(I32, 0))
+    at = b.select(b.icmp_signed("<", at, ir.Constant(I32, QK)), at, ir.Constant(I32, 0))   # all NaN
+    m = kb.load(F32, src, b.add(first, b.mul(b.zext(at, ir.IntType(64)), kb.i64(4))))
+    # + 0.0: C starts from max = 0.0f and keeps it for an all-zero block, never -0.0
+    d = b.fdiv(b.fadd(m, kb.f32(0.0)), kb.f32(-8.0))
+    inv = b.select(b.fcmp_ordered("!=", d, kb.f32(0.0)), b.fdiv(kb.f32(1.0), d), kb.f32(0.0))
+    invv, half = kb.splat(inv, vw), kb.splat(kb.f32(8.5), vw)
+    top = ir.Constant(vec(I8, vw), [15] * vw)
+    qs = []
+    for v in vals:   # fmul then fadd, each rounded, as C without contraction and as numpy
+        q = b.fptosi(b.fadd(b.fmul(v, invv), half), vec(I8, vw))
+        qs.append(b.select(b.icmp_signed(">", q, top), top, q))
+    while len(qs) > 1:
+        qs = [kb.concat(qs[i], qs[i + 1]) for i in range(0, len(qs), 2)]
+    lo, hi = kb.halves(qs[0])
+    return d, b.or_(lo, b.shl(hi, ir.Constant(vec(I8, 16), [4] * 16)))
+
+
 def fma_into(kb: KernelBuilder, acc: ir.Value, a: ir.Value, c: ir.Value) -> None:
     """acc (a VW-lane variable) += a * c; a narrower tail vector's products go into lane 0 as
     one sum."""
@@ -946,8 +984,12 @@ def rope_row(kb: KernelBuilder, src: ir.Value, dst: ir.Value, pos: ir.Value, inv
     kb.for_chunks(half, rotate)
 
 
+KV_DTYPES = ("f32", "f16", "q8_0", "q4_0")    # KV caches the CPU kernels store and read
+
+
 def cache_row_bytes(dtype: str, hd: int) -> int:
-    return {"f32": hd * 4, "f16": hd * 2, "q8_0": hd // QK * 34}[dtype]
+    """Bytes of one head's row of a KV cache: q8_0 / q4_0 rows are whole 34 / 18-byte blocks."""
+    return {"f32": hd * 4, "f16": hd * 2}.get(dtype) or hd // QK * BLOCK_BYTES[dtype]
 
 
 def store_cache_row(kb: KernelBuilder, row: ir.Value, cache: ir.Value, slot: ir.Value, kh: ir.Value,
@@ -961,13 +1003,13 @@ def store_cache_row(kb: KernelBuilder, row: ir.Value, cache: ir.Value, slot: ir.
             kb.store_floats(dtype, kb.load(vec(F32, lanes), row, b.mul(j, kb.i64(4))), kb.at(cache, base), j)
         kb.for_chunks(hd, store)
         return
-    if dtype != "q8_0":
-        raise ValueError(f"KV cache dtype {dtype} has no CPU kernel (f32, f16, q8_0)")
+    if dtype not in KV_DTYPES:
+        raise ValueError(f"KV cache dtype {dtype} has no CPU kernel ({', '.join(KV_DTYPES)})")
     with kb.loop(0, hd // QK) as blk:
-        vals = [kb.load(vec(F32, vw), row, b.mul(b.add(b.mul(blk, kb.i64(QK)), kb.i64(j)), kb.i64(4)))
-                for j in range(0, QK, vw)]
-        d, q = quantize_block(kb, vals)
-        off = b.add(base, b.mul(blk, kb.i64(34)))
+        first = b.mul(blk, kb.i64(QK * 4))
+        vals = [kb.load(vec(F32, vw), row, b.add(first, kb.i64(4 * j))) for j in range(0, QK, vw)]
+        d, q = quantize_block(kb, vals) if dtype == "q8_0" else quantize_block_q4_0(kb, vals, row, first)
+        off = b.add(base, b.mul(blk, kb.i64(BLOCK_BYTES[dtype])))
         kb.store_f16(d, cache, off)
         kb.store(q, cache, b.add(off, kb.i64(2)))
 
@@ -1030,6 +1072,6 @@ def emit_q4_group_probe(kb: KernelBuilder, K: int, N: int, wdtype: str = "q4_0")
 
 
 __all__ = ["MatmulSpec", "emit_matmul", "check_matmul", "dot_i8x32", "load_weight_block", "load_block_min",
-           "q8_1_sum", "quantize_block", "rope_row", "store_cache_row", "cache_row_bytes", "emit_block_dot_probe",
+           "q8_1_sum", "quantize_block", "quantize_block_q4_0", "rope_row", "store_cache_row", "cache_row_bytes", "emit_block_dot_probe",
            "q4_group_ok", "load_q4_group", "q4_group_dot", "store_q4_group_activation", "masked_load",
-           "emit_q4_group_probe", "scratch_layout", "padded_k", "group_bytes"]
+           "emit_q4_group_probe", "scratch_layout", "padded_k", "group_bytes", "KV_DTYPES"]

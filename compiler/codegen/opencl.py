@@ -67,7 +67,8 @@ _PRELUDE = {"matvec": ("common", "matmul_common"), "matmul": ("common", "matmul_
 _BODIES = {"matmul": ("matmul_fp32", "matmul_mma", "matmul_async", "matmul_wgmma"),
            "attention": ("attention", "attention_decode", "attention_tiled", "attention_mma"),
            "attention_paged": ("attention_paged", "attention_paged_rows", "attention_paged_tiles")}
-KV_TYPES = ("f32", "f16", "q8_0")
+KV_TYPES = ("f32", "f16", "q8_0", "q4_0")
+KV_BLOCK_TYPES = ("q8_0", "q4_0")   # caches of 32-value blocks, written a whole block at a time
 FLOAT_TYPES = ("f32", "f16", "bf16")
 WEIGHT_TYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q8_0")
 QUANT_TYPES = ("q4_0", "q4_1", "q8_0")   # multiplied as GGML does: integer dots with Q8 activations
@@ -143,7 +144,9 @@ def _kv_type(ctx: _Ctx, op: Op, name: str) -> str:
 
 
 def _kv_options(kv: str) -> list[str]:
-    return [f"-DKV_T={kv}", f"-DKV_{kv.upper()}"]
+    """KV_BLOCKS (also defined by common.cl) lets codegen see from the options alone that a
+    kernel writes whole 32-value blocks."""
+    return [f"-DKV_T={kv}", f"-DKV_{kv.upper()}"] + (["-DKV_BLOCKS"] if kv in KV_BLOCK_TYPES else [])
 
 
 def _pow2_at_least(n: int) -> int:
@@ -155,11 +158,11 @@ def _pow2_at_most(n: int) -> int:
 
 
 def matvec_shape(tuning: OpenCLTuning, k: int, n: int, quantized: bool, epilogue: str | None,
-                 kv_q8: bool) -> tuple[int, int, int]:
+                 kv_blocks: bool) -> tuple[int, int, int]:
     """(threads per group, weight rows per group, warps per row) of a decode matvec (matvec.cl).
     mv_wg threads, mv_wg / 32 warps of MV_RPW rows each: one row per warp for narrow matrices
     (most groups), more for wide ones (x prepared fewer times, more loads per lane), at most
-    mv_max_rpw. q8_0 KV stores whole 32-value blocks of a head: 64 rows (32 RoPE pairs).
+    mv_max_rpw. q8_0 / q4_0 KV stores whole 32-value blocks of a head: 64 rows (32 RoPE pairs).
     Split-K (S warps per row: a power of 2, at most mv_max_split, no more than the row has
     32-unit passes, until the launch has about mv_split_target_warps warps) only where a group
     prepares nothing from x: S times the groups repeat the Q8_0 copy of x or the RMS sum, which
@@ -170,7 +173,7 @@ def matvec_shape(tuning: OpenCLTuning, k: int, n: int, quantized: bool, epilogue
     Every row count is even, as pair epilogues need."""
     wg = tuning.mv_wg_quant if quantized else tuning.mv_wg
     warps = wg // 32
-    if epilogue == "rope_kv_store" and kv_q8:
+    if epilogue == "rope_kv_store" and kv_blocks:
         return wg, max(64, warps), 1
     if n < tuning.mv_target_warps and not quantized:
         units = k // 8                                          # a lane's 16-byte loads
@@ -191,9 +194,9 @@ def _rms_late(split: int, norm_folded: bool) -> bool:
 
 
 def rope_heads_q8(a: dict[str, Any], kv: str) -> bool:
-    """Whether a rope_kv_store epilogue into Q8_0 caches needs a group per head (ROPE_HEADS in
+    """Whether a rope_kv_store epilogue into Q8_0 / q4_0 caches needs a group per head (ROPE_HEADS in
     matmul_common.cl): where head_dim % 64 == 32 a 32-value block spans both RoPE halves."""
-    return kv == "q8_0" and a["head_dim"] % 64 != 0
+    return kv in KV_BLOCK_TYPES and a["head_dim"] % 64 != 0
 
 
 def staging_bytes(m: int, k: int, wt: str) -> int:
@@ -260,22 +263,22 @@ def _row_groups(epilogue: str | None, rw: int, n: int, a: dict[str, Any], rope_h
     return math.ceil(n / rw)
 
 
-def qk_norm_rows(wg: int, hd: int, kv_q8: bool) -> int:
+def qk_norm_rows(wg: int, hd: int, kv_blocks: bool) -> int:
     """Slots of a decode matvec group with per-head norms: whole heads (the head_dim rounded up
-    to the group's warps, one row set each: no split), a multiple of 64 for Q8_0 caches, whose
+    to the group's warps, one row set each: no split), a multiple of 64 for Q8_0 / q4_0 caches, whose
     blocks epilogue_chunk writes (head_dim is one there: a multiple of 64 stays unpadded)."""
-    step = math.lcm(wg // 32, 64 if kv_q8 else 2)
+    step = math.lcm(wg // 32, 64 if kv_blocks else 2)
     return -(-hd // step) * step
 
 
-def qk_split_rows(wg: int, hd: int, kv_q8: bool) -> int | None:
+def qk_split_rows(wg: int, hd: int, kv_blocks: bool) -> int | None:
     """Slots of a decode matvec group whose heads are split over several groups (matvec.cl
     QK_SPLIT): the fewest that divide head_dim (a group's pairs then lie in one head), are a
-    multiple of the group's warps (whole rows a warp) and, for Q8_0 caches, of the 32-value
+    multiple of the group's warps (whole rows a warp) and, for Q8_0 / q4_0 caches, of the 32-value
     blocks v groups store; None where no such split exists (each group then takes whole heads).
     Groups of whole heads are few: H100, Qwen3-0.6B's qkv (q4_0, 32 groups of 128 rows) took
     12.3 us a decode step against 8.6 without the norms."""
-    step = math.lcm(wg // 32, 32 if kv_q8 else 2)
+    step = math.lcm(wg // 32, 32 if kv_blocks else 2)
     return next((rw for rw in range(step, hd, step) if hd % rw == 0), None)
 
 
@@ -344,7 +347,7 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
         _need(ctx.dtype(extra[4]) == qkn, op, "the q and k norm weights must share one dtype")
         options += ["-DQK_NORM", f"-DQKN_T={qkn}"]
     # a group per head is a matvec (its RW = hd is no tile width), prefill too: one token a group
-    # row, weights read once per token; only Q8_0 caches of head_dim % 64 == 32 take it. Rows of
+    # row, weights read once per token; only Q8_0 / q4_0 caches of head_dim % 64 == 32 take it. Rows of
     # float weights that are no whole 16-byte units (K % 8, e.g. 9 heads x 100) only the tiled
     # kernel reads, in decode too
     # heads wider than a 128-row tile take the matvec with per-head norms (whole heads a group)
@@ -383,16 +386,16 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
     if rope_heads:
         mv_rows, mv_split = heads[2], 1
         options.append("-DROPE_HEADS")
-    elif qk_norm and not tiled and (split_rows := qk_split_rows(mv_wg, heads[2], "-DKV_Q8_0" in options)):
+    elif qk_norm and not tiled and (split_rows := qk_split_rows(mv_wg, heads[2], "-DKV_BLOCKS" in options)):
         mv_rows, mv_split = split_rows, 1       # a head over hd / rows groups, merged by tickets
         qk_split = heads[2] // split_rows
         options.append(f"-DQK_SPLIT={qk_split}")
     elif qk_norm:   # whole heads a group: float weights too take the larger groups of quantized
         # ones, more warps (fewer rows each) on a head (H100 f16 Qwen3-0.6B qkv 12.5 -> 11.9 us)
         mv_wg = max(mv_wg, tuning.mv_wg_quant)
-        mv_rows, mv_split = qk_norm_rows(mv_wg, heads[2], "-DKV_Q8_0" in options), 1
+        mv_rows, mv_split = qk_norm_rows(mv_wg, heads[2], "-DKV_BLOCKS" in options), 1
     else:
-        mv_wg, mv_rows, mv_split = matvec_shape(tuning, k, n, quantized, epi, "-DKV_Q8_0" in options)
+        mv_wg, mv_rows, mv_split = matvec_shape(tuning, k, n, quantized, epi, "-DKV_BLOCKS" in options)
     tile_n, split, pair = tile_shape(tuning, m, k, n, wt, epi, a) if tiled else (0, 1, False)
     if epi == "rope_kv_store" and (qk_norm or bias):
         options.append(f"-DROPE_HD={heads[2]}")   # pre_epilogue's slot arithmetic by constants
@@ -622,7 +625,7 @@ def _kv_store(ctx: _Ctx, op: Op) -> None:
     src, cache, *slots = op.inputs                      # slots: a step graph's (rope.cl STEP_ROWS)
     m, width = ctx.shape(src)
     kv = _kv_type(ctx, op, cache)
-    threads = width // 32 if kv == "q8_0" else width    # q8_0: one thread per 32-value block
+    threads = width // 32 if kv in KV_BLOCK_TYPES else width    # q8_0 / q4_0: one thread per 32-value block
     at = [_v(slots[0]), {"int": ctx.shape(cache)[0]}] if slots else []
     ctx.launches.append(Launch(op.name, "rope", "kv_store", _kv_options(kv) + (["-DSTEP_ROWS"] if slots else []),
                                [_v(src), _v(cache), {"int": width}, *at],

@@ -7,7 +7,7 @@ over a subset of its past": the next query, rotated at start_pos, sees each surv
 its true relative distance.
 
 Layout and per-head eviction. Each layer's K and V caches are [max_seq_len, n_kv_heads,
-head_dim] (f32, f16, or q8_0 whose head rows are whole 34-byte blocks). SnapKV and H2O choose
+head_dim] (f32, f16, or q8_0 / q4_0 whose head rows are whole 34 / 18-byte blocks). SnapKV and H2O choose
 different positions for different KV heads (and layers), but every KV head of every layer keeps
 the SAME number of slots, the budget: one n_past still describes every head, so the attention
 kernels need no per-head length and are unchanged. Compaction gathers, per layer and KV head,

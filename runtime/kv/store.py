@@ -23,7 +23,7 @@ class KVStoreError(ValueError):
 
 @dataclass(frozen=True)
 class LayerStates:
-    k: str           # state [S, KVH, hd] (f32 | f16 | q8_0: rows of whole 34-byte blocks)
+    k: str           # state [S, KVH, hd] (f32 | f16 | q8_0 / q4_0: rows of whole 34 / 18-byte blocks)
     v: str
     scores: str      # state f32 [KVH, S]
 

@@ -1,5 +1,5 @@
 // Causal GQA attention over the KV cache: row t of the step sees cache slots [0, n_past + t].
-//   -DHEAD_DIM=<hd, a multiple of 4, at most 4 * ATT_WG>  -DKV_T=<f32|f16|q8_0> -DKV_<T>
+//   -DHEAD_DIM=<hd, a multiple of 4, at most 4 * ATT_WG>  -DKV_T=<f32|f16|q8_0|q4_0> -DKV_<T>
 //   -DATT_WG=<threads, a multiple of 32>  -DATT_SPLITS=<groups per head>
 //   q  f32 [M, H*hd]        k, v  KV_T [S, KVH, hd]        o  f32 [M, H*hd]
 // Softmax is online (running max and sum, rescaled per chunk of keys), so any context length

@@ -4,7 +4,7 @@
 // kernels share; their bodies: attention_paged_rows.cl (a row spread over work-groups, as
 // decode wants) and attention_paged_tiles.cl (a run of rows of one sequence per group, as a
 // prompt chunk wants).
-//   -DHEAD_DIM=<a multiple of 4, at most 256>  -DKV_T=<f32|f16|q8_0> -DKV_<T>
+//   -DHEAD_DIM=<a multiple of 4, at most 256>  -DKV_T=<f32|f16|q8_0|q4_0> -DKV_<T>
 //   -DKV_BLOCK=<entries a block>  -DATT_WG=<threads, a multiple of 32>
 //   -DATT_SPLITS=<work-groups a row and head at most>  [-DATT_TILES -DATT_RPW=<rows a warp>]
 //   q f32 [M, H*hd]   k, v KV_T [S, KVH, hd]   o f32 [M, H*hd]

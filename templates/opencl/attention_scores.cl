@@ -1,7 +1,7 @@
 // Eviction scores of an attention op (compiler/ir.py): when score_ctl[0] != 0, each query row t
 // at cache slot n_past + t >= score_ctl[1] adds its softmax weights over slots [0, n_past + t],
 // summed over the query heads of each KV head, to scores[kvh, slot].
-//   -DHEAD_DIM=<hd>  -DKV_T=<f32|f16|q8_0> -DKV_<T>  -DSC_WG=<threads, a power of 2>
+//   -DHEAD_DIM=<hd>  -DKV_T=<f32|f16|q8_0|q4_0> -DKV_<T>  -DSC_WG=<threads, a power of 2>
 //   -DSC_GROUP=<query heads per KV head>
 //   q  f32 [M, H*hd]     k  KV_T [S, KVH, hd]     scores  f32 [KVH, S]     ctl  i32 [2]
 // One group per KV head: thread i owns slots i, i + SC_WG, ..., so it adds to its own scores

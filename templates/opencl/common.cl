@@ -4,6 +4,11 @@
 // The step scalars live in a small int buffer every kernel reads, so a step sets no arguments:
 //   step[0] = n_tokens, step[1] = n_past, step[2] = start_pos
 // Element-type tokens passed with -D: f32 f16 bf16 q4_0 q4_1 q8_0 (W_T, NORM_T, TABLE_T, KV_T).
+// KV caches are f32, f16, q8_0 or q4_0 (-DKV_T=<t> -DKV_<T>), the blocked ones in GGML's own
+// 34 / 18-byte blocks (not the weights' split layout), which kernels write a whole block at a time.
+#if defined(KV_Q8_0) || defined(KV_Q4_0)
+#define KV_BLOCKS
+#endif
 // Device switches chosen at bind time (runtime/backends/opencl.py device_options):
 //   -DUSE_NV_PTX   NVIDIA: warp shuffles and dp4a through inline PTX (the driver reports no
 //                  cl_khr_subgroups); without it the same arithmetic runs in portable C.
@@ -110,6 +115,24 @@ inline float quantize_q8_block(float16* x0, float16* x1) {
     *x0 = round(*x0 * id);
     *x1 = round(*x1 * id);
     return round_to_half(d);
+}
+
+// A q4_0 KV block from 32 values, as ggml's quantize_row_q4_0_ref: m = the first value of
+// largest magnitude, d = m / -8 (kept as f16), q = min(15, trunc(x / d + 8.5)); byte j holds
+// q[j] in its low nibble and q[j + 16] in its high one. x * id and + 8.5 round apart, as in C.
+inline void store_q4_0_block(gout blk, const float* x) {
+#pragma OPENCL FP_CONTRACT OFF
+    float amax = 0.0f, m = 0.0f;
+    for (int i = 0; i < 32; i++) {
+        if (amax < fabs(x[i])) { amax = fabs(x[i]); m = x[i]; }
+    }
+    float d = m / -8.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    vstore_half_rte(d, 0, (__global half*)blk);
+    for (int j = 0; j < 16; j++) {
+        int lo = min(15, (int)(x[j] * id + 8.5f)), hi = min(15, (int)(x[j + 16] * id + 8.5f));
+        blk[2 + j] = (uchar)(lo | (hi << 4));
+    }
 }
 
 // Work-group reductions over a __local scratch of get_local_size(0) floats.

@@ -1,7 +1,7 @@
 // KV-cache compaction for eviction (runtime/kv): per head, row j becomes old row idx[j], in place.
 //   -DKV_UNIT=<uint4|uint2|uint|ushort>  -DROW_UNITS=<units in one head's row>  -DCOMPACT_WG=<threads>
 //   cache  [rows, heads] of ROW_UNITS units each, at slot_stride / head_stride units apart
-//          (a K or V cache [S, KVH, hd]: f32, f16 or q8_0, whose head rows are whole 34-byte
+//          (a K or V cache [S, KVH, hd]: f32, f16, q8_0 or q4_0, whose head rows are whole 34 / 18-byte
 //          blocks; or the scores f32 [KVH, S]: one unit a row)
 //   idx    int [layers, heads, n_keep]: ascending old rows, idx[j] >= j
 // One group per (head, layer). Its threads take the rows in chunks of COMPACT_WG: each reads

@@ -55,7 +55,7 @@ inline void tile_epilogue(__local float* out, int t0, int rows, int g, int lid, 
 #ifdef PRE_EPILOGUE
     pre_epilogue(out, TM, TN, g, TN, lid, 256, N, n_heads, n_kv_heads, hd, bias, qn, kn, qk_eps, qk_part);
 #endif
-#if defined(EPI_ROPE_KV) && defined(KV_Q8_0)
+#if defined(EPI_ROPE_KV) && defined(KV_BLOCKS)
     for (int e = lid; e < TM * (TN / 32); e += 256) {
         int tt = e / (TN / 32), c = e % (TN / 32);
         if (t0 + tt < rows)

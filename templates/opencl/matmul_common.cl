@@ -3,10 +3,10 @@
 //   -DW_T=<q4_0|q4_1|q8_0|f16|bf16|f32> and -DW_<T>   weight element type
 //   -DPROLOGUE_RMS -DNORM_T=<f32|f16|bf16>        x is RMS-normalised first (norm_w[K], eps)
 //   -DEPI_ADD | -DEPI_SILU_MUL | -DEPI_ROPE_KV     epilogue (none: plain y)
-//   -DKV_T=<f32|f16|q8_0> [-DKV_Q8_0]              cache element type (EPI_ROPE_KV); q8_0
-//                                                  caches are written a 32-value block at a
-//                                                  time by epilogue_chunk()
-//   -DROPE_HEADS                                   (EPI_ROPE_KV, KV_Q8_0, matvec) a group per
+//   -DKV_T=<f32|f16|q8_0|q4_0> -DKV_<T>            cache element type (EPI_ROPE_KV); q8_0 and
+//                                                  q4_0 caches (KV_BLOCKS) are written a 32-value
+//                                                  block at a time by epilogue_chunk()
+//   -DROPE_HEADS                                   (EPI_ROPE_KV, KV_BLOCKS, matvec) a group per
 //                                                  head of [q; k; v], RW = hd, in row order
 //   -DQK_NORM -DQK_HPG=<h> -DQK_PARTS=<p> -DQKN_T=<f32|f16|bf16>
 //                                                  (EPI_ROPE_KV) each q and k head RMS-normed
@@ -155,7 +155,7 @@ inline float wscale(gin w, size_t blk, size_t nblk) {
 #define LD4_NORM(p, i4) CAT(ld4_, NORM_T)(p, i4)
 #define LD_NORM(p, i) CAT(ld_, NORM_T)(p, i)
 #endif
-#if defined(EPI_ROPE_KV) && !defined(KV_Q8_0)
+#if defined(EPI_ROPE_KV) && !defined(KV_BLOCKS)
 #define ST_KV(p, i, v) CAT(st_, KV_T)(p, i, v)
 #endif
 // Where row t of the step goes: its RoPE position and the cache row it writes. The epilogues
@@ -231,7 +231,7 @@ inline void epilogue(int t, int g, int r, int RW, __local const float* vals, int
     if (r >= half_rw || u >= F) return;
     float gate = vals[r * stride], up = vals[(r + half_rw) * stride];
     ((__global float*)y)[(size_t)t * F + u] = gate / (1.0f + exp(-gate)) * up;
-#elif defined(EPI_ROPE_KV) && !defined(KV_Q8_0)
+#elif defined(EPI_ROPE_KV) && !defined(KV_BLOCKS)
     int half_rw = RW / 2, hh = hd / 2, ppg = ROPE_PPG(RW, hh);
     int pairs = (n_heads + n_kv_heads) * hh;
     int pair_groups = (pairs + ppg - 1) / ppg;
@@ -262,7 +262,7 @@ inline void epilogue(int t, int g, int r, int RW, __local const float* vals, int
         if (row < n_kv_heads * hd && SLOT_IN_CACHE(slot)) ST_KV(e2, kv_row + row, vals[r * stride]);
     }
 #elif defined(EPI_ROPE_KV)
-    // KV_Q8_0: epilogue_chunk() writes whole blocks instead
+    // KV_BLOCKS: epilogue_chunk() writes whole blocks instead
 #else
     int row = g * RW + r;
     if (row >= N) return;
@@ -276,10 +276,15 @@ inline void epilogue(int t, int g, int r, int RW, __local const float* vals, int
 }
 
 
-#if defined(EPI_ROPE_KV) && defined(KV_Q8_0)
+#if defined(EPI_ROPE_KV) && defined(KV_Q4_0)
+// o, 32 values, as the q4_0 block of cache holding element `first` (a multiple of 32)
+inline void store_kv_block(gout cache, size_t first, const float* o) {
+    store_q4_0_block(cache + (first >> 5) * 18, o);
+}
+#elif defined(EPI_ROPE_KV) && defined(KV_Q8_0)
 // o, 32 values, as the Q8_0 block of cache holding element `first` (a multiple of 32), as
 // quant.quantize does (d = amax / 127 kept as f16, q = round(x / d) half away from zero)
-inline void store_q8_block(gout cache, size_t first, const float* o) {
+inline void store_kv_block(gout cache, size_t first, const float* o) {
     float amax = 0.0f;
     for (int i = 0; i < 32; i++) amax = fmax(amax, fabs(o[i]));
     float d = amax / 127.0f;
@@ -290,11 +295,11 @@ inline void store_q8_block(gout cache, size_t first, const float* o) {
 }
 #endif
 
-#if defined(EPI_ROPE_KV) && defined(KV_Q8_0) && defined(ROPE_HEADS)
-// Q8_0 caches where head_dim % 64 == 32: a 32-value block then holds the end of one RoPE half
+#if defined(EPI_ROPE_KV) && defined(KV_BLOCKS) && defined(ROPE_HEADS)
+// Q8_0 / q4_0 caches where head_dim % 64 == 32: a 32-value block then holds the end of one RoPE half
 // and the start of the other, which pair groups would split between groups. So group g holds
 // head g of [q; k; v] whole (RW = hd, slot r = row r of the head), and thread c finishes its
-// block c: RoPE from the head's own rows (q, k), then q stored as f32, k/v as a Q8_0 block.
+// block c: RoPE from the head's own rows (q, k), then q stored as f32, k/v as a cache block.
 inline void epilogue_chunk(int t, int g, int c, int RW, __local const float* vals, int stride,
                            gout e0, gout e1, gout e2, gout y, int N, int n_heads, int n_kv_heads,
                            int hd, EPI_ROWS_PARAMS) {
@@ -320,12 +325,12 @@ inline void epilogue_chunk(int t, int g, int c, int RW, __local const float* val
         return;
     }
     int kh = rope ? g - n_heads : g - n_heads - n_kv_heads, slot = ROW_SLOT(t);
-    if (SLOT_IN_CACHE(slot)) store_q8_block(rope ? e1 : e2, ((size_t)slot * n_kv_heads + kh) * hd + 32 * c, o);
+    if (SLOT_IN_CACHE(slot)) store_kv_block(rope ? e1 : e2, ((size_t)slot * n_kv_heads + kh) * hd + 32 * c, o);
 }
-#elif defined(EPI_ROPE_KV) && defined(KV_Q8_0)
-// Q8_0 caches: thread c of a group finishes slots [32c, 32c + 32) of token t, which the slot
+#elif defined(EPI_ROPE_KV) && defined(KV_BLOCKS)
+// Q8_0 / q4_0 caches: thread c of a group finishes slots [32c, 32c + 32) of token t, which the slot
 // rule makes one aligned 32-value block of one head (codegen checks RW % 64 == 0 and
-// hd % 64 == 0): RoPE for q/k, then q rows stored as f32 and k/v as Q8_0 blocks.
+// hd % 64 == 0): RoPE for q/k, then q rows stored as f32 and k/v as cache blocks.
 inline void epilogue_chunk(int t, int g, int c, int RW, __local const float* vals, int stride,
                            gout e0, gout e1, gout e2, gout y, int N, int n_heads, int n_kv_heads,
                            int hd, EPI_ROWS_PARAMS) {
@@ -367,7 +372,7 @@ inline void epilogue_chunk(int t, int g, int c, int RW, __local const float* val
         cache = e2;
         first = kv_row + row0;
     }
-    if (SLOT_IN_CACHE(slot)) store_q8_block(cache, first, o);
+    if (SLOT_IN_CACHE(slot)) store_kv_block(cache, first, o);
 }
 #endif
 
@@ -472,7 +477,7 @@ inline void qk_split_epilogue(int t, int g, int lid, int nthreads, __local float
     add_bias(out, 1, RW, g, RW, lid, nthreads, N, n_heads, n_kv_heads, hd, bias);
 #endif
     if (g >= heads * hh / half_rw) {   // a group of v rows
-#ifdef KV_Q8_0
+#ifdef KV_BLOCKS
         if (lid < RW / 32)
             epilogue_chunk(t, g, lid, RW, out, 1, e0, e1, e2, y, N, n_heads, n_kv_heads, hd, EPI_ROWS_PASS);
 #else
@@ -496,7 +501,7 @@ inline void qk_split_epilogue(int t, int g, int lid, int nthreads, __local float
     if (lid == 0) *count = 0;
     barrier(CLK_LOCAL_MEM_FENCE);
     qk_norm_vals(head, 1, hd, h, hd, lid, nthreads, n_heads, n_kv_heads, hd, qn, kn, qk_eps, part);
-#ifdef KV_Q8_0
+#ifdef KV_BLOCKS
     if (lid < hd / 32)
         epilogue_chunk(t, h, lid, hd, head, 1, e0, e1, e2, y, N, n_heads, n_kv_heads, hd, EPI_ROWS_PASS);
 #else

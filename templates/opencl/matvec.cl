@@ -429,7 +429,7 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
     pre_epilogue(out, 1, MV_ROWS, g, MV_ROWS, lid, MV_WG, N, n_heads, n_kv_heads, hd, biasb + bias_off,
                  qnormb + qnorm_off, knormb + knorm_off, qk_eps, qk_part);
 #endif
-#if defined(EPI_ROPE_KV) && defined(KV_Q8_0)
+#if defined(EPI_ROPE_KV) && defined(KV_BLOCKS)
     if (lid < MV_ROWS / 32)
         epilogue_chunk(t, g, lid, MV_ROWS, out, 1, e0b + e0_off, e1b + e1_off, e2b + e2_off,
                        yb + y_off, N, n_heads, n_kv_heads, hd, EPI_ROWS_OF(step));

@@ -1,5 +1,5 @@
 // RoPE (HF rotate_half: pairs j, j + hd/2) and the KV-cache store.
-//   -DKV_T=<f32|f16|q8_0> [-DKV_Q8_0]
+//   -DKV_T=<f32|f16|q8_0|q4_0> -DKV_<T>
 // Positions: row t is at start_pos + t; the angle is float(pos) * inv_freq[j] in f32.
 // -DSTEP_ROWS (a step graph's rows, compiler/ir.py "Step graphs"): each kernel takes one more
 // i32 [M] input, rope the rows' positions, kv_store the cache rows (slots) they write.
@@ -12,7 +12,7 @@
 #define SLOTS_ARG
 #endif
 
-#ifndef KV_Q8_0
+#ifndef KV_BLOCKS
 #define ST_KV(p, i, v) CAT(st_, KV_T)(p, i, v)
 #endif
 
@@ -38,7 +38,7 @@ __kernel void rope(__global const int* step, gin xb, ulong x_off, gin fb, ulong 
 }
 
 // src f32 [M, KVH*hd]  ->  cache KV_T [S, KVH, hd] rows n_past + t (STEP_ROWS: rows slots[t]).
-// Grid: (KVH*hd, rows), or (KVH*hd/32, rows) for q8_0: one thread per 32-value block.
+// Grid: (KVH*hd, rows), or (KVH*hd/32, rows) for q8_0 / q4_0: one thread per 32-value block.
 __kernel void kv_store(__global const int* step, gin sb, ulong s_off, gout cb, ulong c_off, int width
                        ROW_INDEX_ARGS SLOTS_ARG) {
     int i = get_global_id(0), t = get_global_id(1);
@@ -52,7 +52,12 @@ __kernel void kv_store(__global const int* step, gin sb, ulong s_off, gout cb, u
 #else
     int slot = STEP_N_PAST(step) + t;
 #endif
-#ifdef KV_Q8_0
+#ifdef KV_Q4_0
+    if (i >= width / 32) return;
+    float x[32];
+    for (int j = 0; j < 32; j++) x[j] = src[32 * i + j];
+    store_q4_0_block(cb + c_off + ((size_t)slot * (width / 32) + i) * 18, x);
+#elif defined(KV_Q8_0)
     if (i >= width / 32) return;
     float16 x0 = vload16(2 * i, src), x1 = vload16(2 * i + 1, src);
     float d = quantize_q8_block(&x0, &x1);

@@ -235,7 +235,7 @@ def simple_case(kind: str, seed: int = 3, hd: int = 32) -> Case:
 
 
 SIMPLE_KINDS = ("rms_norm", "rms_norm:16", "rms_norm:8", "add", "mul", "silu", "silu_mul", "argmax", "slice", "rope", "rope+inv_freq",
-                "kv_store:f32", "kv_store:f16", "kv_store:q8_0")
+                "kv_store:f32", "kv_store:f16", "kv_store:q8_0", "kv_store:q4_0")
 
 
 def scored_attention_case(T: int, n_tokens: int, kv_dtype: str, first: int | None, hd: int = 32,

@@ -98,6 +98,8 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     _one_line_error(capsys, [str(bad), "-o", out], "has shape [192, 64], config.json implies [200, 64]")
     _one_line_error(capsys, [str(DATA / "golden-a"), "-o", out, "--no-fuse", "everything"], "everything")
     _one_line_error(capsys, [str(DATA / "golden-a"), "-o", out, "--target", "tpu"], "--target 'tpu'")
+    _one_line_error(capsys, [str(DATA / "golden-a"), "-o", out, "--kv-type", "q4_0"],   # head_dim 16
+                    "--kv-type q4_0 stores each head's row in 32-value blocks, but head_dim is 16; use --kv-type f16")
     assert not (tmp_path / "x.plan.bin").exists()
 
 

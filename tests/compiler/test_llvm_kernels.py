@@ -55,16 +55,22 @@ def as_float(case: Case, name: str, arr: np.ndarray) -> np.ndarray:
     return np.asarray(arr, np.float32)
 
 
+CACHE_ATOL = {"q8_0": 0.02, "q4_0": 0.13, "f16": 1e-3}
+
+
 def check(case: Case, arrays: dict[str, np.ndarray]) -> None:
     want, got = case.expected(), case.actual(arrays)
     for name in case.op.outputs:
         w, g = as_float(case, name, want[name]), as_float(case, name, got[name])
         alias = case.graph.values[name].alias
         cache = case.graph.values[alias].dtype if alias else None
-        # a q8_0 cache may round one value differently where the float inputs differ in the last
-        # bit, and an f16 cache may round one to the neighbouring f16 (2^-11 of its size)
-        atol = {"q8_0": 0.02, "f16": 1e-3}.get(cache, 1e-5) * float(np.abs(w).max() + (cache is None))
+        # a q8_0 / q4_0 cache may round one value to the next code where the float inputs differ
+        # in the last bit (a step is 1/127 / 1/8 of its block's largest value), and an f16 cache
+        # one to the neighbouring f16 (2^-11 of its size)
+        atol = CACHE_ATOL.get(cache, 1e-5) * float(np.abs(w).max() + (cache is None))
         np.testing.assert_allclose(g, w, rtol=case.rtol, atol=atol, err_msg=f"{case.name}: {name}")
+        if cache in quant.BLOCK_BYTES:   # ... but only the rare value on a rounding edge does
+            assert np.mean(g != w) <= 0.01, f"{case.name}: {name}: {np.mean(g != w):.1%} of the values differ"
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
@@ -94,8 +100,8 @@ def test_q8_0_decode_one_row_tiles_match_interpreter(target, prologue, epilogue)
     check(case, run_case(case, TARGETS[target], nth=3)[0])
 
 
-@pytest.mark.parametrize("cache_dtype", ["f16", "q8_0"])
-def test_rope_kv_store_epilogue_writes_f16_and_q8_0_caches(cache_dtype):
+@pytest.mark.parametrize("cache_dtype", ["f16", "q8_0", "q4_0"])
+def test_rope_kv_store_epilogue_writes_f16_q8_0_and_q4_0_caches(cache_dtype):
     case = matmul_case("q8_0", 5, 5, True, "rope_kv_store", cache_dtype=cache_dtype)
     check(case, run_case(case, TARGETS["host"], nth=2)[0])
 
@@ -152,14 +158,14 @@ def test_int8_block_dot_products_are_ggml_integer_sums_exactly(target, wdtype):
     _block_sums(lambda kb: emit_block_dot_probe(kb, wdtype, k, n), TARGETS[target], w, wdtype, x, n, k)
 
 
-@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0", "q4_0"])
 @pytest.mark.parametrize("T,n_tokens", [(1, 1), (7, 7), (7, 4)])
 def test_attention_causal_gqa_matches_interpreter(kv_dtype, T, n_tokens):
     case = attention_case(T, n_tokens, kv_dtype)
     check(case, run_case(case, TARGETS["host"], nth=3)[0])
 
 
-@pytest.mark.parametrize("kv_dtype", ["f16", "q8_0"])
+@pytest.mark.parametrize("kv_dtype", ["f16", "q8_0", "q4_0"])
 @pytest.mark.parametrize("T,n_tokens", [(1, 1), (7, 5)])
 def test_attention_over_a_full_cache_matches_interpreter(kv_dtype, T, n_tokens):
     """Slots go in blocks of 16: the last token sees every slot of a 24-slot cache, so its last
@@ -169,7 +175,7 @@ def test_attention_over_a_full_cache_matches_interpreter(kv_dtype, T, n_tokens):
     rng = np.random.default_rng(11)
     for name in ("kc", "vc"):
         vals = rng.standard_normal(case.graph.values[name].shape).astype(np.float32)
-        case.arrays[name] = quant.quantize(vals, kv_dtype) if kv_dtype == "q8_0" else vals.astype(np.float16)
+        case.arrays[name] = quant.quantize(vals, kv_dtype) if kv_dtype in quant.BLOCK_BYTES else vals.astype(np.float16)
     n_past = S - n_tokens
     case.step = Step(n_tokens, n_past, n_past)
     check(case, run_case(case, TARGETS["host"], nth=2)[0])
@@ -199,7 +205,7 @@ def test_attention_with_an_odd_gqa_group_matches_interpreter():
 # (100 on AVX2 / AVX-512, 120 and 80 on AVX-512's 16 lanes, 34 ending in 2 lanes), MHA, MQA and
 # a GQA group of 3
 ODD_HEADS = [(3, 3, 48, "f16"), (2, 1, 80, "f32"), (9, 3, 96, "q8_0"), (2, 2, 100, "f16"), (8, 1, 100, "f32"),
-             (3, 1, 120, "f16"), (2, 1, 256, "q8_0"), (2, 2, 34, "f32")]
+             (3, 1, 120, "f16"), (2, 1, 256, "q8_0"), (2, 2, 34, "f32"), (6, 2, 96, "q4_0")]
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
@@ -248,6 +254,23 @@ def test_embedding_rows_match_dequantized_table_exactly(dtype):
 def test_norm_elementwise_argmax_rope_and_kv_store_match_interpreter(kind):
     case = simple_case(kind)
     check(case, run_case(case, TARGETS["host"], nth=2)[0])
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS))
+@pytest.mark.parametrize("dtype,hd", [("q8_0", 64), ("q4_0", 64), ("q4_0", 96)])
+def test_kv_store_writes_the_ggml_reference_blocks_byte_for_byte(target, dtype, hd):
+    """From exact f32 rows the stored blocks are quant.quantize's (ggml's quantize_row_*_ref, checked
+    against ggml's own bytes in test_quant.py): the scale, the signed largest value q4_0 divides
+    by -8 (the first of a +a / -a tie), the truncation after + 8.5, the nibble order."""
+    case = simple_case(f"kv_store:{dtype}", hd=hd)
+    a = case.arrays["a"]
+    a[0, :32] = np.linspace(-3, 3, 32, dtype=np.float32)      # -3 first and +3 last: -3 wins
+    a[1, 32:64] = -np.abs(a[1, 32:64]) - 0.5                  # a block whose largest is negative
+    got = run_case(case, TARGETS[target], nth=2)[0]["kc"]
+    want = case.expected()["kc2"]
+    np.testing.assert_array_equal(got, want)
+    rows = a[:case.step.n_tokens].reshape(case.step.n_tokens, 2, hd)
+    np.testing.assert_array_equal(got[2:2 + case.step.n_tokens], quant.quantize(rows, dtype))
 
 
 def test_bad_target_is_an_error_not_a_crash():
@@ -391,7 +414,7 @@ def test_grouped_q4_partial_group_never_reads_past_the_weights(target, wdtype, T
     assert queue.get(timeout=5) == "ok"
 
 
-@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0", "q4_0"])
 @pytest.mark.parametrize("T,n_tokens,first", [(1, 1, 0), (7, 7, 0), (7, 5, 8), (7, 4, None), (1, 1, 99)])
 def test_attention_eviction_scores_match_interpreter(kv_dtype, T, n_tokens, first):
     """Each scored row (slot >= first) adds its softmax weights per KV head; the control off or
@@ -424,9 +447,10 @@ def test_matmul_with_a_bias_matches_interpreter(target, wdtype, prologue, epilog
 QK_HEADS = [(4, 2, 128), (4, 2, 48), (3, 1, 100), (6, 1, 64)]
 
 
-# (weights, cache): a q8_0 cache holds whole 32-value blocks of a head, so not with head_dim 100
-QK_RUNS = [(w, c, h) for w, c in [("q4_0", "f16"), ("q8_0", "q8_0"), ("f32", "f32"), ("f16", "f16"), ("q4_1", "f32")]
-           for h in QK_HEADS if c != "q8_0" or h[2] % 32 == 0]
+# (weights, cache): a q8_0 / q4_0 cache holds whole 32-value blocks of a head, so not with head_dim 100
+QK_RUNS = [(w, c, h) for w, c in [("q4_0", "f16"), ("q8_0", "q8_0"), ("f32", "f32"), ("f16", "f16"), ("q4_1", "f32"),
+                                  ("q4_1", "q4_0")]
+           for h in QK_HEADS if c not in quant.BLOCK_BYTES or h[2] % 32 == 0]
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))

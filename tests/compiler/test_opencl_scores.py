@@ -29,7 +29,7 @@ def _run(case, scoring: bool) -> tuple[dict[str, np.ndarray], list[str]]:
     return {n: be.read_value(g.name, n) for n in case.op.outputs}, be.build_options
 
 
-@pytest.mark.parametrize("kv_dtype,hd", [("f32", 32), ("f16", 32), ("q8_0", 64), ("f16", 16)])
+@pytest.mark.parametrize("kv_dtype,hd", [("f32", 32), ("f16", 32), ("q8_0", 64), ("f16", 16), ("q4_0", 64)])
 @pytest.mark.parametrize("T,n_tokens,first", [(1, 1, 0), (7, 7, 0), (7, 5, 8), (7, 4, None)])
 def test_attention_scores_kernel_matches_interpreter(kv_dtype, hd, T, n_tokens, first):
     case = scored_attention_case(T, n_tokens, kv_dtype, first, hd=hd)

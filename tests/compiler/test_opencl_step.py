@@ -97,11 +97,11 @@ class PagedAttention:
         return o
 
 
-# (n_heads, n_kv_heads, head_dim, KV type, block size): GQA, MQA and MHA; f16, f32 and q8_0
+# (n_heads, n_kv_heads, head_dim, KV type, block size): GQA, MQA and MHA; f16, f32, q8_0 and q4_0
 # caches; blocks of a chunk's 32 entries or fewer, more, or neither (12); head_dim 16 and 100
 # (the golden models': no multiple of 32) and 256 (past the tiles kernel's local memory)
 CASES = [(8, 2, 64, "f16", 16), (4, 1, 128, "f32", 64), (6, 6, 32, "q8_0", 8), (4, 2, 16, "f32", 12),
-         (8, 1, 100, "f16", 16), (2, 1, 256, "f16", 32)]
+         (8, 1, 100, "f16", 16), (2, 1, 256, "f16", 32), (8, 2, 64, "q4_0", 16)]
 IDS = [f"{h}.{k}x{d}-{t}-b{b}" for h, k, d, t, b in CASES]
 
 
@@ -240,7 +240,7 @@ def test_rope_at_per_row_positions_matches_interpreter():
     _close(got[0], want[0], 1e-4)
 
 
-@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0", "q4_0"])
 def test_kv_store_at_per_row_slots_matches_interpreter(kv_dtype):
     rng = np.random.default_rng(32)
     kvh, hd, s, T = 2, 32, 24, 6
@@ -253,7 +253,7 @@ def test_kv_store_at_per_row_slots_matches_interpreter(kv_dtype):
     np.testing.assert_array_equal(got[0], want[0])
 
 
-@pytest.mark.parametrize("kv_dtype", ["f32", "q8_0"])
+@pytest.mark.parametrize("kv_dtype", ["f32", "q8_0", "q4_0"])
 def test_kv_store_drops_a_slot_outside_the_cache_and_writes_nothing_beside_it(kv_dtype):
     """The runtime refuses such slots; a kernel given one anyway writes neither the cache nor
     the state after it (slot S would be its first row), nor before it (slot -1)."""
@@ -298,7 +298,8 @@ def test_gather_of_the_logit_rows_matches_interpreter():
 # split over groups by tickets)
 STEP_QKV = [("q4_0", "f16", (4, 2, 64), False, False), ("f16", "q8_0", (4, 2, 64), False, False),
             ("q8_0", "q8_0", (3, 1, 96), True, False), ("q4_1", "f32", (4, 2, 128), True, True),
-            ("f16", "f16", (6, 1, 64), False, True), ("q8_0", "f16", (2, 1, 256), True, True)]
+            ("f16", "f16", (6, 1, 64), False, True), ("q8_0", "f16", (2, 1, 256), True, True),
+            ("q4_1", "q4_0", (4, 2, 64), False, False), ("q4_0", "q4_0", (3, 1, 96), True, False)]
 STEP_QKV_IDS = [f"{w}-{k}-{h}.{g}x{d}" + "-qknorm" * n + "-bias" * b for w, k, (h, g, d), n, b in STEP_QKV]
 
 
@@ -316,7 +317,8 @@ def test_fused_qkv_ropes_and_stores_each_row_at_its_own_position_and_slot(wdt, k
         np.testing.assert_array_equal(b.data[cache][untouched], got[1 if cache == "kc" else 2][untouched])
 
 
-@pytest.mark.parametrize("kv,heads", [("f32", (4, 2, 64)), ("q8_0", (4, 2, 64)), ("q8_0", (3, 1, 96))])
+@pytest.mark.parametrize("kv,heads", [("f32", (4, 2, 64)), ("q8_0", (4, 2, 64)), ("q8_0", (3, 1, 96)),
+                                     ("q4_0", (4, 2, 64))])
 def test_fused_qkv_stores_nothing_for_a_slot_outside_the_cache(kv, heads):
     """As the step graph's kv_store: the runtime refuses such a step; the kernel given one anyway
     writes no cache row for it (nor next to the cache), and ropes its q all the same."""
@@ -334,7 +336,7 @@ def test_fused_qkv_stores_nothing_for_a_slot_outside_the_cache(kv, heads):
 
 
 @pytest.mark.parametrize("wdt,kv,heads,qk_norm", [("q4_0", "f16", (4, 2, 64), False), ("f16", "q8_0", (4, 2, 128), True),
-                                                  ("q8_0", "q8_0", (3, 1, 96), False)])
+                                                  ("q8_0", "q8_0", (3, 1, 96), False), ("f16", "q4_0", (4, 2, 64), False)])
 def test_a_rows_fused_qkv_is_the_same_bits_alone_and_among_other_rows(wdt, kv, heads, qk_norm):
     """Row invariance of the fused QKV: a row's q and the k / v it stores are the same bits in a
     step of one row as among 67 (the kernel is chosen by the graph's rows, a row sums alone)."""

@@ -67,7 +67,7 @@ def test_a_disabled_rule_reaches_fuse():
 
 @pytest.mark.parametrize("opts, message", [
     (CompileOptions(no_fuse=("qkv_rope",)), r"^unknown fusion rule 'qkv_rope'; the rules are qkv_rope_kv, "),
-    (CompileOptions(kv_type="q4_0"), r"^kv_type 'q4_0': choose one of f32, f16, q8_0$"),
+    (CompileOptions(kv_type="q4_1"), r"^kv_type 'q4_1': choose one of f32, f16, q8_0, q4_0$"),
     (CompileOptions(embedding="bf16"), r"^embedding 'bf16': choose one of q4_0, q4_1, q8_0, f16, f32, native$"),
 ])
 def test_bad_options_are_one_line_errors_before_any_work(opts, message):
@@ -75,11 +75,12 @@ def test_bad_options_are_one_line_errors_before_any_work(opts, message):
         compile_graphs("/nonexistent/model", opts)
 
 
-def test_q8_0_cache_of_a_head_dim_not_in_32_value_blocks_is_a_one_line_error_naming_the_flag():
-    # golden-a's head_dim is 16: a Q8_0 block would span two heads
-    with pytest.raises(IRError, match=r"^--kv-type q8_0 stores each head's row in 32-value blocks, but head_dim "
+@pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
+def test_a_block_cache_of_a_head_dim_not_in_32_value_blocks_is_a_one_line_error_naming_the_flag(kv):
+    # golden-a's head_dim is 16: a Q8_0 / q4_0 block would span two heads
+    with pytest.raises(IRError, match=rf"^--kv-type {kv} stores each head's row in 32-value blocks, but head_dim "
                                       r"is 16; use --kv-type f16$"):
-        compile_graphs("tests/data/golden-a", CompileOptions(kv_type="q8_0", **SMALL))
+        compile_graphs("tests/data/golden-a", CompileOptions(kv_type=kv, **SMALL))
 
 
 def test_a_pass_that_breaks_the_graph_is_named(monkeypatch):

@@ -26,7 +26,7 @@ def test_rope_rotates_each_row_by_its_own_position(target, hd, folded):
     check(case, run_case(case, TARGETS[target], nth=2)[0])
 
 
-@pytest.mark.parametrize("dtype,hd", [("f32", 32), ("f16", 100), ("q8_0", 64)])
+@pytest.mark.parametrize("dtype,hd", [("f32", 32), ("f16", 100), ("q8_0", 64), ("q4_0", 64)])
 def test_kv_store_writes_each_row_at_its_slot(dtype, hd):
     case = kv_store_case(T=7, n=5, dtype=dtype, hd=hd)
     arrays = run_case(case, TARGETS["host"], nth=2)[0]
@@ -50,8 +50,8 @@ def test_kv_store_writes_nothing_for_a_slot_outside_the_cache():
 # start, several blocks, the whole table; sequences in no order
 ROWS = [(1, 1), (0, 16), (2, 17), (0, 33), (1, 47), (2, 64), (0, 5)]
 # (n_heads, n_kv_heads, head_dim, KV dtype): GQA, MQA, a group of 3, head_dim 100 (no multiple of
-# the vector width, nor of q8_0's 32-value blocks)
-HEADS = [(h, k, d, t) for h, k, d in ((4, 2, 32), (4, 1, 64), (6, 2, 32)) for t in ("f32", "f16", "q8_0")] \
+# the vector width, nor of q8_0's / q4_0's 32-value blocks)
+HEADS = [(h, k, d, t) for h, k, d in ((4, 2, 32), (4, 1, 64), (6, 2, 32)) for t in ("f32", "f16", "q8_0", "q4_0")] \
     + [(2, 2, 100, "f32"), (2, 2, 100, "f16")]
 
 
@@ -65,7 +65,7 @@ def test_paged_attention_through_shuffled_block_tables_matches_interpreter(targe
     check(case, run_case(case, TARGETS[target], nth=3)[0])
 
 
-@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0", "q4_0"])
 def test_one_sequence_through_the_identity_table_is_the_contiguous_kernel_bit_for_bit(kv_dtype):
     """Rows 0..5 of a prefill chunk after 37 cached tokens: the paged kernel reads the same slots
     in the same order as the causal kernel, so a sequence alone loses nothing to paging."""
@@ -141,11 +141,12 @@ def test_a_rows_matmul_result_is_the_same_bits_alone_and_among_8_rows(target, wd
 
 # -- the fused QKV matmul of a step graph (fused_matmul rope_kv_store, attr step_rows) ------------
 
-# (weights, cache, heads, qk_norm, bias): Llama's, a q8_0 cache, head_dim 100 (RoPE halves of 50),
+# (weights, cache, heads, qk_norm, bias): Llama's, a q8_0 and a q4_0 cache, head_dim 100 (RoPE halves of 50),
 # Qwen3's per-head norms, Qwen2's biases
 FUSED_STEP = [("q4_0", "f32", (4, 2, 32), False, False), ("q8_0", "q8_0", (4, 1, 64), False, False),
               ("f16", "f16", (2, 2, 100), False, False), ("q4_1", "f16", (4, 2, 48), True, False),
-              ("f32", "f32", (3, 1, 32), False, True), ("q4_0", "f16", (4, 2, 48), True, True)]
+              ("f32", "f32", (3, 1, 32), False, True), ("q4_0", "f16", (4, 2, 48), True, True),
+              ("q4_1", "q4_0", (4, 2, 64), False, False)]
 FUSED_IDS = [f"{w}-{c}-{h}.{k}x{d}" + "-qknorm" * n + "-bias" * b for w, c, (h, k, d), n, b in FUSED_STEP]
 
 

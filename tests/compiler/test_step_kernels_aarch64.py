@@ -25,9 +25,11 @@ ROWS = [(1, 1), (0, 16), (2, 17), (0, 33), (1, 47), (2, 64), (0, 5)]
 CASES = [rope_case(T=7, n=6, hd=100),
          rope_case(T=7, n=5, hd=32, folded=False),
          kv_store_case(T=7, n=5, dtype="q8_0", hd=64),
+         kv_store_case(T=7, n=5, dtype="q4_0", hd=64),
          kv_store_case(T=7, n=6, dtype="f16", hd=100),
          paged_attention_case(T=9, rows=ROWS, kv_dtype="f16"),
          paged_attention_case(T=9, rows=ROWS, kv_dtype="q8_0", h=4, kvh=1, hd=64),
+         paged_attention_case(T=9, rows=ROWS, kv_dtype="q4_0", h=4, kvh=2, hd=64),
          paged_attention_case(T=9, rows=ROWS, kv_dtype="f32", h=6, kvh=2, hd=100),
          # blocks of 2 slots: fewer than a NEON vector's 4 lanes, each lane looks its block up
          paged_attention_case(T=9, rows=[(s, min(c, 8)) for s, c in ROWS], kv_dtype="f16",
@@ -38,7 +40,9 @@ CASES = [rope_case(T=7, n=6, hd=100),
                      seed=11),
          matmul_case("q8_0", 9, 9, True, "rope_kv_store", cache_dtype="f16", heads=(4, 2, 48), qk_norm=True,
                      bias=True, step_rows=True, seed=12),
-         matmul_case("f16", 9, 1, True, "rope_kv_store", heads=(2, 2, 100), step_rows=True, seed=13)]
+         matmul_case("f16", 9, 1, True, "rope_kv_store", heads=(2, 2, 100), step_rows=True, seed=13),
+         matmul_case("q4_1", 9, 7, True, "rope_kv_store", cache_dtype="q4_0", heads=(4, 2, 64), step_rows=True,
+                     seed=14)]
 # a row of an 8-row step (whole tiles of 4) and the same row alone (a one-token tail)
 WEIGHTS = ("q4_0", "q4_1", "q8_0")
 BATCH = {w: matmul_case(w, 16, 8, True, "silu_mul", K=160, N=48, seed=3) for w in WEIGHTS}

@@ -25,8 +25,9 @@ N_NEW = 10
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(3, 300, 19)]   # ids every test vocab has
 
 
-KV_TYPES = {"golden-a": "f16", "tiny-q8_0": "q8_0"}     # the others: f32
-ROW_BYTES = {"f32": lambda hd: 4 * hd, "f16": lambda hd: 2 * hd, "q8_0": lambda hd: hd // 32 * 34}
+KV_TYPES = {"golden-a": "f16", "tiny-q8_0": "q8_0", "tiny-q4_0": "q4_0"}     # the others: f32
+ROW_BYTES = {"f32": lambda hd: 4 * hd, "f16": lambda hd: 2 * hd, "q8_0": lambda hd: hd // 32 * 34,
+             "q4_0": lambda hd: hd // 32 * 18}
 
 
 def _compile(src, out, kv="f32", slots=64, chunk=8):
@@ -48,7 +49,7 @@ def plan_files(tmp_path_factory):
                 src = make_model(tmp / "odd", "tiny", seed=3, hidden_size=144, intermediate_size=256,
                                  num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3, head_dim=48,
                                  vocab_size=512)
-            elif name == "tiny-q8_0":    # head_dim 32: a q8_0 cache row is one block per head
+            elif name in ("tiny-q8_0", "tiny-q4_0"):    # head_dim 32: a cache row is one block per head
                 src = make_model(tmp / "tiny", "tiny", seed=4, num_hidden_layers=2, intermediate_size=256,
                                  vocab_size=512)
             else:
@@ -58,10 +59,10 @@ def plan_files(tmp_path_factory):
     return get
 
 
-@pytest.fixture(scope="module", params=["golden-a", "golden-b", "golden-c", "odd", "tiny-q8_0"])
+@pytest.fixture(scope="module", params=["golden-a", "golden-b", "golden-c", "odd", "tiny-q8_0", "tiny-q4_0"])
 def loaded(request, plan_files):
     """(plan, {kv mode: HybridBackend}) for each golden model (golden-a with an f16 cache), one of odd
-    shape (head_dim 48, GQA 9:3) and one with a q8_0 cache."""
+    shape (head_dim 48, GQA 9:3) and one with a q8_0 cache, one with a q4_0 cache."""
     plan = Plan.open(plan_files(request.param))
     sides = {mode: HybridBackend.load(plan, Schedule("cpu", NEVER), mode, threads=2) for mode in ("copy", "map")}
     yield plan, sides

@@ -26,13 +26,13 @@ POLICIES = ("sliding", "snapkv", "h2o")
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory):
     """golden-a (head_dim 16, GQA 4:2) and a random model with head_dim 64 (GQA 4:2: OpenCL's
-    one-key-per-lane decode attention, and q8_0 caches), compiled for both back ends."""
+    one-key-per-lane decode attention, and q8_0 / q4_0 caches), compiled for both back ends."""
     root = tmp_path_factory.mktemp("kv")
     hd64 = make_model(root / "hd64", "golden-a", seed=7, hidden_size=256, num_attention_heads=4,
                       num_key_value_heads=2, intermediate_size=192)
     out = {}
     for name, model, kv in (("a-f32", DATA / "golden-a", "f32"), ("r-f32", hd64, "f32"),
-                            ("r-f16", hd64, "f16"), ("r-q8_0", hd64, "q8_0")):
+                            ("r-f16", hd64, "f16"), ("r-q8_0", hd64, "q8_0"), ("r-q4_0", hd64, "q4_0")):
         out[name] = root / f"{name}.plan.bin"
         assert compile_main([str(model), "-o", str(out[name]), "--target", "cpu,opencl", "--weights", "f32",
                              "--kv-type", kv, "--max-seq-len", str(S), "--prefill-chunk", str(CHUNK), "-q"]) == 0
@@ -148,14 +148,17 @@ def test_decoding_with_eviction_matches_the_interpreter_on_the_surviving_cache(p
 
 
 @pytest.mark.parametrize("backend", ["cpu", "opencl"])
-@pytest.mark.parametrize("model", ["r-f16", "r-q8_0"])
-def test_compaction_moves_whole_head_rows_of_f16_and_q8_0_caches(plans, backend, model):
+@pytest.mark.parametrize("model", ["r-f16", "r-q8_0", "r-q4_0"])
+def test_compaction_moves_whole_head_rows_of_f16_q8_0_and_q4_0_caches(plans, backend, model):
     gen, lock, store, cache = _lockstep_run(plans[model], backend, "h2o", n_new=24)
     assert store.compactions == len(cache.events) > 0
     # h2o chose different slots for the two KV heads somewhere: rows really moved per head
     assert not np.array_equal(cache.positions[:, 0, :14], cache.positions[:, 1, :14])
-    for phase, got, want, *_ in lock.steps:   # f16 / q8_0 rows stored by each side's own kernels
-        assert rel_err(got, want) <= 1e-3, phase
+    # f16 / q8_0 / q4_0 rows stored by each side's own kernels: a key 1 ulp off the interpreter's
+    # may take the neighbouring code, 1/8 of its block's largest value apart in q4_0
+    tol = 1e-2 if model == "r-q4_0" else 1e-3
+    for phase, got, want, *_ in lock.steps:
+        assert rel_err(got, want) <= tol, phase
 
 
 @pytest.mark.parametrize("backend", ["cpu", "opencl"])
