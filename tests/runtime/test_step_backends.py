@@ -79,11 +79,13 @@ def test_opencl_runs_steps_as_the_interpreter(plan, opencl_device):
 
 def _scoring_steps(plan: Plan) -> list[StepRows]:
     """_steps with eviction scores: in the first step sequence 0's rows from KV index 2 and none
-    of sequence 1's, in the second both decode rows."""
+    of sequence 1's, in the second sequence 1's decode row and not sequence 0's, which is marked
+    a prompt row so OpenCL's row split puts it first (score_from must move with its row)."""
     never = np.iinfo(np.int32).max
     first, second = _steps(plan)
     return [StepRows(**{**first.__dict__, "score_from": np.array([2] * 5 + [never] * 3, np.int32)}),
-            StepRows(**{**second.__dict__, "score_from": np.array([0, 0], np.int32)})]
+            StepRows(**{**second.__dict__, "score_from": np.array([0, never], np.int32),
+                        "generated": np.array([1, 0], np.int32)})]
 
 
 @pytest.mark.parametrize("kind", ["cpu", "opencl"])
@@ -99,8 +101,10 @@ def test_steps_add_the_scoring_rows_eviction_scores_as_the_interpreter(plan, kin
         for rows in _scoring_steps(plan):
             assert rel_err(be.run_step(rows), ref.run_step(rows)) <= 1e-4
         got, want = be.kv_store().slot_scores(slots), ref.kv_store().slot_scores(slots)
-        written = np.concatenate([rows.slots for rows in _steps(plan)])    # each attended by a decode row
-        assert (want[..., written] > 0).all() and (np.delete(want, written, axis=-1) == 0).all()
+        first, second = _steps(plan)
+        written, unscored = np.concatenate([first.slots, second.slots]), second.slots[1]
+        assert (np.delete(want, written, axis=-1) == 0).all() and (want[..., unscored] == 0).all()
+        assert (want[..., written[written != unscored]] > 0).all()
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
     finally:
         be.close()
