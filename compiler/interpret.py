@@ -192,7 +192,7 @@ def _read_cache(it: Interpreter, name: str, cache: np.ndarray, length: int) -> n
     return _to_float(rows, dtype, it.ft)
 
 
-def _paged_attention(it, op, st, q, k_cache, v_cache, row_seq, ctx_len, tables):
+def _paged_attention(it, op, st, q, k_cache, v_cache, row_seq, ctx_len, tables, kept_scores=None, score_from=None):
     a = op.attrs
     h, kvh, hd, bs = a["n_heads"], a["n_kv_heads"], a["head_dim"], a["block_size"]
     group = h // kvh
@@ -208,7 +208,12 @@ def _paged_attention(it, op, st, q, k_cache, v_cache, row_seq, ctx_len, tables):
         p = np.exp(s - s.max(axis=-1, keepdims=True))
         p /= p.sum(axis=-1, keepdims=True)
         out[t] = np.einsum("kgl,lkd->kgd", p, v).reshape(-1)
-    return [out]
+        if kept_scores is not None and ctx_len[t] - 1 >= score_from[t]:
+            # eviction scores at the entries' physical slots, rows in step order
+            kept_scores[:, rows] += p.sum(axis=1).astype(kept_scores.dtype)
+    if kept_scores is None:
+        return [out]
+    return [out, kept_scores]
 
 
 def _attention(it, op, st, q, k_cache, v_cache, kept_scores=None, score_ctl=None, *paged):

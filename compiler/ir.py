@@ -50,17 +50,25 @@ the T rows is one token of some sequence; i32 graph inputs say which:
     row_seq[T]        its sequence's row of block_tables ctx_len[T] KV entries row t attends
     block_tables[B,M] physical block ids of each sequence's logical blocks (M * block_size = S)
     logit_rows[R]     the rows whose logits the step returns (R = B)
+    score_from[T]     row t adds eviction scores when its own KV index ctx_len[t] - 1 >= this
+                      (int32 max: never)
 
 and three ops take them as their last inputs (n_past and start_pos are then unused):
 
     rope(x [, inv_freq], positions)                 row t rotated by positions[t]
     kv_store(src, cache, slots)                     row t stored at cache[slots[t]]
-    attention(q, k, v, row_seq, ctx_len, block_tables; ..., block_size)
+    attention(q, k, v, row_seq, ctx_len, block_tables [, scores[KVH,S] f32, score_from]; ...,
+              block_size)                        -> o [, scores']
                                                     row t attends its sequence's logical entries
                                                        j < ctx_len[t], each at cache row
                                                        block_tables[row_seq[t], j // block_size]
-                                                       * block_size + j % block_size (no eviction
-                                                       scores in a step graph)
+                                                       * block_size + j % block_size. With scores
+                                                       (the prefill graph's states): each row t
+                                                       with ctx_len[t] - 1 >= score_from[t] adds
+                                                       its softmax weights, summed over the query
+                                                       heads of each KV head, to scores[kvh, that
+                                                       cache row] of every entry it attends; rows
+                                                       add in step order; scores' aliases scores
 
 Fused kinds (made by passes, never by model builders):
 

@@ -99,8 +99,8 @@ def _cache_of(g: Graph, name: str):
 def _attention(g, op, ins):
     a = op.attrs
     paged = "block_size" in a
-    _need(len(ins) == 6 if paged else len(ins) in (3, 5), op,
-          "inputs are q, k, v, row_seq, ctx_len, block_tables" if paged
+    _need(len(ins) in (6, 8) if paged else len(ins) in (3, 5), op,
+          "inputs are q, k, v, row_seq, ctx_len, block_tables and optionally scores, score_from" if paged
           else "inputs are q, k, v and optionally scores, score_ctl")
     q, k, v = ins[:3]
     _act(op, q)
@@ -117,18 +117,25 @@ def _attention(g, op, ins):
         _need(tables.dtype == "i32" and tables.kind == "input" and len(tables.shape) == 2
               and tables.shape[1] * bs == k.shape[0], op,
               f"block_tables {tables.name!r} must be an i32[B, {k.shape[0] // max(bs, 1)}] graph input")
-        return [(q.shape, "f32")]
+        if len(ins) == 6:
+            return [(q.shape, "f32")]
+        _row_index(op, ins[7], q.shape[0], "score_from")
+        return [(q.shape, "f32"), _scores(g, op, ins[6], (a["n_kv_heads"], k.shape[0]))]
     if len(ins) == 3:
         return [(q.shape, "f32")]
     scores, ctl = ins[3:]
-    want = (a["n_kv_heads"], k.shape[0])
-    _need(scores.kind == "state" and scores.shape == want and scores.dtype == "f32", op,
-          f"scores {scores.name!r} must be a state f32{list(want)}")
     _need(ctl.kind == "state" and ctl.shape == (2,) and ctl.dtype == "i32", op,
           f"score_ctl {ctl.name!r} must be a state i32[2]")
+    return [(q.shape, "f32"), _scores(g, op, scores, (a["n_kv_heads"], k.shape[0]))]
+
+
+def _scores(g, op, scores, want: tuple[int, int]):
+    """The eviction scores an attention op adds to: a state f32 [KVH, S] its second output aliases."""
+    _need(scores.kind == "state" and scores.shape == want and scores.dtype == "f32", op,
+          f"scores {scores.name!r} must be a state f32{list(want)}")
     _need(len(op.outputs) == 2 and g.values[op.outputs[1]].alias == scores.name, op,
           f"second output must alias {scores.name!r}")
-    return [(q.shape, "f32"), (scores.shape, "f32")]
+    return (scores.shape, "f32")
 
 
 def _same(g, op, ins):

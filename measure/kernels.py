@@ -206,9 +206,21 @@ def _step_index(g: Graph, op: Op, name: str, n_tokens: int, rng: np.random.Gener
     if op.kind == "attention" and "block_size" in op.attrs and i >= 3:
         seqs, per_seq = g.values[op.inputs[5]].shape                # block_tables [B, M]
         slots, bs = g.values[op.inputs[1]].shape[0], op.attrs["block_size"]
-        low, high = {3: (0, seqs), 4: (1, per_seq * bs + 1), 5: (0, slots // bs)}[i]
+        if i == 6:
+            return None                                             # the scores state
+        if i == 5:      # a sequence's blocks are its own: distinct within its table
+            return np.stack([rng.permutation(slots // bs)[:per_seq] for _ in range(seqs)]).astype(np.int32)
+        # score_from (7): a row scores from a random KV index on
+        low, high = {3: (0, seqs), 4: (1, per_seq * bs + 1), 5: (0, slots // bs), 7: (0, per_seq * bs)}[i]
         return rng.integers(low, high, shape).astype(np.int32)
     return None
+
+
+def _one_scoring_sequence(op: Op, arrays: dict[str, np.ndarray]) -> None:
+    """Only the first row's sequence scores: random tables share blocks between sequences, which
+    the runtime's never do under a scoring policy, and two sequences adding to one slot race."""
+    row_seq, score_from = arrays[op.inputs[3]], arrays[op.inputs[7]]
+    score_from[row_seq != row_seq[0]] = np.iinfo(np.int32).max
 
 
 def make_case(kernel: Kernel, rng: np.random.Generator) -> Case:
@@ -233,6 +245,8 @@ def make_case(kernel: Kernel, rng: np.random.Generator) -> Case:
             arrays[n] = rng.integers(0, g.values[op.inputs[0]].shape[0], v.shape).astype(np.int32)
         else:
             arrays[n] = to_storage(_nonzero_normal(rng, v.shape), v.dtype)
+    if op.kind == "attention" and "block_size" in op.attrs and len(op.inputs) == 8:
+        _one_scoring_sequence(op, arrays)
     return Case(arrays, Step(n_tokens, n_past, n_past + 3))
 
 

@@ -37,6 +37,7 @@ def step_graph(prefill: Graph, max_seqs: int, block_size: int, name: str = "step
     g.inputs.append(g.add_value("block_tables", (max_seqs, slots // block_size), "i32", kind="input"))
     picked = min(max(max_seqs, logit_rows), T)
     g.inputs.append(g.add_value("logit_rows", (picked,), "i32", kind="input"))
+    g.inputs.append(g.add_value("score_from", (T,), "i32", kind="input"))
     ops = []
     for op in g.ops:
         if op.kind == "rope":
@@ -44,11 +45,9 @@ def step_graph(prefill: Graph, max_seqs: int, block_size: int, name: str = "step
         elif op.kind == "kv_store":
             op.inputs.append("slots")
         elif op.kind == "attention":
-            # eviction scores are per sequence and are not kept in a step (their states stay,
-            # unused, so every graph of the plan shares one KV layout)
-            op.inputs[3:] = ["row_seq", "ctx_len", "block_tables"]
-            del g.values[op.outputs[1]]
-            op.outputs[1:] = []
+            # the same scores states as the other graphs (one KV layout for the plan), at
+            # physical slots; each row's score_from replaces the graph-wide score_ctl
+            op.inputs[3:] = ["row_seq", "ctx_len", "block_tables", op.inputs[3], "score_from"]
             op.attrs["block_size"] = block_size
         ops.append(op)
     g.ops = ops

@@ -15,8 +15,10 @@ abort (its blocks are freed at once).
 Eviction (KVOptions: sliding, snapkv, h2o, memory pressure) is per sequence, as the
 single-sequence Engine does it on its cache (runtime/kv/perseq.py): each sequence keeps at most
 max_seq_len entries, is compacted inside its own blocks between steps, and may generate past
-max_seq_len and past its share of the pool. A policy with attention scores runs the batch
-without the prefix cache (a shared block would collect every sharer's scores).
+max_seq_len and past its share of the pool. A policy with attention scores (SnapKV, H2O) has
+the step graph add each row's weights at its entries' slots from the KV index its sequence's
+policy asks (FlatBatch.score_from), and runs the batch without the prefix cache (a shared
+block would collect every sharer's scores).
 
 The pool is the plan's KV cache, the same memory Model's single-sequence Engine uses: Model
 hands the cache to whichever of the two runs (runtime/model.py `_kv_for`), so a batch after a
@@ -97,12 +99,8 @@ def scheduler_config(shape: StepShape, options: BatchOptions) -> SchedulerConfig
 
 
 def batch_refusal(kv: KVOptions) -> str | None:
-    """Why a batch cannot evict as `kv` asks ({0}: the policy option), or None. SnapKV and H2O
-    choose by attention scores, and the step graph's attention writes none yet (its per-row
-    score_from, FlatBatch.score_from, is planned but no kernel takes it)."""
-    if kv.evicts and kv.policy().uses_scores:
-        return (f"{{0}} {kv.eviction_policy} needs attention scores, which a batch's step graph does not write "
-                "yet: run one prompt at a time, or evict a batch with sliding")
+    """Why a batch cannot evict as `kv` asks ({0}: the policy option), or None: every policy
+    evicts a batch (SnapKV and H2O by the scores its step graph writes, per row's score_from)."""
     return None
 
 
@@ -292,7 +290,8 @@ class Batcher:
                 # runs on at least one row: row 0's logits are computed and dropped
                 picked = flat.logit_rows if len(flat.logit_rows) else np.zeros(1, np.int32)
                 logits = self.backend.run_step(StepRows(flat.tokens, flat.positions, flat.slots, flat.row_seq,
-                                                        flat.ctx_len, flat.block_tables, picked, flat.generated))
+                                                        flat.ctx_len, flat.block_tables, picked, flat.generated,
+                                                        flat.score_from))
                 self.steps += 1
                 self.rows_run += len(flat.tokens)
                 with self.cond:

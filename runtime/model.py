@@ -495,6 +495,7 @@ class Model:
                               "them first)")
         if self._batch is not None:
             self._batch.reset()                      # its prefix cache would describe overwritten rows
+            self.engine.reset()                      # and its eviction scores are no conversation's
         self._tokens = []
         self._kv_user = "single"
 

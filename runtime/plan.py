@@ -442,7 +442,7 @@ def cpu_graphs(graphs: dict[str, Graph]) -> dict[str, Graph]:
     """The graphs a plan's CPU code holds: all but OpenCL's verify graph (the CPU verifies drafts
     through the step graph, whose rows already sum as its decode step does)."""
     return {phase: g for phase, g in graphs.items() if phase != VERIFY}
-STEP_INPUTS = ("tokens", "positions", "slots", "row_seq", "ctx_len", "block_tables", "logit_rows")
+STEP_INPUTS = ("tokens", "positions", "slots", "row_seq", "ctx_len", "block_tables", "logit_rows", "score_from")
 
 
 @dataclass(frozen=True)
@@ -474,7 +474,7 @@ class StepShape:
             raise ValueError(f"its inputs are {', '.join(g.inputs)}, not {', '.join(STEP_INPUTS)}")
         T, v = g.T, g.values
         tables, picked = v["block_tables"].shape, v["logit_rows"].shape
-        for name in STEP_INPUTS[:5]:
+        for name in (*STEP_INPUTS[:5], "score_from"):
             if v[name].shape != (T,) or v[name].dtype != "i32":
                 raise ValueError(f"input {name} is {v[name].dtype}{list(v[name].shape)}, not i32[{T}]")
         sizes = {op.attrs.get("block_size") for op in g.ops if op.kind == "attention"}

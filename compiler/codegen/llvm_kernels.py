@@ -452,9 +452,11 @@ def _attention(kb: KernelBuilder, graph: Graph, op: Op) -> None:
             base = b.mul(b.add(row0, kb.i64(e)), kb.i64(hd * 4))
             for x, (off, w) in zip(acc[e], chunks):
                 kb.store(b.fdiv(b.load(x), inv[w]), out, b.add(base, kb.i64(off * 4)))
+    # no barrier between: both parts only read q and the caches, and write disjoint outputs
     if len(op.inputs) == 5 and "block_size" not in a:
-        # no barrier between: both parts only read q and the caches, and write disjoint outputs
         _attention_scores(kb, graph, op)
+    elif len(op.inputs) == 8:
+        _paged_attention_scores(kb, graph, op)
 
 
 def _attention_scores(kb: KernelBuilder, graph: Graph, op: Op) -> None:
@@ -541,6 +543,76 @@ def _attention_scores(kb: KernelBuilder, graph: Graph, op: Op) -> None:
                         acc = p if acc is None else b.fadd(acc, p)
                     at = kb.idx((kh, slots * 4), (slot, 4))
                     kb.store(b.fadd(kb.load(F32, scores, at), acc), scores, at)
+
+
+
+def _paged_attention_scores(kb: KernelBuilder, graph: Graph, op: Op) -> None:
+    """A step graph's eviction scores (compiler/ir.py "Step graphs"): each row t whose own KV
+    index ctx_len[t] - 1 >= score_from[t] adds the weights of _attention_scores to
+    scores[kvh, slot] at the physical slot of each entry it attends (_PagedSlots). A thread owns
+    whole KV heads and walks the step's rows in order, so the rows of a sequence add in step order
+    and no two threads touch one score. The two passes are _attention_scores', in chunks of B
+    entries through the block table; the second adds a chunk's weights one slot at a time."""
+    q, k_cache, scores, score_from = kb.bufs[0], kb.bufs[1], kb.bufs[6], kb.bufs[7]
+    b = kb.b
+    a = op.attrs
+    h, kvh, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
+    kdt = cache_dtype(graph, op.inputs[1])
+    slots = graph.values[op.inputs[6]].shape[1]
+    width = 16 if kb.target.has("avx512f") else kb.vw
+    lanes, blk = math.gcd(hd, width), width
+    group, nv = h // kvh, hd // lanes
+    fvec, bvec = vec(F32, lanes), vec(F32, blk)
+    zero = ir.Constant(fvec, [0.0] * lanes)
+    scale = kb.f32(a["scale"])
+    where = _PagedSlots(kb, graph, op)
+    m = [kb.var(F32) for _ in range(group)]        # running max of each query head's scores
+    total = [kb.var(F32) for _ in range(group)]    # and its sum of exp(score - max)
+    lo, hi = kb.split(kvh)
+    with kb.loop(lo, hi) as kh:
+        with kb.loop(0, kb.n_tokens) as t:
+            length = where.row(t)
+            own = b.sub(length, kb.i64(1))
+            with kb.if_(b.icmp_signed(">=", own, _row_index(kb, score_from, t))):
+                row0 = b.add(b.mul(t, kb.i64(h)), b.mul(kh, kb.i64(group)))
+                qv = [[kb.load(fvec, q, kb.idx((row0, hd * 4), (g * hd * 4 + k * lanes * 4, 1))) for k in range(nv)]
+                      for g in range(group)]
+
+                def block(s0: ir.Value) -> tuple[list[ir.Value], list]:
+                    """Each head's scores of entries s0 .. s0 + B - 1 (-inf past the row's length),
+                    and the entries' (slot, live)."""
+                    vals = [ir.Constant(bvec, None) for _ in range(group)]
+                    chunk = where.chunk(s0, blk, length)
+                    for j, (slot, live, _) in enumerate(chunk):
+                        kv = [load_kv(kb, kdt, k_cache, slot, kh, kvh, hd, kb.i64(k * lanes), lanes) for k in range(nv)]
+                        for g in range(group):
+                            d = kb.fma(qv[g][0], kv[0], zero)
+                            for k in range(1, nv):
+                                d = kb.fma(qv[g][k], kv[k], d)
+                            x = b.select(live, b.fmul(kb.hsum(d), scale), kb.f32(-math.inf))
+                            vals[g] = b.insert_element(vals[g], x, ir.Constant(I32, j))
+                    return vals, [(slot, live) for slot, live, _ in chunk]
+
+                for g in range(group):
+                    b.store(kb.f32(-math.inf), m[g])
+                    b.store(kb.f32(0.0), total[g])
+                with kb.loop(0, length, blk) as s0:
+                    for g, x in enumerate(block(s0)[0]):
+                        m_old = b.load(m[g])
+                        m_new = kb.maxnum(m_old, kb.hmax(x))
+                        e = kb.exp(b.fsub(x, kb.splat(m_new, blk)))
+                        b.store(b.fadd(b.fmul(b.load(total[g]), kb.exp(b.fsub(m_old, m_new))), kb.hsum(e)), total[g])
+                        b.store(m_new, m[g])
+                with kb.loop(0, length, blk) as s0:
+                    vals, chunk = block(s0)
+                    acc = None
+                    for g, x in enumerate(vals):
+                        p = b.fdiv(kb.exp(b.fsub(x, kb.splat(b.load(m[g]), blk))), kb.splat(b.load(total[g]), blk))
+                        acc = p if acc is None else b.fadd(acc, p)
+                    for j, (slot, live) in enumerate(chunk):
+                        add = b.select(live, b.extract_element(acc, ir.Constant(I32, j)), kb.f32(0.0))
+                        at = kb.idx((kh, slots * 4), (slot, 4))
+                        kb.store(b.fadd(kb.load(F32, scores, at), add), scores, at)
 
 
 _EMITTERS = {

@@ -526,7 +526,7 @@ def _paged_attention(ctx: _Ctx, op: Op, kv: str) -> None:
     neighbour row of their sequence in attention_paged_tiles (where it is on), the others in
     attention_paged_rows; the same bits either way."""
     tuning, a = ctx.tuning, op.attrs
-    q, k, v, row_seq, ctx_len, tables = op.inputs
+    q, k, v, row_seq, ctx_len, tables = op.inputs[:6]
     m = ctx.shape(q)[0]
     hd, h, kvh = a["head_dim"], a["n_heads"], a["n_kv_heads"]
     _need(hd <= 256, op, f"head_dim {hd}: the paged attention kernels hold at most 256 dims (8 a lane)")
@@ -545,6 +545,8 @@ def _paged_attention(ctx: _Ctx, op: Op, kv: str) -> None:
     if tiles:
         ctx.launches.append(Launch(op.name, "attention_paged", "attention_paged_tiles", options, args + scalars,
                                    local=wg, groups=h, rows=m, row_tile=wg // 32 * tuning.att_paged_rpw))
+    if len(op.inputs) == 8:
+        _paged_attention_scores(ctx, op, kv)
 
 
 def _attention_scores(ctx: _Ctx, op: Op, kv: str) -> None:
@@ -560,6 +562,21 @@ def _attention_scores(ctx: _Ctx, op: Op, kv: str) -> None:
                                 {"int": a["n_kv_heads"]}, {"float": float(a["scale"])},
                                 {"int": ctx.shape(scores)[1]}],
                                local=ctx.tuning.sc_wg, groups=a["n_kv_heads"], rows=m, row_tile=m, scores=True))
+
+
+def _paged_attention_scores(ctx: _Ctx, op: Op, kv: str) -> None:
+    """A step graph's eviction scores (attention_scores.cl attention_scores_paged): a group per
+    KV head and sequence of the step, launched only while the back end is scoring."""
+    a = op.attrs
+    q, k, _, row_seq, ctx_len, tables, scores, score_from = op.inputs
+    ctx.launches.append(Launch(op.name, "attention_scores", "attention_scores_paged",
+                               [f"-DHEAD_DIM={a['head_dim']}", *_kv_options(kv), f"-DSC_WG={ctx.tuning.sc_wg}",
+                                f"-DSC_GROUP={a['n_heads'] // a['n_kv_heads']}", f"-DKV_BLOCK={a['block_size']}"],
+                               [_v(q), _v(k), _v(scores), _v(row_seq), _v(ctx_len), _v(tables), _v(score_from),
+                                {"int": a["n_heads"]}, {"int": a["n_kv_heads"]}, {"float": float(a["scale"])},
+                                {"int": ctx.shape(scores)[1]}, {"int": ctx.shape(tables)[1]}],
+                               local=ctx.tuning.sc_wg, groups=a["n_kv_heads"] * ctx.shape(tables)[0],
+                               rows=ctx.shape(q)[0], row_tile=ctx.shape(q)[0], scores=True))
 
 
 def _unit(row_bytes: int) -> tuple[int, str]:

@@ -37,6 +37,9 @@ class StepRows:
     # kind of the row alone: OpenCL runs the two kinds through different matmul kernels (its
     # row split), so a row's bits never depend on the step's other rows
     generated: np.ndarray | None = None
+    # [n] row t adds eviction scores when its own KV index ctx_len[t] - 1 >= score_from[t]
+    # (int32 max: never; None: no row scores)
+    score_from: np.ndarray | None = None
 
 
 class StepRowsError(ValueError):
@@ -95,7 +98,23 @@ def check_step_rows(rows: StepRows, shape: StepShape) -> StepRows:
         generated = np.ascontiguousarray(generated, np.int32)
     as32 = {k: np.ascontiguousarray(v, np.int32) for k, v in per_row.items()}
     return StepRows(**as32, block_tables=np.ascontiguousarray(tables, np.int32),
-                    logit_rows=np.ascontiguousarray(picked, np.int32), generated=generated)
+                    logit_rows=np.ascontiguousarray(picked, np.int32), generated=generated,
+                    score_from=step_score_from(rows.score_from, n))
+
+
+NEVER = np.iinfo(np.int32).max     # score_from of a row that adds no scores
+
+
+def step_score_from(score_from: object, n: int) -> np.ndarray:
+    """A step's score_from as the step graph takes it: int32 [n], NEVER for every row where None;
+    StepRowsError if it is not n int32 values."""
+    if score_from is None:
+        return np.full(n, NEVER, np.int32)
+    arr = _ints("score_from", score_from, 1)
+    if len(arr) != n:
+        raise StepRowsError(f"step rows: score_from has {len(arr)} entries for {n} tokens")
+    _within("score_from", arr, -2**31, NEVER, "int32 KV indices")
+    return np.ascontiguousarray(arr, np.int32)
 
 
 class Backend(ABC):
@@ -140,4 +159,4 @@ class Backend(ABC):
         """Release threads and device resources; calling it again does nothing."""
 
 
-__all__ = ["Backend", "StepRows", "StepRowsError", "check_step_rows"]
+__all__ = ["NEVER", "Backend", "StepRows", "StepRowsError", "check_step_rows", "step_score_from"]

@@ -201,6 +201,15 @@ class HybridKV:
         self.active.move_slots(src, dst)
         self.h.evicted = True
 
+    def move_scores(self, src: np.ndarray, dst: np.ndarray) -> None:
+        self.active.move_scores(src, dst)
+
+    def clear_slot_scores(self, slots: np.ndarray) -> None:
+        self.active.clear_slot_scores(slots)
+
+    def slot_scores(self, slots: np.ndarray) -> np.ndarray:
+        return self.active.slot_scores(slots)
+
     def handed_over(self) -> None:
         self.active.set_score_from(self.score_from)
 

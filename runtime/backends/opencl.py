@@ -212,15 +212,17 @@ class OpenCLBackend(Backend):
         return self._limits[phase]
 
     def _step_launches(self, phase: str, n_tokens: int, idle: frozenset[str] = frozenset(),
-                       lead: int | None = None) -> list[tuple[Any, tuple[int, int], tuple[int, int]]]:
+                       lead: int | None = None, scoring: bool | None = None) -> list[tuple[Any, tuple[int, int], tuple[int, int]]]:
         """(kernel, global size, local size) of every launch of a step, computed once per size;
         kernels named in `idle` (with nothing to do this step) left out, and a step graph's
-        row-split launches with no row on their side of `lead` (default: every row leads)."""
+        row-split launches with no row on their side of `lead` (default: every row leads), the
+        scores launches unless `scoring` (default: the back end's flag)."""
         lead = n_tokens if lead is None else lead
-        key = (phase, n_tokens, self.scoring, idle, lead)
+        scoring = self.scoring if scoring is None else scoring
+        key = (phase, n_tokens, scoring, idle, lead)
         if key not in self._sized:
             self._sized[key] = [(b.kernel, b.global_size(n_tokens, lead), (b.local, 1)) for b in self.launches[phase]
-                                if (self.scoring or not b.scores) and b.kernel.function_name not in idle
+                                if (scoring or not b.scores) and b.kernel.function_name not in idle
                                 and b.rows_of(n_tokens, lead) > 0]
         return self._sized[key]
 
@@ -319,8 +321,10 @@ class OpenCLBackend(Backend):
             self._in_flight.append(arr)   # released by the blocking read below
             cl.enqueue_copy(self.queue, buf, arr, dst_offset=off, is_blocking=False)
         idle = self._idle_paged_kernels(inputs["row_seq"][:n])
-        self._enqueue_launches(("step", n, "logits", self.scoring, idle, lead),
-                               self._step_launches("step", n, idle, lead))
+        # the scores kernel runs in a step with a scoring row (its rows say so, not the flag)
+        scoring = bool(np.any(inputs["ctx_len"] - 1 >= inputs["score_from"]))
+        self._enqueue_launches(("step", n, "logits", scoring, idle, lead),
+                               self._step_launches("step", n, idle, lead, scoring))
         out = self.read_value("step", g.outputs[0], rows=len(rows.logit_rows))
         self._in_flight.clear()
         return out.astype(np.float32, copy=False)

@@ -12,9 +12,10 @@ import numpy as np
 
 from ...compiler.ir import Graph, IRError
 from ..plan import StepShape
-from .base import StepRows
+from .base import StepRows, step_score_from
 
-ROW_FIELDS = ("positions", "slots", "row_seq", "ctx_len")   # int32 [n] each, beside tokens [n]
+# int32 [n] each, beside tokens [n]; score_from None is NEVER for every row (base.py)
+ROW_FIELDS = ("positions", "slots", "row_seq", "ctx_len", "score_from")
 
 
 def _ints(name: str, a: np.ndarray, ndim: int) -> np.ndarray:
@@ -43,7 +44,8 @@ def check_step(rows: StepRows, shape: StepShape) -> dict[str, np.ndarray]:
         raise IRError(f"step: the step graph takes 1..{shape.rows} rows a step, got {n}")
     out = {"tokens": tokens}
     for name in ROW_FIELDS:
-        out[name] = _ints(name, getattr(rows, name), 1)
+        given = getattr(rows, name)
+        out[name] = _ints(name, step_score_from(None, n) if given is None and name == "score_from" else given, 1)
         if len(out[name]) != n:
             raise IRError(f"step: {name} has {len(out[name])} rows and tokens {n}; give one a row")
     given = _ints("block_tables", rows.block_tables, 2)

@@ -28,7 +28,10 @@ than it; snapkv once after the prompt), a cache too full for the next step (any 
 memory_threshold_mb: down to eviction_target_ratio of the slots in use).
 
 Batches. Each sequence of a paged batch is evicted on its own by the same policies and triggers
-(perseq.py SeqEviction, through runtime/scheduler.py): compaction inside its own blocks.
+(perseq.py SeqEviction, through runtime/scheduler.py): compaction inside its own blocks. The
+step graph's attention adds the scores at each entry's pool slot, for the rows whose KV index is
+at or past their own score_from (the per-row form of score_ctl; compiler/ir.py "Step graphs");
+in a step with no such row the OpenCL back end leaves the scoring launch out.
 
 Options. KVOptions (options.py) names all of it, by the seed's names, for every interface:
 Model.load's keywords, llmrs-run's and llmrs-serve's flags; cache_manager(KVOptions, backend)

@@ -68,6 +68,9 @@ class KVStore(Protocol):
     def compact(self, keep: np.ndarray) -> None: ...            # int [L, KVH, k], ascending
     def copy_slots(self, src: np.ndarray, dst: np.ndarray) -> None: ...   # every layer's K, V rows
     def move_slots(self, src: np.ndarray, dst: np.ndarray) -> None: ...   # gathered first; src [k] | [L, KVH, k]
+    def move_scores(self, src: np.ndarray, dst: np.ndarray) -> None: ...  # move_slots for the scores
+    def clear_slot_scores(self, slots: np.ndarray) -> None: ...           # a paged pool's: these slots, 0
+    def slot_scores(self, slots: np.ndarray) -> np.ndarray: ...           # f32 [L, KVH, len(slots)]
 
 
 @dataclass

@@ -106,8 +106,8 @@ class OpenCLKV:
         import pyopencl as cl
         src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
         if src.ndim != 1:
-            raise KVStoreError("the OpenCL back end moves whole KV rows only (sliding); per-head compaction "
-                               "(snapkv, h2o) of a batch runs on the cpu and reference back ends")
+            self._move_per_head(src, dst)
+            return
         if not len(src):
             return
         g = self.be.graphs["decode"]
@@ -130,6 +130,44 @@ class OpenCLKV:
                     cl.enqueue_copy(self.be.queue, buf, self._scratch, byte_count=n * row,
                                     src_offset=s * row, dst_offset=off + d * row)
         self.be.queue.finish()
+
+    def _move_per_head(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """move_slots with src [L, KVH, k] (SnapKV, H2O keep other slots in each head): each cache
+        gathered on the host and written back, every source read before anything is written."""
+        heads = np.arange(self.n_kv_heads)
+        for li, layer in enumerate(self.layers):
+            for name in (layer.k, layer.v):
+                cache = self.be.read_value("decode", name)
+                cache[dst[:, None], heads[None, :]] = cache[src[li].T, heads[None, :]]
+                self.be.write_value("decode", name, cache)
+
+    def _each_scores(self, change) -> None:
+        """change(layer index, scores f32 [KVH, S]) on the host, written back (a paged pool's
+        per-sequence score edits: a few KB a layer)."""
+        for li, layer in enumerate(self.layers):
+            sc = self.be.read_value("decode", layer.scores)
+            change(li, sc)
+            self.be.write_value("decode", layer.scores, sc)
+
+    def move_scores(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """move_slots for the attention scores."""
+        src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+        heads = np.arange(self.n_kv_heads)
+
+        def move(li: int, sc: np.ndarray) -> None:
+            s = src if src.ndim == 1 else src[li]
+            sc[:, dst] = sc[:, s] if s.ndim == 1 else sc[heads[:, None], s]
+        self._each_scores(move)
+
+    def clear_slot_scores(self, slots: np.ndarray) -> None:
+        """Zero the scores of these slots in every layer (one sequence's, in a paged pool)."""
+        slots = np.asarray(slots, np.int64)
+        if len(slots):
+            self._each_scores(lambda li, sc: sc.__setitem__((slice(None), slots), 0))
+
+    def slot_scores(self, slots: np.ndarray) -> np.ndarray:
+        """f32 [L, KVH, n]: the scores of these slots (one sequence's KV entries, in order)."""
+        return np.stack([self.be.read_value("decode", layer.scores)[:, slots] for layer in self.layers])
 
     def compact(self, keep: np.ndarray) -> None:
         import pyopencl as cl

@@ -69,3 +69,78 @@ void attention_scores(__global const int* step, gin qb, ulong q_off, gin kb, ulo
         }
     }
 }
+
+#ifdef KV_BLOCK
+// A step graph's eviction scores (compiler/ir.py "Step graphs"): row t adds its weights, as
+// attention_scores does, when its own KV index ctx_len[t] - 1 >= score_from[t], at the cache row
+// of each entry it attends: entry j at block_tables[row_seq[t], j / KV_BLOCK] * KV_BLOCK + j %
+// KV_BLOCK. -DKV_BLOCK=<entries a block> beside attention_scores' options.
+//   row_seq, ctx_len, score_from i32 [M]   block_tables i32 [B, tab_w]
+// One group per (KV head, sequence row of block_tables): it walks the step's rows in order and
+// takes those of its sequence, thread i owning entries i, i + SC_WG, ...; the sequences' blocks
+// are disjoint (no prefix cache under a scoring policy), so no two groups add to one score and
+// each score gets its sequence's rows in step order, without atomics.
+// Grid: (KVH * B * SC_WG, 1).
+__kernel __attribute__((reqd_work_group_size(SC_WG, 1, 1)))
+void attention_scores_paged(__global const int* step, gin qb, ulong q_off, gin kb, ulong k_off,
+                            gout sb, ulong s_off, gin rb, ulong r_off, gin lb, ulong l_off,
+                            gin tb, ulong t_off, gin fb, ulong f_off,
+                            int n_heads, int n_kv_heads, float scale, int slots, int tab_w) {
+    int lid = get_local_id(0), kvh = get_group_id(0) % n_kv_heads, seq = get_group_id(0) / n_kv_heads;
+    int n_tokens = STEP_N_TOKENS(step);
+    __global const int* row_seq = (__global const int*)(rb + r_off);
+    __global const int* ctx_len = (__global const int*)(lb + l_off);
+    __global const int* table = (__global const int*)(tb + t_off) + (size_t)seq * tab_w;
+    __global const int* score_from = (__global const int*)(fb + f_off);
+    size_t kv_stride = (size_t)n_kv_heads * HEAD_DIM, head_at = (size_t)kvh * HEAD_DIM;
+    gin k = kb + k_off;
+    __global const float* q = (__global const float*)(qb + q_off);
+    __global float* sc = (__global float*)(sb + s_off) + (size_t)kvh * slots;
+    __local float qs[SC_GROUP * HEAD_DIM];          // the row's queries of this KV head's heads
+    __local float red[SC_WG];
+    for (int t = 0; t < n_tokens; t++) {
+        int length = ctx_len[t];
+        if (row_seq[t] != seq || length - 1 < score_from[t]) continue;   // the same for the whole group
+        barrier(CLK_LOCAL_MEM_FENCE);              // the previous row's reads of qs are done
+        for (int e = lid; e < SC_GROUP * HEAD_DIM; e += SC_WG)
+            qs[e] = q[((size_t)t * n_heads + kvh * SC_GROUP) * HEAD_DIM + e];
+        barrier(CLK_LOCAL_MEM_FENCE);
+        float m[SC_GROUP], l[SC_GROUP];
+        for (int j = 0; j < SC_GROUP; j++) {
+            m[j] = -INFINITY;
+            l[j] = 0.0f;
+        }
+        for (int s = lid; s < length; s += SC_WG) {
+            size_t slot = (size_t)table[s / KV_BLOCK] * KV_BLOCK + s % KV_BLOCK;
+            float dot[SC_GROUP];
+            for (int j = 0; j < SC_GROUP; j++) dot[j] = 0.0f;
+            for (int d = 0; d < HEAD_DIM; d++) {
+                float kd = LD_KV(k, slot * kv_stride + head_at + d);
+                for (int j = 0; j < SC_GROUP; j++) dot[j] += qs[j * HEAD_DIM + d] * kd;
+            }
+            for (int j = 0; j < SC_GROUP; j++) {
+                float x = dot[j] * scale, mn = fmax(m[j], x);
+                l[j] = l[j] * exp(m[j] - mn) + exp(x - mn);
+                m[j] = mn;
+            }
+        }
+        float gm[SC_GROUP], gl[SC_GROUP];
+        for (int j = 0; j < SC_GROUP; j++) {
+            gm[j] = wg_max(m[j], red);
+            gl[j] = wg_sum(m[j] == -INFINITY ? 0.0f : l[j] * exp(m[j] - gm[j]), red);
+        }
+        for (int s = lid; s < length; s += SC_WG) {
+            size_t slot = (size_t)table[s / KV_BLOCK] * KV_BLOCK + s % KV_BLOCK;
+            float dot[SC_GROUP];
+            for (int j = 0; j < SC_GROUP; j++) dot[j] = 0.0f;
+            for (int d = 0; d < HEAD_DIM; d++) {
+                float kd = LD_KV(k, slot * kv_stride + head_at + d);
+                for (int j = 0; j < SC_GROUP; j++) dot[j] += qs[j * HEAD_DIM + d] * kd;
+            }
+            float add = 0.0f;
+            for (int j = 0; j < SC_GROUP; j++) add += exp(dot[j] * scale - gm[j]) / gl[j];
+            sc[slot] += add;
+        }
+    }
+}
+#endif

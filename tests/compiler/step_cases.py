@@ -114,8 +114,9 @@ class Paged:
 
 def paged_attention_case(T: int, rows: list[tuple[int, int]], kv_dtype: str, h: int = 4, kvh: int = 2,
                          hd: int = 32, bs: int = 16, n_blocks: int = 12, n_seqs: int = 3, pool: Paged | None = None,
-                         seed: int = 22) -> StepCase:
-    """rows: (sequence, entries it attends) per row of the step."""
+                         seed: int = 22, score_from: list[int] | None = None) -> StepCase:
+    """rows: (sequence, entries it attends) per row of the step; with score_from (one a row), the
+    op adds eviction scores to a scores state of random non-zero values."""
     rng = np.random.default_rng(seed)
     pool = pool or Paged.shuffled(bs, n_blocks, n_seqs, rng)
     S = pool.n_blocks * pool.bs
@@ -130,9 +131,18 @@ def paged_attention_case(T: int, rows: list[tuple[int, int]], kv_dtype: str, h: 
     _index(g, arrays, "block_tables", pool.tables)
     g.add_value("o", (T, h * hd), "f32")
     arrays["o"] = np.zeros((T, h * hd), np.float32)
-    op = g.add_op("attention", ["q", "kc", "vc", "row_seq", "ctx_len", "block_tables"], ["o"], n_heads=h,
+    inputs, outputs = ["q", "kc", "vc", "row_seq", "ctx_len", "block_tables"], ["o"]
+    if score_from is not None:
+        g.add_value("sc", (kvh, S), "f32", "state")
+        arrays["sc"] = rng.uniform(0.5, 2.0, (kvh, S)).astype(np.float32)
+        _index(g, arrays, "score_from", list(score_from) + [np.iinfo(np.int32).max] * (T - len(rows)))
+        g.add_value("sc2", (kvh, S), "f32", alias="sc")
+        inputs, outputs = inputs + ["sc", "score_from"], outputs + ["sc2"]
+    op = g.add_op("attention", inputs, outputs, n_heads=h,
                   n_kv_heads=kvh, head_dim=hd, scale=1.0 / np.sqrt(hd), block_size=pool.bs)
-    return StepCase(f"paged-attention-{kv_dtype}-h{h}.{kvh}x{hd}-bs{pool.bs}", g, op, arrays, Step(len(rows), 0, 0))
+    scored = "" if score_from is None else "-scores"
+    return StepCase(f"paged-attention{scored}-{kv_dtype}-h{h}.{kvh}x{hd}-bs{pool.bs}", g, op, arrays,
+                    Step(len(rows), 0, 0))
 
 
 def gather_case(T: int, n: int, picked: list[int], d: int = 100, seed: int = 23) -> StepCase:

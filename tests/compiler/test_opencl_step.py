@@ -40,9 +40,10 @@ class PagedAttention:
 
     def __init__(self, h: int, kvh: int, hd: int, kv: str, bs: int, tuning: OpenCLTuning = TUNING,
                  T: int = 40, seed: int = 0, seqs: list[list[int]] = SEQS,
-                 tables: list[list[int]] | None = None, slots: int = 1600):
+                 tables: list[list[int]] | None = None, slots: int = 1600, scores: bool = False):
         """seqs: each sequence's rows' ctx_len, in step order; tables: their blocks (else drawn
-        from a shuffled pool); slots: the cache's entries."""
+        from a shuffled pool); slots: the cache's entries; scores: the op adds eviction scores
+        (from random non-zero ones) for the rows run() is given a score_from of."""
         rng = np.random.default_rng(seed)
         self.rng, self.T, self.h, self.hd, self.seqs = rng, T, h, hd, seqs
         slots = bs * math.ceil(slots / bs)
@@ -63,7 +64,14 @@ class PagedAttention:
             g.add_value(name, (slots, kvh, hd), kv, kind="state")
             self.caches[name] = _storage(_rand(rng, slots, kvh, hd), kv)
         g.add_value("o", (T, h * hd), "f32")
-        self.op = g.add_op("attention", ["q", "kc", "vc", "row_seq", "ctx_len", "block_tables"], ["o"], n_heads=h,
+        inputs, outputs = ["q", "kc", "vc", "row_seq", "ctx_len", "block_tables"], ["o"]
+        if scores:
+            g.add_value("sc", (kvh, slots), "f32", kind="state")
+            g.add_value("score_from", (T,), "i32", kind="input")
+            g.add_value("sc2", (kvh, slots), "f32", alias="sc")
+            inputs, outputs = inputs + ["sc", "score_from"], outputs + ["sc2"]
+            self.caches["sc"] = rng.uniform(0.5, 2.0, (kvh, slots)).astype(np.float32)
+        self.op = g.add_op("attention", inputs, outputs, n_heads=h,
                            n_kv_heads=kvh, head_dim=hd, scale=1.0 / math.sqrt(hd), block_size=bs)
         g.outputs = ["o"]
         g.verify()
@@ -81,9 +89,12 @@ class PagedAttention:
         ctx_len = np.array([n for lens in self.seqs for n in lens], np.int32)
         return _rand(self.rng, len(row_seq), self.h * self.hd, scale=0.5), row_seq, ctx_len
 
-    def run(self, q: np.ndarray, row_seq: np.ndarray, ctx_len: np.ndarray) -> np.ndarray:
+    def run(self, q: np.ndarray, row_seq: np.ndarray, ctx_len: np.ndarray,
+            score_from: np.ndarray | None = None) -> np.ndarray:
         n = len(row_seq)
-        for name, arr in (("q", q), ("row_seq", row_seq), ("ctx_len", ctx_len)):
+        named = [("q", q), ("row_seq", row_seq), ("ctx_len", ctx_len)]
+        self.be.scoring = score_from is not None
+        for name, arr in named + ([("score_from", score_from)] if score_from is not None else []):
             full = np.zeros((self.T, *arr.shape[1:]), arr.dtype)
             full[:n] = arr
             self.be.write_value("step", name, full)
@@ -95,6 +106,13 @@ class PagedAttention:
         (o,) = OPS["attention"](it, self.op, Step(len(q), 0, 0), q, self.caches["kc"], self.caches["vc"],
                                 row_seq, ctx_len, self.tables)
         return o
+
+    def want_scores(self, q: np.ndarray, row_seq: np.ndarray, ctx_len: np.ndarray,
+                    score_from: np.ndarray) -> np.ndarray:
+        it = Interpreter(self.g)
+        _, sc = OPS["attention"](it, self.op, Step(len(q), 0, 0), q, self.caches["kc"], self.caches["vc"],
+                                 row_seq, ctx_len, self.tables, self.caches["sc"].copy(), score_from)
+        return sc
 
 
 # (n_heads, n_kv_heads, head_dim, KV type, block size): GQA, MQA and MHA; f16, f32, q8_0 and q4_0
@@ -166,6 +184,24 @@ def test_a_prompt_chunk_filling_a_tiles_group_writes_its_own_rows_alone_and_keep
     for t in range(n):
         alone = pa.run(q[t:t + 1], row_seq[t:t + 1], ctx_len[t:t + 1])
         np.testing.assert_array_equal(alone[0], batch[t], err_msg=f"row {t} (ctx_len {ctx_len[t]})")
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[6]], ids=[IDS[0], IDS[3], IDS[6]])
+def test_paged_scores_add_each_scoring_rows_weights_at_its_physical_slots_only_while_scoring(case):
+    """Each sequence's rows from a KV index of their own (the 40..48 chunk from its 4th row, the
+    300..303 run from its 2nd, the 5, 6 pair and the lone 700 row never): the scores as the
+    interpreter's; a step that is not scoring leaves them alone."""
+    pa = PagedAttention(*case, scores=True)
+    q, row_seq, ctx_len = pa.rows()
+    never = np.iinfo(np.int32).max
+    first = {0: never, 1: 42, 2: never, 3: 300, 4: 0, 5: 3}
+    score_from = np.array([first[s] for s in row_seq], np.int32)
+    pa.run(q, row_seq, ctx_len)
+    np.testing.assert_array_equal(pa.be.read_value("step", "sc"), pa.caches["sc"])
+    pa.run(q, row_seq, ctx_len, score_from)
+    got, want = pa.be.read_value("step", "sc"), pa.want_scores(q, row_seq, ctx_len, score_from)
+    assert "attention_scores_paged" in pa.kernels and (want != pa.caches["sc"]).any()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_paged_splits_halve_to_keep_the_partials_of_a_step_within_the_budget():

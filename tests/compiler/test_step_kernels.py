@@ -65,6 +65,25 @@ def test_paged_attention_through_shuffled_block_tables_matches_interpreter(targe
     check(case, run_case(case, TARGETS[target], nth=3)[0])
 
 
+# each row's first scoring KV index: rows 0, 2, 3 and 5 score (index ctx_len - 1 >= it), rows 1,
+# 4 and 6 do not (a KV index too early, never); sequence 2's rows 2 and 5 add to the same
+# slots in step order
+SCORE_FROM = [0, 16, 10, 0, 2**31 - 1, 63, 5]
+
+
+@pytest.mark.parametrize("target", TARGET_NAMES)
+@pytest.mark.parametrize("h,kvh,hd,kv_dtype", [(4, 2, 32, "f32"), (6, 2, 32, "q8_0"), (2, 2, 100, "f16"),
+                                                (4, 1, 64, "q4_0")], ids=["4.2x32-f32", "6.2x32-q8_0",
+                                                                         "2.2x100-f16", "4.1x64-q4_0"])
+def test_paged_attention_adds_each_scoring_rows_weights_at_its_physical_slots(target, h, kvh, hd, kv_dtype):
+    case = paged_attention_case(T=9, rows=ROWS, kv_dtype=kv_dtype, h=h, kvh=kvh, hd=hd, bs=16, n_blocks=12,
+                                n_seqs=3, seed=hd + 5, score_from=SCORE_FROM)
+    got = run_case(case, TARGETS[target], nth=2)[0]
+    check(case, got)
+    changed = got["sc"] != case.arrays["sc"]
+    assert changed.any() and not changed.all()     # scoring rows' entries only
+
+
 @pytest.mark.parametrize("kv_dtype", ["f32", "f16", "q8_0", "q4_0"])
 def test_one_sequence_through_the_identity_table_is_the_contiguous_kernel_bit_for_bit(kv_dtype):
     """Rows 0..5 of a prefill chunk after 37 cached tokens: the paged kernel reads the same slots

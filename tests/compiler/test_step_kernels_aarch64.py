@@ -34,6 +34,10 @@ CASES = [rope_case(T=7, n=6, hd=100),
          # blocks of 2 slots: fewer than a NEON vector's 4 lanes, each lane looks its block up
          paged_attention_case(T=9, rows=[(s, min(c, 8)) for s, c in ROWS], kv_dtype="f16",
                               pool=Paged.shuffled(2, 12, 3, np.random.default_rng(5))),
+         # eviction scores of the rows from their score_from on, at their entries' physical slots
+         paged_attention_case(T=9, rows=ROWS, kv_dtype="f16", h=6, kvh=2, hd=32,
+                              score_from=[0, 16, 10, 0, 2**31 - 1, 63, 5]),
+         paged_attention_case(T=9, rows=ROWS, kv_dtype="f32", h=2, kvh=2, hd=100, score_from=[0] * 7),
          gather_case(T=11, n=9, picked=[4, 0, 8, 4]),
          # the fused QKV of a step graph: each row roped at its position, stored at its slot
          matmul_case("q4_0", 9, 6, True, "rope_kv_store", cache_dtype="q8_0", heads=(4, 1, 64), step_rows=True,

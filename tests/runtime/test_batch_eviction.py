@@ -10,7 +10,6 @@ import pytest
 import llmrs
 from llmrs.compiler.cli import main as compile_main
 from llmrs.runtime.cli import main as run_main
-from llmrs.runtime.engine import EngineError
 from llmrs.runtime.kv.store import HostKV
 
 from ..conftest import DATA
@@ -172,14 +171,59 @@ def test_llmrs_run_with_several_prompts_evicts_each_as_one_prompt_alone(plan, ca
     assert "evictions" in cap.err and "budget" in cap.err
 
 
-def test_batches_refuse_score_policies_in_one_line(plan, capsys):
-    assert run_main([str(plan), "-p", "a", "-p", "b", "--eviction-policy", "h2o", "--eviction-window", "10"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err == ("llmrs-run: error: --eviction-policy h2o needs attention scores, which a batch's step graph does "
-                   "not write yet: run one prompt at a time, or evict a batch with sliding (give one --prompt)")
-    with llmrs.load(plan, eviction_policy="snapkv", eviction_window=10) as model:
-        with pytest.raises(EngineError, match=r"^eviction_policy snapkv needs attention scores"):
-            model.add_request([3, 4], max_tokens=1)
+# budget 13 of 64 slots each. SnapKV evicts a prompt over the budget after its prefill (its last 4
+# queries vote) and a sequence whose cache fills; H2O after every decode past the budget (each KV
+# head keeps its own heaviest entries). The joining prompts and their tokens fit the pool together
+# (SnapKV's two at most 13 + 18 entries each), so no sequence is preempted and recomputed.
+SCORED = {"snapkv": dict(eviction_policy="snapkv", eviction_window=10, protected_prefix=3, snapkv_window=4),
+          "h2o": dict(eviction_policy="h2o", eviction_window=10, protected_prefix=3)}
+JOINING = {"snapkv": ([20, 14], 18), "h2o": ([9, 4, 12], 80)}
+
+
+def check_scored_batch(model, policy: str) -> None:
+    """The joining prompts (the last after 2 steps) give the tokens each gets alone, through
+    evictions by the step graph's scores; then one prompt alone in the batch past the cache end."""
+    lengths, n = JOINING[policy]
+    ps = prompts(lengths, seed=7)
+    want = [alone(model, p, n) for p in ps]
+    reqs = run_joining(model, ps, n, join_after=2)
+    assert [r.tokens for r in reqs] == want
+    assert sum(r.preemptions for r in reqs) == 0 and not model.batch.config.enable_prefix_cache
+    assert {e.policy for e in model.batch.evictions} == {policy} and {e.after for e in model.batch.evictions} == {13}
+    model.batch.scheduler.kv.check()
+    assert model.batch.scheduler.kv.stats().used == 0
+    long = prompts([6], seed=11)[0]
+    want = alone(model, long, 80)
+    model.batch.evictions.clear()
+    assert model.generate_many([long], max_tokens=80)[0].tokens == want and len(want) + 6 > 64
+    assert "full" in {e.trigger for e in model.batch.evictions} or policy == "h2o"
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o"])
+def test_score_policies_per_sequence_give_each_prompt_its_tokens_alone_past_the_cache_end(plan, policy):
+    with llmrs.load(plan, **SCORED[policy]) as model:
+        check_scored_batch(model, policy)
+
+
+@pytest.mark.usefixtures("opencl_device")
+@pytest.mark.parametrize("policy", ["snapkv", "h2o"])
+def test_score_policies_per_sequence_on_opencl_give_each_prompt_its_tokens_alone(tmp_path_factory, policy):
+    with llmrs.load(_plan(tmp_path_factory, "opencl"), backend="opencl", **SCORED[policy]) as model:
+        check_scored_batch(model, policy)
+
+
+def test_llmrs_run_with_several_prompts_evicts_each_by_h2o_as_one_prompt_alone(plan, capsys):
+    flags = ["--eviction-policy", "h2o", "--eviction-window", "10", "--protected-prefix", "3", "-n", "70"]
+    texts = ["Once upon a time", "The cat sat"]
+    alone_out = []
+    for t in texts:
+        assert run_main([str(plan), "-p", t, *flags]) == 0
+        alone_out.append(capsys.readouterr().out.rstrip("\n"))
+    assert run_main([str(plan), "-p", texts[0], "-p", texts[1], *flags, "--stats"]) == 0
+    cap = capsys.readouterr()
+    got = dict(line.split(" ", 1) for line in cap.out.split("\n[") if line)
+    assert {k.strip("[]"): v.rstrip("\n") for k, v in got.items()} == {"1": alone_out[0], "2": alone_out[1]}
+    assert "evictions" in cap.err and "budget" in cap.err
 
 
 @pytest.mark.parametrize("policy", ["h2o", "snapkv"])

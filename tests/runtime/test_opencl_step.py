@@ -202,7 +202,8 @@ BAD = [("tokens", [5, 384, 7], r"tokens\[1\] = 384 is outside 0..383 \(the vocab
        ("slots", [1, 2], r"slots has 2 rows and tokens 3; give one a row"),
        ("positions", [0, 1 << 40, 2], r"positions\[1\] = 1099511627776 is outside -2147483648..2147483647"),
        ("block_tables", np.zeros((3, 1), np.int32), r"block_tables is \[3, 1\]; the step graph takes 1..2 sequences"),
-       ("ctx_len", [1.0, 2.0, 1.0], r"ctx_len must be a 1-D array of integers, got float64\[3\]")]
+       ("ctx_len", [1.0, 2.0, 1.0], r"ctx_len must be a 1-D array of integers, got float64\[3\]"),
+       ("score_from", [0, 1], r"score_from has 2 rows and tokens 3; give one a row")]
 
 
 @pytest.mark.parametrize("field,value,message", BAD, ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(BAD)])

@@ -77,6 +77,39 @@ def test_opencl_runs_steps_as_the_interpreter(plan, opencl_device):
         be.close()
 
 
+def _scoring_steps(plan: Plan) -> list[StepRows]:
+    """_steps with eviction scores: in the first step sequence 0's rows from KV index 2 and none
+    of sequence 1's, in the second sequence 1's decode row and not sequence 0's, which is marked
+    a prompt row so OpenCL's row split puts it first (score_from must move with its row)."""
+    never = np.iinfo(np.int32).max
+    first, second = _steps(plan)
+    return [StepRows(**{**first.__dict__, "score_from": np.array([2] * 5 + [never] * 3, np.int32)}),
+            StepRows(**{**second.__dict__, "score_from": np.array([0, never], np.int32),
+                        "generated": np.array([1, 0], np.int32)})]
+
+
+@pytest.mark.parametrize("kind", ["cpu", "opencl"])
+def test_steps_add_the_scoring_rows_eviction_scores_as_the_interpreter(plan, kind, request):
+    """The scores of every layer at every pool slot after the two steps, against the reference
+    back end's (the interpreter); slots no scoring row attends stay 0."""
+    if kind == "opencl":
+        request.getfixturevalue("opencl_device")
+    ref = ReferenceBackend(plan.graphs())
+    be = open_backend(plan, kind, BackendOptions(threads=2) if kind == "cpu" else BackendOptions())
+    slots = np.arange(plan.step_shape().slots)
+    try:
+        for rows in _scoring_steps(plan):
+            assert rel_err(be.run_step(rows), ref.run_step(rows)) <= 1e-4
+        got, want = be.kv_store().slot_scores(slots), ref.kv_store().slot_scores(slots)
+        first, second = _steps(plan)
+        written, unscored = np.concatenate([first.slots, second.slots]), second.slots[1]
+        assert (np.delete(want, written, axis=-1) == 0).all() and (want[..., unscored] == 0).all()
+        assert (want[..., written[written != unscored]] > 0).all()
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    finally:
+        be.close()
+
+
 def test_the_cpu_runs_the_step_graph_only_through_run_step(plan):
     cpu = CpuBackend(plan, threads=1)
     try:
@@ -107,6 +140,7 @@ BAD = [
     ({"ctx_len": [1, 2]}, "ctx_len has 2 entries for 3 tokens"),
     ({"tokens": np.zeros(9, np.int32)}, "a step takes 1..8 rows, got 9"),
     ({"positions": [0.5, 1, 2]}, "positions must be a 1-d array of integers, got float64[3]"),
+    ({"score_from": [0, 1]}, "score_from has 2 entries for 3 tokens"),
 ]
 
 

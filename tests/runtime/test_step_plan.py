@@ -54,8 +54,8 @@ def _two_block_sizes(m: dict) -> None:
 @pytest.mark.parametrize("change,says", [
     (_swap_kv_offsets, "graph 'step' lays out the KV cache unlike graph 'decode'; recompile the plan"),
     (_drop_input, "graph 'step' is not a step graph: its inputs are tokens, positions, slots, row_seq, ctx_len, "
-                  "block_tables, not tokens, positions, slots, row_seq, ctx_len, block_tables, logit_rows; "
-                  "recompile the plan"),
+                  "block_tables, score_from, not tokens, positions, slots, row_seq, ctx_len, block_tables, logit_rows, "
+                  "score_from; recompile the plan"),
 ])
 def test_a_step_graph_the_runtime_cannot_use_is_refused_in_one_line(step_plan, tmp_path, change, says):
     path = tmp_path / "bad.plan.bin"
