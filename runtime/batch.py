@@ -32,7 +32,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
@@ -96,12 +96,6 @@ def scheduler_config(shape: StepShape, options: BatchOptions) -> SchedulerConfig
         block_size=shape.block_size,
         num_blocks=pick("num_blocks", options.num_blocks, shape.n_blocks, "--max-seq-len"),
         enable_prefix_cache=not options.no_prefix_cache)
-
-
-def batch_refusal(kv: KVOptions) -> str | None:
-    """Why a batch cannot evict as `kv` asks ({0}: the policy option), or None: every policy
-    evicts a batch (SnapKV and H2O by the scores its step graph writes, per row's score_from)."""
-    return None
 
 
 FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "cancelled"}
@@ -218,9 +212,6 @@ class Batcher:
         self.stop_ids = frozenset(stop_ids)
         self.shape = step_shape(plan)
         self.kv_options = kv.check()
-        refusal = batch_refusal(kv)
-        if refusal is not None:
-            raise EngineError(refusal, "eviction_policy")
         self.config = scheduler_config(self.shape, options.check())
         if kv.evicts and kv.policy().uses_scores and self.config.enable_prefix_cache:
             self.config = dataclasses.replace(self.config, enable_prefix_cache=False)
@@ -417,4 +408,4 @@ class Batcher:
         return {"steps": self.steps, "rows": self.rows_run, "kv": kv}
 
 
-__all__ = ["BatchOptions", "Batcher", "Request", "batch_refusal", "scheduler_config", "step_shape"]
+__all__ = ["BatchOptions", "Batcher", "Request", "scheduler_config", "step_shape"]

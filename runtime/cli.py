@@ -20,7 +20,7 @@ from .engine import EngineError, Stats
 from .kv.options import TITLE as KV_TITLE
 from .kv.options import KVOptions
 from .kv.manager import summarize
-from .batch import BatchOptions, batch_refusal
+from .batch import BatchOptions
 from .model import Completion, Model, check_threads
 from .plan import Plan, PlanError
 from .sampler import SamplerConfig
@@ -207,9 +207,6 @@ def run_many(args: argparse.Namespace) -> int:
     sampler, backend_options, kv = typed_options(args)
     if options_from(args, SpeculativeOptions).enabled:
         raise EngineError("--speculative runs one sequence at a time; give one --prompt")
-    refusal = batch_refusal(kv)
-    if refusal is not None:
-        raise EngineError(refusal + " (give one --prompt)", "eviction_policy")
     batch = options_from(args, BatchOptions).check()
     t0 = time.perf_counter()
     with load_model(args, backend_options, kv, batch) as model:

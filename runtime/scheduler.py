@@ -60,10 +60,10 @@ import numpy as np
 
 from ..options import OptionError, option, whole
 from .kv.paged import BlockManager
+from .kv.store import NEVER
 from .kv.policy import StepInfo
 
 PREEMPTION_MODES = ("recompute",)
-NEVER = np.iinfo(np.int32).max
 
 
 class SchedulerError(RuntimeError):

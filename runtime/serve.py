@@ -14,7 +14,7 @@ from pathlib import Path
 from ..cliutil import OneLineParser, add_option_flags, error_line, options_from
 from .backends import BACKENDS, BackendOptions
 from .backends.options import KIND_OPTIONS
-from .batch import BatchOptions, batch_refusal
+from .batch import BatchOptions
 from .speculative import TITLE as SPEC_TITLE
 from .speculative import SpeculativeOptions
 from .engine import EngineError
@@ -114,9 +114,6 @@ def many_at_once(model) -> str:
     """How many requests run at once, for the start line."""
     if not model.can_batch:
         return "one request at a time: the plan has no step graph"
-    if batch_refusal(model.kv) is not None:
-        return (f"one request at a time: {model.kv.eviction_policy} evicts by attention scores, which a batch "
-                "does not keep yet")
     if model.speculator is not None:
         return (f"one request at a time, each with {model.speculator.drafter.name} speculative decoding (a verify "
                 "step holds one sequence's drafts)")

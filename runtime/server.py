@@ -57,7 +57,6 @@ from ..options import OptionError
 from .chat import ChatTemplateError
 from .engine import EngineError
 from .batch import Request as BatchRequest
-from .batch import batch_refusal
 from .model import Completion, GenerationOptions, Model
 
 MAX_BODY_BYTES = 8 << 20    # the default limit on a request body: no prompt that fits a cache is near it
@@ -310,7 +309,7 @@ class Server:
     def __post_init__(self):
         self.lock = asyncio.Lock()   # FIFO: requests are served in the order they asked
         # speculative decoding verifies one sequence's drafts a step: requests take turns
-        self.batching = self.model.can_batch and batch_refusal(self.model.kv) is None and self.model.speculator is None
+        self.batching = self.model.can_batch and self.model.speculator is None
 
     def start(self, ids: list[int], opts: GenerationOptions) -> Completion | BatchRequest:
         """A generation of ids: a request of the batch where the plan runs many, else a Completion."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..kv.store import NEVER   # score_from of a row that adds no scores
 from ..plan import StepShape
 
 if TYPE_CHECKING:
@@ -102,7 +103,6 @@ def check_step_rows(rows: StepRows, shape: StepShape) -> StepRows:
                     score_from=step_score_from(rows.score_from, n))
 
 
-NEVER = np.iinfo(np.int32).max     # score_from of a row that adds no scores
 
 
 def step_score_from(score_from: object, n: int) -> np.ndarray:

@@ -114,7 +114,7 @@ class SwitchEvent:
     reason: str = "schedule"
 
     def line(self) -> str:
-        moved = (f"mapped, 0 B copied" if self.mode == "map" else
+        moved = ("mapped, 0 B copied" if self.mode == "map" else
                  f"refilled from {self.live_slots} tokens" if self.mode == "refill" else
                  f"{_size(self.kv_bytes)} K/V" + (f" + {_size(self.score_bytes)} scores" if self.score_bytes else "")
                  + " copied")
