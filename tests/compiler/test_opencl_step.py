@@ -183,15 +183,30 @@ def test_the_tiles_kernel_takes_the_heads_whose_staged_chunk_fits_the_devices_lo
     assert not paged_tiles(TUNING, 1, 64)                 # a step of one row: the rows kernel alone
 
 
+# the generated rows a matvec group takes (MV_TOKS) in each layer matmul of the 1B step graph:
+# q4_0 keeps a Q8_0 copy of x a token within 40 KB of local memory (K 2048: 2.5 KB, 16 of them;
+# down_proj's K 8192: 10 KB, 4); f16 reads x per token, 8 at most
+# (a layer's matmuls in launch order: qkv, o_proj, gate_up, down_proj)
+TOKS_1B = {"q4_0": [16, 16, 16, 4], "f16": [8, 8, 8, 8]}
+
+
 @pytest.mark.parametrize("weights", ["q4_0", "f16"])
 def test_a_1b_step_graph_splits_each_layer_matmul_by_row_kind_and_pages_every_attention(llama_1b_graphs, weights):
     """Row invariance starts with the kernels chosen: by a row's own kind, never by what shares
     its step. A layer's matmuls run their prompt rows in matmul_tiled (part "lead") and their
-    generated rows in the decode matvec (part "rest"), both built with ROW_SPLIT; the head runs
-    every logit row tiled; attention is the paged pair (not the contiguous kernels)."""
-    prefill, _ = llama_1b_graphs
+    generated rows in the decode matvec (part "rest"), both built with ROW_SPLIT, the matvec
+    taking several generated rows a group (MV_TOKS, its row_tile); the head runs every logit row
+    tiled; attention is the paged pair (not the contiguous kernels)."""
+    prefill, decode = llama_1b_graphs
     g = run_passes(step_graph(prefill, max_seqs=16, block_size=16), CompileOptions(weights=weights))
     launches = lower_graph(g)
+    rest = [launch for launch in launches if launch.part == "rest"]
+    assert [launch.row_tile for launch in rest] == TOKS_1B[weights] * 16
+    assert all(f"-DMV_TOKS={launch.row_tile}" in launch.options for launch in rest)
+    # decode keeps a token a group, built as before
+    dec = [launch for launch in lower_graph(run_passes(decode, CompileOptions(weights=weights)))
+           if launch.kernel == "matvec"]
+    assert dec and all(launch.row_tile == 1 and not any("MV_TOKS" in o for o in launch.options) for launch in dec)
     kernels = Counter(launch.kernel for launch in launches)
     layers = 16
     assert kernels["matmul_tiled"] == 4 * layers + 1 and kernels["matvec"] == 4 * layers   # qkv o gate_up down; head
