@@ -400,99 +400,99 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
     // token's first barrier keeps out until the epilogue is done
     MV_TOK_LOOP
     for (int tt = 0; tt < MV_TOKS; tt++) {
-    int t = t0 + tt;
+        int t = t0 + tt;
 #if MV_TOKS > 1
-    barrier(CLK_LOCAL_MEM_FENCE);
+        barrier(CLK_LOCAL_MEM_FENCE);
 #endif
 #ifdef USE_NV_PTX
 #if MV_LATE
-    float ssq_t = warp_sum(ssq[tt]);
+        float ssq_t = warp_sum(ssq[tt]);
 #endif
 #if MV_SPLIT > 1
 #pragma unroll
-    for (int i = 0; i < MV_RPW; i++) {
-        float s = warp_sum(acc[tt][i]);
-        if (lane == 0) part[warp * MV_RPW + i] = s;
-    }
-#if MV_LATE
-    if (lane == 0) ssw[warp] = ssq_t;
-#endif
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (int r = lid; r < MV_ROWS; r += MV_WG) {   // slot r: row r % MV_RPW of row set r / MV_RPW
-        float s = 0.0f;
-        for (int k = 0; k < MV_SPLIT; k++) s += part[((r / MV_RPW) * MV_SPLIT + k) * MV_RPW + r % MV_RPW];
-#if MV_LATE
-        float sq = 0.0f;
-        for (int k = 0; k < MV_SPLIT; k++) sq += ssw[(r / MV_RPW) * MV_SPLIT + k];
-        s /= sqrt(sq / (float)MV_K + eps);
-#endif
-        out[r] = s;
-    }
-#else
-#if MV_LATE
-    float rinv = 1.0f / sqrt(ssq_t / (float)MV_K + eps);   // the warp read all of K
-#endif
-#pragma unroll
-    for (int i = 0; i < MV_RPW; i++) {
-        float s = warp_sum(acc[tt][i]);
-#if MV_LATE
-        s *= rinv;
-#endif
-        if (lane == 0) out[warp * MV_RPW + i] = s;
-    }
-#endif
-#else
-    barrier(CLK_LOCAL_MEM_FENCE);    // red may still be group_sum's
-    for (int i = 0; i < MV_RPW; i++) red[(warp * MV_RPW + i) * 32 + lane] = acc[tt][i];
-#if MV_LATE
-    ssl[lid] = ssq[tt];
-#endif
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (int r = lid; r < MV_ROWS; r += MV_WG) {
-        float s = 0.0f;
-        for (int k = 0; k < MV_SPLIT; k++) {
-            __local const float* p = red + (((r / MV_RPW) * MV_SPLIT + k) * MV_RPW + r % MV_RPW) * 32;
-            for (int l = 0; l < 32; l++) s += p[l];
+        for (int i = 0; i < MV_RPW; i++) {
+            float s = warp_sum(acc[tt][i]);
+            if (lane == 0) part[warp * MV_RPW + i] = s;
         }
 #if MV_LATE
-        float sq = 0.0f;              // the row set's MV_SPLIT warps, lane by lane
-        for (int l = 0; l < 32 * MV_SPLIT; l++) sq += ssl[(r / MV_RPW) * MV_SPLIT * 32 + l];
-        s /= sqrt(sq / (float)MV_K + eps);
+        if (lane == 0) ssw[warp] = ssq_t;
 #endif
-        out[r] = s;
-    }
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int r = lid; r < MV_ROWS; r += MV_WG) {   // slot r: row r % MV_RPW of row set r / MV_RPW
+            float s = 0.0f;
+            for (int k = 0; k < MV_SPLIT; k++) s += part[((r / MV_RPW) * MV_SPLIT + k) * MV_RPW + r % MV_RPW];
+#if MV_LATE
+            float sq = 0.0f;
+            for (int k = 0; k < MV_SPLIT; k++) sq += ssw[(r / MV_RPW) * MV_SPLIT + k];
+            s /= sqrt(sq / (float)MV_K + eps);
 #endif
-    barrier(CLK_LOCAL_MEM_FENCE);
+            out[r] = s;
+        }
+#else
+#if MV_LATE
+        float rinv = 1.0f / sqrt(ssq_t / (float)MV_K + eps);   // the warp read all of K
+#endif
+#pragma unroll
+        for (int i = 0; i < MV_RPW; i++) {
+            float s = warp_sum(acc[tt][i]);
+#if MV_LATE
+            s *= rinv;
+#endif
+            if (lane == 0) out[warp * MV_RPW + i] = s;
+        }
+#endif
+#else
+        barrier(CLK_LOCAL_MEM_FENCE);    // red may still be group_sum's
+        for (int i = 0; i < MV_RPW; i++) red[(warp * MV_RPW + i) * 32 + lane] = acc[tt][i];
+#if MV_LATE
+        ssl[lid] = ssq[tt];
+#endif
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int r = lid; r < MV_ROWS; r += MV_WG) {
+            float s = 0.0f;
+            for (int k = 0; k < MV_SPLIT; k++) {
+                __local const float* p = red + (((r / MV_RPW) * MV_SPLIT + k) * MV_RPW + r % MV_RPW) * 32;
+                for (int l = 0; l < 32; l++) s += p[l];
+            }
+#if MV_LATE
+            float sq = 0.0f;              // the row set's MV_SPLIT warps, lane by lane
+            for (int l = 0; l < 32 * MV_SPLIT; l++) sq += ssl[(r / MV_RPW) * MV_SPLIT * 32 + l];
+            s /= sqrt(sq / (float)MV_K + eps);
+#endif
+            out[r] = s;
+        }
+#endif
+        barrier(CLK_LOCAL_MEM_FENCE);
 #ifdef PRE_EPILOGUE
 #ifndef BIAS
-    gin biasb = 0;
-    ulong bias_off = 0;
+        gin biasb = 0;
+        ulong bias_off = 0;
 #endif
 #ifndef QK_NORM
-    gin qnormb = 0, knormb = 0;
-    ulong qnorm_off = 0, knorm_off = 0;
-    float qk_eps = 0.0f;
-    __local float* qk_part = 0;
+        gin qnormb = 0, knormb = 0;
+        ulong qnorm_off = 0, knorm_off = 0;
+        float qk_eps = 0.0f;
+        __local float* qk_part = 0;
 #endif
 #ifdef QK_SPLIT
-    qk_split_epilogue(t, g, lid, MV_WG, out, MV_ROWS, e0b + e0_off, e1b + e1_off, e2b + e2_off, yb + y_off, M, N,
-                      n_heads, n_kv_heads, hd, EPI_ROWS_OF(step), biasb + bias_off,
-                      qnormb + qnorm_off, knormb + knorm_off, qk_eps, qk_part, qk_head, &qk_last, qscb + qsc_off);
-    return;
+        qk_split_epilogue(t, g, lid, MV_WG, out, MV_ROWS, e0b + e0_off, e1b + e1_off, e2b + e2_off, yb + y_off, M, N,
+                          n_heads, n_kv_heads, hd, EPI_ROWS_OF(step), biasb + bias_off,
+                          qnormb + qnorm_off, knormb + knorm_off, qk_eps, qk_part, qk_head, &qk_last, qscb + qsc_off);
+        return;
 #endif
-    pre_epilogue(out, 1, MV_ROWS, g, MV_ROWS, lid, MV_WG, N, n_heads, n_kv_heads, hd, biasb + bias_off,
-                 qnormb + qnorm_off, knormb + knorm_off, qk_eps, qk_part);
+        pre_epilogue(out, 1, MV_ROWS, g, MV_ROWS, lid, MV_WG, N, n_heads, n_kv_heads, hd, biasb + bias_off,
+                     qnormb + qnorm_off, knormb + knorm_off, qk_eps, qk_part);
 #endif
-    if (tt < nt) {                   // after the last barrier: a slot past the step writes nothing
+        if (tt < nt) {                   // after the last barrier: a slot past the step writes nothing
 #if defined(EPI_ROPE_KV) && defined(KV_BLOCKS)
-    if (lid < MV_ROWS / 32)
-        epilogue_chunk(t, g, lid, MV_ROWS, out, 1, e0b + e0_off, e1b + e1_off, e2b + e2_off,
-                       yb + y_off, N, n_heads, n_kv_heads, hd, EPI_ROWS_OF(step));
+            if (lid < MV_ROWS / 32)
+                epilogue_chunk(t, g, lid, MV_ROWS, out, 1, e0b + e0_off, e1b + e1_off, e2b + e2_off,
+                               yb + y_off, N, n_heads, n_kv_heads, hd, EPI_ROWS_OF(step));
 #else
-    for (int r = lid; r < MV_ROWS; r += MV_WG)
-        epilogue(t, g, r, MV_ROWS, out, 1, e0b + e0_off, e1b + e1_off, e2b + e2_off,
-                 yb + y_off, N, n_heads, n_kv_heads, hd, EPI_ROWS_OF(step));
+            for (int r = lid; r < MV_ROWS; r += MV_WG)
+                epilogue(t, g, r, MV_ROWS, out, 1, e0b + e0_off, e1b + e1_off, e2b + e2_off,
+                         yb + y_off, N, n_heads, n_kv_heads, hd, EPI_ROWS_OF(step));
 #endif
-    }
+        }
     }
 }
