@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from llmrs.compiler import quant
-from llmrs.compiler.codegen.opencl import generate, lower_graph, paged_splits, paged_tiles
+from llmrs.compiler.codegen.opencl import generate, lower_graph, matvec_tokens, paged_splits, paged_tiles
 from llmrs.compiler.codegen.opencl_tuning import DeviceKind, OpenCLTuning, tuning_for
 from llmrs.compiler.interpret import OPS, Interpreter, Step
 from llmrs.compiler.ir import Graph
@@ -188,6 +188,23 @@ def test_the_tiles_kernel_takes_the_heads_whose_staged_chunk_fits_the_devices_lo
 # down_proj's K 8192: 10 KB, 4); f16 reads x per token, 8 at most
 # (a layer's matmuls in launch order: qkv, o_proj, gate_up, down_proj)
 TOKS_1B = {"q4_0": [16, 16, 16, 4], "f16": [8, 8, 8, 8]}
+
+
+@pytest.mark.parametrize("local_kb,k,want", [(48, 2048, 16), (48, 8192, 4), (48, 32768, 1), (32, 2048, 9),
+                                             (32, 8192, 2), (32, 1024, 16)])
+def test_the_generated_rows_matvec_takes_as_many_tokens_as_their_q8_0_copies_of_x_fit_in_local_memory(local_kb, k,
+                                                                                                    want):
+    """T tokens of K values keep T * (K + K / 32 * 8) bytes of Q8_0 blocks, scales and sums in
+    local memory beside the matvec's other arrays (8 KB): the most that fit, 16 at most; float
+    weights take 8; a variant of a token a group (QK_SPLIT, ROPE_HEADS) and a step of fewer rows
+    take fewer."""
+    tuning = tuning_for(DeviceKind((9, 0), local_mem_bytes=local_kb << 10))
+    t = matvec_tokens(tuning, 128, k, True, False)
+    assert t == want
+    assert t * (k + k // 32 * 8) <= (local_kb - 8) << 10 and (t == 16 or (t + 1) * (k + k // 32 * 8) > (local_kb - 8) << 10)
+    assert matvec_tokens(tuning, 128, k, False, False) == 8
+    assert matvec_tokens(tuning, 128, k, True, True) == matvec_tokens(tuning, 128, k, False, True) == 1
+    assert matvec_tokens(tuning, 3, 2048, True, False) == 3
 
 
 @pytest.mark.parametrize("weights", ["q4_0", "f16"])
