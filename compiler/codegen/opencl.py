@@ -184,6 +184,18 @@ def matvec_shape(tuning: OpenCLTuning, k: int, n: int, quantized: bool, epilogue
     return wg, warps * rpw, 1
 
 
+def matvec_tokens(tuning: OpenCLTuning, m: int, k: int, quantized: bool, one_token: bool) -> int:
+    """Token rows a group of a step graph's generated-row matvec takes (matvec.cl MV_TOKS): as many
+    as fit, each weight batch then read once for all of them. Quantized weights keep one Q8_0 copy
+    of x a token in local memory, within the bytes mv_max_k gives one copy; float weights read x
+    per token, held to mv_toks_float by the accumulators' registers. `one_token`: the variants
+    with a token a group (QK_SPLIT's tickets, ROPE_HEADS)."""
+    if one_token:
+        return 1
+    most = min(tuning.mv_toks_quant, tuning.mv_max_k // k) if quantized else tuning.mv_toks_float
+    return max(1, min(most, m))
+
+
 def _rms_late(split: int, norm_folded: bool) -> bool:
     """Whether a float-weight matvec applies its RMS prologue's 1 / rms to the finished dot
     products (matvec.cl MV_RMS_LATE: the sum of squares taken in the K loop, so the group
@@ -420,6 +432,10 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
                     f"-DMV_SPLIT={mv_split}"]
         if _rms_late(mv_split, bool(a.get("norm_folded"))):
             options.append("-DMV_RMS_LATE")   # matvec.cl applies it to float weights' RMS prologue
+    # the generated rows of a step graph, T a group; decode and verify keep a token a group
+    toks = matvec_tokens(tuning, m, k, quantized, bool(qk_split or rope_heads)) if part == "rest" else 1
+    if toks > 1:
+        options.append(f"-DMV_TOKS={toks}")
     eps, ints = {"float": float(a.get("eps", 0.0))}, [{"int": h} for h in heads]
     # last: b (BIAS); qn, kn, qk_eps (QK_NORM)
     late = ([_v(bias)] if bias else []) + ([_v(extra[3]), _v(extra[4]), {"float": float(a["qk_eps"])}]
@@ -455,7 +471,7 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
     ctx.launches.append(Launch(op.name, "matmul" if tiled else "matvec", "matmul_tiled" if tiled else "matvec",
                                options, args,
                                local=256 if tiled else mv_wg, groups=row_groups * split,
-                               rows=m, row_tile=(2 * TILE_M if pair else TILE_M) if tiled else 1, part=part))
+                               rows=m, row_tile=(2 * TILE_M if pair else TILE_M) if tiled else toks, part=part))
 
 
 def _attention(ctx: _Ctx, op: Op) -> None:

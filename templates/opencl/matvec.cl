@@ -21,7 +21,13 @@
 // prologue) nothing is prepared: dot(w, x / rms * nw) = dot(w, x * nw) / rms, so each warp
 // sums x's squares over the units it reads anyway (a row set's MV_SPLIT slices cover K once)
 // and scales its dot products at the end: no group barrier before the first weight load.
-// Grid: (groups * MV_WG, rows of x).
+// -DMV_TOKS=<T> (a step graph's generated rows, ROW_SPLIT): T consecutive token rows a group,
+// so each weight batch is loaded once and dotted with all T tokens' x (x quantized per token into
+// local memory). Every token runs the same operations in the same order as it would alone (its
+// own RMS sum, dot products, reductions and epilogue; nothing summed across tokens), so a row's
+// bits do not depend on the rows sharing its group. Slots past the step's last row read row t0
+// and write nothing.
+// Grid: (groups * MV_WG, ceil(rows of x / MV_TOKS)).
 
 #ifndef MV_WG
 #define MV_WG 256
@@ -31,6 +37,19 @@
 #endif
 #ifndef MV_SPLIT
 #define MV_SPLIT 1
+#endif
+#ifndef MV_TOKS
+#define MV_TOKS 1
+#endif
+// the token loops with barriers inside: unrolled where warp shuffles keep acc[token] in registers;
+// elsewhere (PoCL) a loop, as 16 copies of their barrier regions took PoCL minutes to compile
+#ifdef USE_NV_PTX
+#define MV_TOK_LOOP _Pragma("unroll")
+#else
+#define MV_TOK_LOOP _Pragma("unroll 1")
+#endif
+#if MV_TOKS > 1 && (defined(QK_SPLIT) || defined(ROPE_HEADS))
+#error "MV_TOKS > 1: QK_SPLIT and ROPE_HEADS take one token a group"
 #endif
 #define MV_WARPS (MV_WG / 32)
 #define MV_RPW (MV_ROWS * MV_SPLIT / MV_WARPS)      // rows per warp
@@ -195,10 +214,18 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
     ulong e1_off = 0, e2_off = 0;
     int n_heads = 0, n_kv_heads = 0, hd = 0;
 #endif
-    int lid = get_local_id(0), g = get_group_id(0), t = get_group_id(1) + MV_ROW0(step);
+    int lid = get_local_id(0), g = get_group_id(0), t0 = get_group_id(1) * MV_TOKS + MV_ROW0(step);
     int lane = lid & 31, warp = lid >> 5;
     int rset = warp / MV_SPLIT, split = warp % MV_SPLIT;   // row set, K slice
-    __global const float4* x4 = (__global const float4*)(xb + x_off) + (size_t)t * (MV_K / 4);  // [K/4]
+#if MV_TOKS > 1
+    int nt = MV_MIN(MV_TOKS, STEP_N_TOKENS(step) - t0);   // the group's valid tokens (uniform)
+#else
+    int nt = 1;
+#endif
+    __global const float4* x4[MV_TOKS];      // token tt's x row [K/4]; past nt: row t0's
+#pragma unroll
+    for (int tt = 0; tt < MV_TOKS; tt++)
+        x4[tt] = (__global const float4*)(xb + x_off) + (size_t)(tt < nt ? t0 + tt : t0) * (MV_K / 4);
     gin w = wb + w_off;
 #ifdef USE_NV_PTX
     __local float red[MV_WG];                 // group_sum scratch
@@ -215,7 +242,9 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #else
     __local float ssl[MV_WG];                 // [row set][slice][lane] sums of x's squares
 #endif
-    float ssq = 0.0f;                         // this lane's, over the units it reads
+    float ssq[MV_TOKS];                       // this lane's, over the units it reads, by token
+#pragma unroll
+    for (int tt = 0; tt < MV_TOKS; tt++) ssq[tt] = 0.0f;
 #endif
     __local float out[MV_ROWS];               // the group's finished dot products, by slot
 #ifdef QK_NORM
@@ -231,11 +260,12 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #endif
     // this warp's weight rows; a padding slot (-1) reads row 0 and is never written
     int rows[MV_RPW];
-    float acc[MV_RPW];
+    float acc[MV_TOKS][MV_RPW];
 #pragma unroll
     for (int i = 0; i < MV_RPW; i++) {
         rows[i] = max(slot_row(g, rset * MV_RPW + i, MV_ROWS, N, n_heads, n_kv_heads, hd), 0);
-        acc[i] = 0.0f;
+#pragma unroll
+        for (int tt = 0; tt < MV_TOKS; tt++) acc[tt][i] = 0.0f;
     }
 
     // weight batch p0: MV_UNROLL passes of this warp's MV_RPW rows
@@ -273,35 +303,43 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #endif
 
 #if defined(PROLOGUE_RMS) && !MV_LATE
-    float ss = 0.0f;
-    for (int i = lid; i < MV_K / 4; i += MV_WG) {
-        float4 v = x4[i];
-        ss += dot(v, v);
+    float rms[MV_TOKS];
+    MV_TOK_LOOP
+    for (int tt = 0; tt < MV_TOKS; tt++) {
+        float ss = 0.0f;
+        for (int i = lid; i < MV_K / 4; i += MV_WG) {
+            float4 v = x4[tt][i];
+            ss += dot(v, v);
+        }
+        rms[tt] = sqrt(group_sum(ss, red) / (float)MV_K + eps);
     }
-    float rms = sqrt(group_sum(ss, red) / (float)MV_K + eps);
 #endif
 
 #ifdef W_QUANT
-    __local int4 xq[MV_K / 16];      // x as Q8_0: int8 [K] packed 4 per int; int4-typed so a
+    __local int4 xq[MV_TOKS][MV_K / 16];   // [token] x as Q8_0: int8 [K] packed 4 per int; int4-typed so a
                                      // block is two 16-byte local loads (vload4 from an int
                                      // array gave 8 narrow ones; H200 q4_0 down_proj 196 ->
                                      // 160 us per decode step)
-    __local float xd[MV_UNITS];      // block scales
-    __local XS_T xs[MV_UNITS];       // block sums of the int8 values (q4_0's -8 offset;
+    __local float xd[MV_TOKS][MV_UNITS];   // block scales
+    __local XS_T xs[MV_TOKS][MV_UNITS];    // block sums of the int8 values (q4_0's -8 offset;
                                      // q4_1: Q8_1's s)
 #ifdef MV_X_LANES
-    quantize_x_lanes(x4, (__local int*)xq, xd, xs
+#pragma unroll
+    for (int tt = 0; tt < MV_TOKS; tt++)
+        quantize_x_lanes(x4[tt], (__local int*)xq[tt], xd[tt], xs[tt]
 #ifdef PROLOGUE_RMS
-                     , nw, rms
+                         , nw, rms[tt]
 #endif
-                     );
+                         );
 #else
-    for (int b = lid; b < MV_UNITS; b += MV_WG)
-        quantize_x(x4, b, xq, xd, xs
+    for (int j = lid; j < MV_TOKS * MV_UNITS; j += MV_WG) {   // block j % MV_UNITS of token j / MV_UNITS
+        int tt = j / MV_UNITS;
+        quantize_x(x4[tt], j % MV_UNITS, xq[tt], xd[tt], xs[tt]
 #ifdef PROLOGUE_RMS
-                   , nw, rms
+                   , nw, rms[tt]
 #endif
                    );
+    }
 #endif
     barrier(CLK_LOCAL_MEM_FENCE);
     for (int p0 = 0; p0 < MV_PASSES; p0 += MV_UNROLL) {
@@ -310,19 +348,22 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
         for (int u = 0; u < MV_UNROLL; u++) {
             int b = ((p0 + u) * MV_SPLIT + split) * 32 + lane;
             if (b < MV_UNITS) {
-                int q[8];
-                int4 lo = xq[2 * b], hi = xq[2 * b + 1];
-                q[0] = lo.s0; q[1] = lo.s1; q[2] = lo.s2; q[3] = lo.s3;
-                q[4] = hi.s0; q[5] = hi.s1; q[6] = hi.s2; q[7] = hi.s3;
-                float d = xd[b];
-                XS_T s = xs[b];
 #pragma unroll
-                for (int i = 0; i < MV_RPW; i++)
+                for (int tt = 0; tt < MV_TOKS; tt++) {
+                    int q[8];
+                    int4 lo = xq[tt][2 * b], hi = xq[tt][2 * b + 1];
+                    q[0] = lo.s0; q[1] = lo.s1; q[2] = lo.s2; q[3] = lo.s3;
+                    q[4] = hi.s0; q[5] = hi.s1; q[6] = hi.s2; q[7] = hi.s3;
+                    float d = xd[tt][b];
+                    XS_T s = xs[tt][b];
+#pragma unroll
+                    for (int i = 0; i < MV_RPW; i++)
 #ifdef W_Q4_1
-                    acc[i] += (float)wq_idot(wq[u][i], q, 0) * (d * wd[u][i].x) + wd[u][i].y * s;
+                        acc[tt][i] += (float)wq_idot(wq[u][i], q, 0) * (d * wd[u][i].x) + wd[u][i].y * s;
 #else
-                    acc[i] += (float)wq_idot(wq[u][i], q, s) * (d * wd[u][i]);
+                        acc[tt][i] += (float)wq_idot(wq[u][i], q, s) * (d * wd[u][i]);
 #endif
+                }
             }
         }
     }
@@ -333,109 +374,125 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
         for (int u = 0; u < MV_UNROLL; u++) {
             int un = ((p0 + u) * MV_SPLIT + split) * 32 + lane;
             if (un < MV_UNITS) {
-                float4 lo = x4[2 * un], hi = x4[2 * un + 1];
-#if MV_LATE
-                ssq += dot(lo, lo) + dot(hi, hi);
-                lo = lo * LD4_NORM(nw, 2 * un);
-                hi = hi * LD4_NORM(nw, 2 * un + 1);
-#elif defined(PROLOGUE_RMS)
-                lo = lo / rms * LD4_NORM(nw, 2 * un);
-                hi = hi / rms * LD4_NORM(nw, 2 * un + 1);
-#endif
-                float8 xv = (float8)(lo, hi);
 #pragma unroll
-                for (int i = 0; i < MV_RPW; i++) acc[i] += wunit_dot_bits(wu[u][i], xv);
+                for (int tt = 0; tt < MV_TOKS; tt++) {
+                    float4 lo = x4[tt][2 * un], hi = x4[tt][2 * un + 1];
+#if MV_LATE
+                    ssq[tt] += dot(lo, lo) + dot(hi, hi);
+                    lo = lo * LD4_NORM(nw, 2 * un);
+                    hi = hi * LD4_NORM(nw, 2 * un + 1);
+#elif defined(PROLOGUE_RMS)
+                    lo = lo / rms[tt] * LD4_NORM(nw, 2 * un);
+                    hi = hi / rms[tt] * LD4_NORM(nw, 2 * un + 1);
+#endif
+                    float8 xv = (float8)(lo, hi);
+#pragma unroll
+                    for (int i = 0; i < MV_RPW; i++) acc[tt][i] += wunit_dot_bits(wu[u][i], xv);
+                }
             }
         }
     }
 #endif
 
+    // token by token: its reductions into out, then its epilogue, which only a valid token
+    // (tt < nt) runs; every token passes the barriers (none under a condition: PoCL replicates
+    // the code after a conditional barrier, exponentially in their number), and the next
+    // token's first barrier keeps out until the epilogue is done
+    MV_TOK_LOOP
+    for (int tt = 0; tt < MV_TOKS; tt++) {
+        int t = t0 + tt;
+#if MV_TOKS > 1
+        barrier(CLK_LOCAL_MEM_FENCE);
+#endif
 #ifdef USE_NV_PTX
 #if MV_LATE
-    ssq = warp_sum(ssq);
+        float ssq_t = warp_sum(ssq[tt]);
 #endif
 #if MV_SPLIT > 1
 #pragma unroll
-    for (int i = 0; i < MV_RPW; i++) {
-        float s = warp_sum(acc[i]);
-        if (lane == 0) part[warp * MV_RPW + i] = s;
-    }
-#if MV_LATE
-    if (lane == 0) ssw[warp] = ssq;
-#endif
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (int r = lid; r < MV_ROWS; r += MV_WG) {   // slot r: row r % MV_RPW of row set r / MV_RPW
-        float s = 0.0f;
-        for (int k = 0; k < MV_SPLIT; k++) s += part[((r / MV_RPW) * MV_SPLIT + k) * MV_RPW + r % MV_RPW];
-#if MV_LATE
-        float sq = 0.0f;
-        for (int k = 0; k < MV_SPLIT; k++) sq += ssw[(r / MV_RPW) * MV_SPLIT + k];
-        s /= sqrt(sq / (float)MV_K + eps);
-#endif
-        out[r] = s;
-    }
-#else
-#if MV_LATE
-    float rinv = 1.0f / sqrt(ssq / (float)MV_K + eps);   // the warp read all of K
-#endif
-#pragma unroll
-    for (int i = 0; i < MV_RPW; i++) {
-        float s = warp_sum(acc[i]);
-#if MV_LATE
-        s *= rinv;
-#endif
-        if (lane == 0) out[warp * MV_RPW + i] = s;
-    }
-#endif
-#else
-    barrier(CLK_LOCAL_MEM_FENCE);    // red may still be group_sum's
-    for (int i = 0; i < MV_RPW; i++) red[(warp * MV_RPW + i) * 32 + lane] = acc[i];
-#if MV_LATE
-    ssl[lid] = ssq;
-#endif
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (int r = lid; r < MV_ROWS; r += MV_WG) {
-        float s = 0.0f;
-        for (int k = 0; k < MV_SPLIT; k++) {
-            __local const float* p = red + (((r / MV_RPW) * MV_SPLIT + k) * MV_RPW + r % MV_RPW) * 32;
-            for (int l = 0; l < 32; l++) s += p[l];
+        for (int i = 0; i < MV_RPW; i++) {
+            float s = warp_sum(acc[tt][i]);
+            if (lane == 0) part[warp * MV_RPW + i] = s;
         }
 #if MV_LATE
-        float sq = 0.0f;              // the row set's MV_SPLIT warps, lane by lane
-        for (int l = 0; l < 32 * MV_SPLIT; l++) sq += ssl[(r / MV_RPW) * MV_SPLIT * 32 + l];
-        s /= sqrt(sq / (float)MV_K + eps);
+        if (lane == 0) ssw[warp] = ssq_t;
 #endif
-        out[r] = s;
-    }
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int r = lid; r < MV_ROWS; r += MV_WG) {   // slot r: row r % MV_RPW of row set r / MV_RPW
+            float s = 0.0f;
+            for (int k = 0; k < MV_SPLIT; k++) s += part[((r / MV_RPW) * MV_SPLIT + k) * MV_RPW + r % MV_RPW];
+#if MV_LATE
+            float sq = 0.0f;
+            for (int k = 0; k < MV_SPLIT; k++) sq += ssw[(r / MV_RPW) * MV_SPLIT + k];
+            s /= sqrt(sq / (float)MV_K + eps);
 #endif
-    barrier(CLK_LOCAL_MEM_FENCE);
+            out[r] = s;
+        }
+#else
+#if MV_LATE
+        float rinv = 1.0f / sqrt(ssq_t / (float)MV_K + eps);   // the warp read all of K
+#endif
+#pragma unroll
+        for (int i = 0; i < MV_RPW; i++) {
+            float s = warp_sum(acc[tt][i]);
+#if MV_LATE
+            s *= rinv;
+#endif
+            if (lane == 0) out[warp * MV_RPW + i] = s;
+        }
+#endif
+#else
+        barrier(CLK_LOCAL_MEM_FENCE);    // red may still be group_sum's
+        for (int i = 0; i < MV_RPW; i++) red[(warp * MV_RPW + i) * 32 + lane] = acc[tt][i];
+#if MV_LATE
+        ssl[lid] = ssq[tt];
+#endif
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int r = lid; r < MV_ROWS; r += MV_WG) {
+            float s = 0.0f;
+            for (int k = 0; k < MV_SPLIT; k++) {
+                __local const float* p = red + (((r / MV_RPW) * MV_SPLIT + k) * MV_RPW + r % MV_RPW) * 32;
+                for (int l = 0; l < 32; l++) s += p[l];
+            }
+#if MV_LATE
+            float sq = 0.0f;              // the row set's MV_SPLIT warps, lane by lane
+            for (int l = 0; l < 32 * MV_SPLIT; l++) sq += ssl[(r / MV_RPW) * MV_SPLIT * 32 + l];
+            s /= sqrt(sq / (float)MV_K + eps);
+#endif
+            out[r] = s;
+        }
+#endif
+        barrier(CLK_LOCAL_MEM_FENCE);
 #ifdef PRE_EPILOGUE
 #ifndef BIAS
-    gin biasb = 0;
-    ulong bias_off = 0;
+        gin biasb = 0;
+        ulong bias_off = 0;
 #endif
 #ifndef QK_NORM
-    gin qnormb = 0, knormb = 0;
-    ulong qnorm_off = 0, knorm_off = 0;
-    float qk_eps = 0.0f;
-    __local float* qk_part = 0;
+        gin qnormb = 0, knormb = 0;
+        ulong qnorm_off = 0, knorm_off = 0;
+        float qk_eps = 0.0f;
+        __local float* qk_part = 0;
 #endif
 #ifdef QK_SPLIT
-    qk_split_epilogue(t, g, lid, MV_WG, out, MV_ROWS, e0b + e0_off, e1b + e1_off, e2b + e2_off, yb + y_off, M, N,
-                      n_heads, n_kv_heads, hd, EPI_ROWS_OF(step), biasb + bias_off,
-                      qnormb + qnorm_off, knormb + knorm_off, qk_eps, qk_part, qk_head, &qk_last, qscb + qsc_off);
-    return;
+        qk_split_epilogue(t, g, lid, MV_WG, out, MV_ROWS, e0b + e0_off, e1b + e1_off, e2b + e2_off, yb + y_off, M, N,
+                          n_heads, n_kv_heads, hd, EPI_ROWS_OF(step), biasb + bias_off,
+                          qnormb + qnorm_off, knormb + knorm_off, qk_eps, qk_part, qk_head, &qk_last, qscb + qsc_off);
+        return;
 #endif
-    pre_epilogue(out, 1, MV_ROWS, g, MV_ROWS, lid, MV_WG, N, n_heads, n_kv_heads, hd, biasb + bias_off,
-                 qnormb + qnorm_off, knormb + knorm_off, qk_eps, qk_part);
+        pre_epilogue(out, 1, MV_ROWS, g, MV_ROWS, lid, MV_WG, N, n_heads, n_kv_heads, hd, biasb + bias_off,
+                     qnormb + qnorm_off, knormb + knorm_off, qk_eps, qk_part);
 #endif
+        if (tt < nt) {                   // after the last barrier: a slot past the step writes nothing
 #if defined(EPI_ROPE_KV) && defined(KV_BLOCKS)
-    if (lid < MV_ROWS / 32)
-        epilogue_chunk(t, g, lid, MV_ROWS, out, 1, e0b + e0_off, e1b + e1_off, e2b + e2_off,
-                       yb + y_off, N, n_heads, n_kv_heads, hd, EPI_ROWS_OF(step));
+            if (lid < MV_ROWS / 32)
+                epilogue_chunk(t, g, lid, MV_ROWS, out, 1, e0b + e0_off, e1b + e1_off, e2b + e2_off,
+                               yb + y_off, N, n_heads, n_kv_heads, hd, EPI_ROWS_OF(step));
 #else
-    for (int r = lid; r < MV_ROWS; r += MV_WG)
-        epilogue(t, g, r, MV_ROWS, out, 1, e0b + e0_off, e1b + e1_off, e2b + e2_off,
-                 yb + y_off, N, n_heads, n_kv_heads, hd, EPI_ROWS_OF(step));
+            for (int r = lid; r < MV_ROWS; r += MV_WG)
+                epilogue(t, g, r, MV_ROWS, out, 1, e0b + e0_off, e1b + e1_off, e2b + e2_off,
+                         yb + y_off, N, n_heads, n_kv_heads, hd, EPI_ROWS_OF(step));
 #endif
+        }
+    }
 }

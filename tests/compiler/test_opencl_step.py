@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from llmrs.compiler import quant
-from llmrs.compiler.codegen.opencl import generate, lower_graph, paged_splits, paged_tiles
+from llmrs.compiler.codegen.opencl import generate, lower_graph, matvec_tokens, paged_splits, paged_tiles
 from llmrs.compiler.codegen.opencl_tuning import DeviceKind, OpenCLTuning, tuning_for
 from llmrs.compiler.interpret import OPS, Interpreter, Step
 from llmrs.compiler.ir import Graph
@@ -219,15 +219,47 @@ def test_the_tiles_kernel_takes_the_heads_whose_staged_chunk_fits_the_devices_lo
     assert not paged_tiles(TUNING, 1, 64)                 # a step of one row: the rows kernel alone
 
 
+# the generated rows a matvec group takes (MV_TOKS) in each layer matmul of the 1B step graph:
+# q4_0 keeps a Q8_0 copy of x a token within 40 KB of local memory (K 2048: 2.5 KB, 16 of them;
+# down_proj's K 8192: 10 KB, 4); f16 reads x per token, 8 at most
+# (a layer's matmuls in launch order: qkv, o_proj, gate_up, down_proj)
+TOKS_1B = {"q4_0": [16, 16, 16, 4], "f16": [8, 8, 8, 8]}
+
+
+@pytest.mark.parametrize("local_kb,k,want", [(48, 2048, 16), (48, 8192, 4), (48, 32768, 1), (32, 2048, 9),
+                                             (32, 8192, 2), (32, 1024, 16)])
+def test_the_generated_rows_matvec_takes_as_many_tokens_as_their_q8_0_copies_of_x_fit_in_local_memory(local_kb, k,
+                                                                                                    want):
+    """T tokens of K values keep T * (K + K / 32 * 8) bytes of Q8_0 blocks, scales and sums in
+    local memory beside the matvec's other arrays (8 KB): the most that fit, 16 at most; float
+    weights take 8; a variant of a token a group (QK_SPLIT, ROPE_HEADS) and a step of fewer rows
+    take fewer."""
+    tuning = tuning_for(DeviceKind((9, 0), local_mem_bytes=local_kb << 10))
+    t = matvec_tokens(tuning, 128, k, True, False)
+    assert t == want
+    assert t * (k + k // 32 * 8) <= (local_kb - 8) << 10 and (t == 16 or (t + 1) * (k + k // 32 * 8) > (local_kb - 8) << 10)
+    assert matvec_tokens(tuning, 128, k, False, False) == 8
+    assert matvec_tokens(tuning, 128, k, True, True) == matvec_tokens(tuning, 128, k, False, True) == 1
+    assert matvec_tokens(tuning, 3, 2048, True, False) == 3
+
+
 @pytest.mark.parametrize("weights", ["q4_0", "f16"])
 def test_a_1b_step_graph_splits_each_layer_matmul_by_row_kind_and_pages_every_attention(llama_1b_graphs, weights):
     """Row invariance starts with the kernels chosen: by a row's own kind, never by what shares
     its step. A layer's matmuls run their prompt rows in matmul_tiled (part "lead") and their
-    generated rows in the decode matvec (part "rest"), both built with ROW_SPLIT; the head runs
-    every logit row tiled; attention is the paged pair (not the contiguous kernels)."""
-    prefill, _ = llama_1b_graphs
+    generated rows in the decode matvec (part "rest"), both built with ROW_SPLIT, the matvec
+    taking several generated rows a group (MV_TOKS, its row_tile); the head runs every logit row
+    tiled; attention is the paged pair (not the contiguous kernels)."""
+    prefill, decode = llama_1b_graphs
     g = run_passes(step_graph(prefill, max_seqs=16, block_size=16), CompileOptions(weights=weights))
     launches = lower_graph(g)
+    rest = [launch for launch in launches if launch.part == "rest"]
+    assert [launch.row_tile for launch in rest] == TOKS_1B[weights] * 16
+    assert all(f"-DMV_TOKS={launch.row_tile}" in launch.options for launch in rest)
+    # decode keeps a token a group, built as before
+    dec = [launch for launch in lower_graph(run_passes(decode, CompileOptions(weights=weights)))
+           if launch.kernel == "matvec"]
+    assert dec and all(launch.row_tile == 1 and not any("MV_TOKS" in o for o in launch.options) for launch in dec)
     kernels = Counter(launch.kernel for launch in launches)
     layers = 16
     assert kernels["matmul_tiled"] == 4 * layers + 1 and kernels["matvec"] == 4 * layers   # qkv o gate_up down; head

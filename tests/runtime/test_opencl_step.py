@@ -28,10 +28,11 @@ pytestmark = pytest.mark.usefixtures("opencl_device")
 BS = 4   # tokens a block
 
 
-def _compiled(model: str, weights: str, kv: str, T: int, seqs: int, with_prefill: bool = False) -> dict[str, Any]:
+def _compiled(model: str, weights: str, kv: str, T: int, seqs: int, with_prefill: bool = False,
+              max_seq_len: int = 64) -> dict[str, Any]:
     """The model's graphs after every pass: "step" (and "prefill", "decode" if asked), sharing one
     KV layout."""
-    prefill, decode = build_graphs(load_model(DATA / model), prefill_T=T, max_seq_len=64, kv_dtype=kv)
+    prefill, decode = build_graphs(load_model(DATA / model), prefill_T=T, max_seq_len=max_seq_len, kv_dtype=kv)
     opts = CompileOptions(weights=weights, kv_type=kv)
     graphs = {"step": run_passes(step_graph(prefill, max_seqs=seqs, block_size=BS), opts)}
     if with_prefill:
@@ -162,6 +163,34 @@ def test_a_sequences_logits_are_bit_identical_alone_and_in_a_batch_of_8(split):
             got.append(be.run_step(alone.rows([(0, int(np.argmax(batch[k][s])))], [0], [0]))[0])
         for k, logits in enumerate(got):
             np.testing.assert_array_equal(logits, batch[k][s], err_msg=f"sequence {s}, step {k}")
+
+
+@pytest.mark.parametrize("model,weights,kv", [("golden-b", "q4_0", "f16"), ("golden-a", "f32", "f32")])
+def test_a_generated_row_has_the_same_bits_at_any_place_in_a_matvec_group_of_any_size(model, weights, kv):
+    """The generated rows' matvec takes T rows a group (MV_TOKS): S sequences of one prompt and
+    the same tokens (S = 1..T + 1, so groups of 1 to T valid rows and a row alone in a second
+    group) give every row, at every place in its group, the bits one sequence alone gets."""
+    graphs = _compiled(model, weights, kv, T=40, seqs=20, max_seq_len=128)
+    plan = generate(graphs)
+    T = max(launch["row_tile"] for launch in plan["graphs"]["step"] if launch.get("part") == "rest")
+    assert T > 1
+    be = OpenCLBackend.from_graphs(graphs, plan)
+    rng = np.random.default_rng(43)
+    vocab = graphs["step"].values["logits"].shape[1]
+    prompt, tokens = rng.integers(0, vocab, 2).tolist(), rng.integers(0, vocab, 2).tolist()
+    first = None
+    for n_seqs in (1, 2, T - 1, T, T + 1):
+        be.reset()
+        pool = Pool(32, np.random.default_rng(n_seqs), {s: len(prompt) for s in range(n_seqs)})
+        seqs = list(range(n_seqs))
+        got = [be.run_step(pool.rows([(s, t) for s in seqs for t in prompt], seqs,
+                                     [len(prompt) * s + len(prompt) - 1 for s in seqs]))]
+        for tok in tokens:
+            got.append(be.run_step(pool.rows([(s, tok) for s in seqs], seqs, seqs)))
+        first = first or [step[0] for step in got]
+        for k, step in enumerate(got):
+            for s in seqs:
+                np.testing.assert_array_equal(step[s], first[k], err_msg=f"{n_seqs} sequences, row {s}, step {k}")
 
 
 def test_a_sequence_alone_with_the_identity_table_continues_the_prefill_graphs_cache():
