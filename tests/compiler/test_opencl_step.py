@@ -276,18 +276,19 @@ def test_a_1b_step_graph_launches_the_prefill_graphs_kernels_a_layer_but_for_pag
                                                                                               weights):
     """The step graph fused as the prefill graph: a layer's launches are the prefill graph's
     (QKV with RoPE and the KV store in its epilogue, o, gate_up, down: a staging and a tiled
-    matmul each) and a matvec each for the generated rows, its attention the paged pair instead of the prefill kernel (and the eviction
-    scores a prefill may add, which a step graph does not keep). Unfused, a layer took 19."""
+    matmul each) and a matvec each for the generated rows; its attention the paged pair and the
+    paged eviction scores instead of the prefill's two kernels. Unfused, a layer took 19."""
     prefill, _ = llama_1b_graphs
     opts = CompileOptions(weights=weights)
     step = Counter(launch.kernel for launch in lower_graph(run_passes(step_graph(prefill, max_seqs=16,
                                                                                  block_size=16), opts)))
     pre = Counter(launch.kernel for launch in lower_graph(run_passes(prefill, opts)))
-    layers, paged = 16, ("attention_paged_rows", "attention_paged_tiles")
+    layers, paged = 16, ("attention_paged_rows", "attention_paged_tiles", "attention_scores_paged")
     prefill_attention = ("attention_tiled", "attention_scores")
     per_layer = {k: n / layers for k, n in step.items() if k not in ("embedding", "gather_rows")}
     assert per_layer == {"stage_x": 4 + 1 / layers, "matmul_tiled": 4 + 1 / layers,   # + the head's
-                         "matvec": 4, "attention_paged_rows": 1, "attention_paged_tiles": 1}
+                         "matvec": 4, "attention_paged_rows": 1, "attention_paged_tiles": 1,
+                         "attention_scores_paged": 1}   # launched only while a policy scores
     # less attention, the generated rows' matvecs, the embedding and the head (the prefill's on
     # its last row: a matvec)
     assert step - Counter({k: step[k] for k in paged}) - Counter(matvec=4 * layers) \
