@@ -192,7 +192,7 @@ def matvec_tokens(tuning: OpenCLTuning, m: int, k: int, quantized: bool, one_tok
     with a token a group (QK_SPLIT's tickets, ROPE_HEADS)."""
     if one_token:
         return 1
-    most = min(tuning.mv_toks_quant, tuning.mv_max_k // k) if quantized else tuning.mv_toks_float
+    most = min(tuning.mv_toks_quant, max(1, tuning.mv_max_k // k)) if quantized else tuning.mv_toks_float
     return max(1, min(most, m))
 
 

@@ -33,10 +33,13 @@ class OpenCLTuning:
                                      # 4 splits and 16384 warps 991 -> 956)
     mv_max_k: int = 32768            # longest K of a quantized decode matvec: x's Q8_0 copy (1.25
                                      # bytes a value) sits in local memory (40 KB of NVIDIA's 48)
-    mv_toks_quant: int = 16          # a step graph's generated rows a matvec group takes (matvec.cl
+    mv_toks_quant: int = 1           # a step graph's generated rows a matvec group takes (matvec.cl
                                      # MV_TOKS), quantized weights: each weight batch read once for
-                                     # them all; their Q8_0 copies of x share mv_max_k's local memory
-    mv_toks_float: int = 8           # and float weights (x read per token; acc[T][MV_RPW] registers)
+                                     # them all; their Q8_0 copies of x share mv_max_k's local memory.
+                                     # H100 1B q4_0, aggregate tok/s at 1 / 16 rows, one run: T 1
+                                     # 749 / 3393, T 4 503 / 2994, T 16 379 / 2884 (round 17)
+    mv_toks_float: int = 4           # and float weights (x read per token; acc[T][MV_RPW] registers):
+                                     # 1B f16, T 1 504 / 1475, T 4 417 / 1884, T 8 373 / 1847
     # -- prefill matmul (matmul*.cl) ----------------------------------------------------------
     tile_n_min_groups: int = 256     # 128-row weight tiles where they give this many groups
                                      # (about two per SM of an H100 / H200), else 64-row tiles or

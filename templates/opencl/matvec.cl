@@ -325,14 +325,14 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
                                      // q4_1: Q8_1's s)
 #ifdef MV_X_LANES
 #pragma unroll
-    for (int tt = 0; tt < MV_TOKS; tt++)
+    for (int tt = 0; tt < MV_TOKS; tt++) if (tt < nt)   // whole warps loop inside: nt is the group's
         quantize_x_lanes(x4[tt], (__local int*)xq[tt], xd[tt], xs[tt]
 #ifdef PROLOGUE_RMS
                          , nw, rms[tt]
 #endif
                          );
 #else
-    for (int j = lid; j < MV_TOKS * MV_UNITS; j += MV_WG) {   // block j % MV_UNITS of token j / MV_UNITS
+    for (int j = lid; j < nt * MV_UNITS; j += MV_WG) {   // block j % MV_UNITS of token j / MV_UNITS
         int tt = j / MV_UNITS;
         quantize_x(x4[tt], j % MV_UNITS, xq[tt], xd[tt], xs[tt]
 #ifdef PROLOGUE_RMS
@@ -349,7 +349,7 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
             int b = ((p0 + u) * MV_SPLIT + split) * 32 + lane;
             if (b < MV_UNITS) {
 #pragma unroll
-                for (int tt = 0; tt < MV_TOKS; tt++) {
+                for (int tt = 0; tt < MV_TOKS; tt++) if (tt < nt) {   // nt is the group's: no divergence
                     int q[8];
                     int4 lo = xq[tt][2 * b], hi = xq[tt][2 * b + 1];
                     q[0] = lo.s0; q[1] = lo.s1; q[2] = lo.s2; q[3] = lo.s3;
@@ -375,7 +375,7 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
             int un = ((p0 + u) * MV_SPLIT + split) * 32 + lane;
             if (un < MV_UNITS) {
 #pragma unroll
-                for (int tt = 0; tt < MV_TOKS; tt++) {
+                for (int tt = 0; tt < MV_TOKS; tt++) if (tt < nt) {   // nt is the group's: no divergence
                     float4 lo = x4[tt][2 * un], hi = x4[tt][2 * un + 1];
 #if MV_LATE
                     ssq[tt] += dot(lo, lo) + dot(hi, hi);
