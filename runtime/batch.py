@@ -280,16 +280,25 @@ class Batcher:
                 # a step of prompt chunks that end no prompt samples nothing, but the graph's head
                 # runs on at least one row: row 0's logits are computed and dropped
                 picked = flat.logit_rows if len(flat.logit_rows) else np.zeros(1, np.int32)
-                logits = self.backend.run_step(StepRows(flat.tokens, flat.positions, flat.slots, flat.row_seq,
-                                                        flat.ctx_len, flat.block_tables, picked, flat.generated,
-                                                        flat.score_from))
+                rows = StepRows(flat.tokens, flat.positions, flat.slots, flat.row_seq, flat.ctx_len,
+                                flat.block_tables, picked, flat.generated, flat.score_from)
+                with self.cond:
+                    live = [self.requests.get(rid) for rid in flat.logit_seq_ids]
+                    # every sampled row greedy: the device's argmax, a token a row read back
+                    on_device = self.backend.device_argmax and len(live) > 0 and all(
+                        req is None or req.done or req.sampler.greedy for req in live)
+                if on_device:
+                    chosen = self.backend.run_step_argmax(rows)
+                else:
+                    logits = self.backend.run_step(rows)
                 self.steps += 1
                 self.rows_run += len(flat.tokens)
                 with self.cond:
-                    for row, rid in zip(logits, flat.logit_seq_ids):
+                    for i, rid in enumerate(flat.logit_seq_ids):
                         req = self.requests.get(rid)
                         if req is not None and not req.done:
-                            sampled[rid] = req.sampler.sample(check_finite(row, len(req.tokens) + 1), req.history)
+                            sampled[rid] = int(chosen[i]) if on_device else req.sampler.sample(
+                                check_finite(logits[i], len(req.tokens) + 1), req.history)
             with self.cond:
                 for s in plan.seqs:     # its first chunk starts after what the prefix cache held
                     req = self.requests.get(s.seq_id)

@@ -142,6 +142,12 @@ class Backend(ABC):
         StepRowsError; a plan without a step graph, or a back end that cannot run one, a
         one-line error saying what to use instead."""
 
+    def run_step_argmax(self, rows: StepRows) -> np.ndarray:
+        """The same step; int32 [len(rows.logit_rows)], each chosen row's argmax (the first of
+        equal maxima, as numpy): a batch whose samplers are all greedy reads back a token a row
+        where the back end takes it on the device (device_argmax)."""
+        return np.argmax(self.run_step(rows), axis=-1).astype(np.int32)
+
     @abstractmethod
     def reset(self) -> None:
         """Forget the KV cache (zeroed; eviction scores off)."""

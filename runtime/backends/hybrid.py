@@ -297,6 +297,9 @@ class HybridBackend(Backend):
         schedule has no one position to switch at, and the cache stays where it is."""
         return self.backends[self.active].run_step(rows)
 
+    def run_step_argmax(self, rows: StepRows) -> np.ndarray:
+        return self.backends[self.active].run_step_argmax(rows)
+
     def reset(self) -> None:
         if self._maps is not None:
             self._unmap()

@@ -306,6 +306,16 @@ class OpenCLBackend(Backend):
         """One step of the plan's "step" graph (compiler/ir.py "Step graphs"): its rows checked
         (opencl_step.py), written into the arena as the graph's inputs, the kernels enqueued;
         float32 [r, vocab], the logits of rows.logit_rows in their order."""
+        return self._step(rows, argmax=False)
+
+    def run_step_argmax(self, rows: StepRows) -> np.ndarray:
+        """The step with the plan's argmax kernel after the head: int32 [r], 4 bytes a row read
+        back instead of the logits (plans without the kernel: the logits' argmax)."""
+        if "step" not in self.greedy:
+            return np.argmax(self.run_step(rows), axis=-1).astype(np.int32)
+        return self._step(rows, argmax=True)
+
+    def _step(self, rows: StepRows, argmax: bool) -> np.ndarray:
         cl = _cl()
         g = self.graphs.get("step")
         if g is None:
@@ -323,11 +333,20 @@ class OpenCLBackend(Backend):
         idle = self._idle_paged_kernels(inputs["row_seq"][:n])
         # the scores kernel runs in a step with a scoring row (its rows say so, not the flag)
         scoring = bool(np.any(inputs["ctx_len"] - 1 >= inputs["score_from"]))
-        self._enqueue_launches(("step", n, "logits", scoring, idle, lead),
-                               self._step_launches("step", n, idle, lead, scoring))
-        out = self.read_value("step", g.outputs[0], rows=len(rows.logit_rows))
+        launches = self._step_launches("step", n, idle, lead, scoring)
+        picked = len(rows.logit_rows)
+        if argmax:
+            b = self.greedy["step"]
+            launches = launches + [(b.kernel, b.global_size(picked), (b.local, 1))]
+        # the argmax's size is the chosen rows', so a recorded launch list is kept per count
+        self._enqueue_launches(("step", n, ("argmax", picked) if argmax else "logits", scoring, idle, lead), launches)
+        if argmax:
+            out = np.empty(picked, np.int32)
+            cl.enqueue_copy(self.queue, out, self.result_buf, is_blocking=True)
+        else:
+            out = self.read_value("step", g.outputs[0], rows=picked).astype(np.float32, copy=False)
         self._in_flight.clear()
-        return out.astype(np.float32, copy=False)
+        return out
 
     def _idle_paged_kernels(self, row_seq: np.ndarray) -> frozenset[str]:
         """The paged attention kernel with no row this step, left out of its launches (a row

@@ -196,6 +196,29 @@ def test_a_generated_row_has_the_same_bits_at_any_place_in_a_matvec_group_of_any
                 np.testing.assert_array_equal(step[s], first[k], err_msg=f"{n_seqs} sequences, row {s}, step {k}")
 
 
+def test_the_device_argmax_of_a_step_is_the_argmax_of_its_logits_in_the_rows_order():
+    """run_step_argmax (a batch whose samplers are all greedy): the plan's argmax kernel after the
+    head gives each chosen row's token, in logit_rows' order, through the row split's reordering."""
+    graphs = _compiled("golden-b", "q4_0", "f16", T=16, seqs=4)
+    be = _backend(graphs)
+    assert "step" in be.greedy
+    rng = np.random.default_rng(44)
+    vocab = graphs["step"].values["logits"].shape[1]
+    prompts = [rng.integers(0, vocab, n).tolist() for n in (4, 6, 3)]
+    pool = Pool(16, rng, {s: len(p) for s, p in enumerate(prompts)})
+    first = pool.rows([(s, t) for s, p in enumerate(prompts) for t in p], [0, 1, 2], [12, 3, 9])
+    tokens = be.run_step_argmax(first)
+    np.testing.assert_array_equal(tokens, np.argmax(be.run_step(first), axis=-1))   # the same rows again
+    # generated rows before a prompt row, logits asked in another order
+    pool.prompt_lens[3] = 5
+    rows = [(1, int(tokens[2])), (3, 7), (0, int(tokens[1])), (2, int(tokens[0]))]
+    mixed = pool.rows(rows, [0, 1, 2, 3], [3, 0, 2])
+    got = be.run_step_argmax(mixed)
+    assert got.dtype == np.int32 and got.shape == (3,)
+    pool.length = {s: n - 1 for s, n in pool.length.items() if s != 3} | {3: 0}   # write the same slots again
+    np.testing.assert_array_equal(got, np.argmax(be.run_step(pool.rows(rows, [0, 1, 2, 3], [3, 0, 2])), axis=-1))
+
+
 def test_a_sequence_alone_with_the_identity_table_continues_the_prefill_graphs_cache():
     """The step graph reads the KV states the prefill and decode graphs write: a sequence whose
     table is [0, 1, 2, ...] continues where prefill left it, as the decode graph does."""
