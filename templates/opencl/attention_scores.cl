@@ -13,13 +13,66 @@
 
 #define LD_KV(p, i) CAT(ld_, KV_T)(p, i)
 
+// The cache row of a row's entry s: s itself, or through its block table (table != 0).
+inline size_t score_slot(__global const int* table, int block, int s) {
+    return table ? (size_t)table[s / block] * block + s % block : (size_t)s;
+}
+
+// One query row's softmax weights over its `length` entries, summed over the SC_GROUP query heads
+// of KV head kvh (q_row: the row's queries of those heads), added to sc at each entry's cache row.
+// Every thread of the group calls it (barriers inside).
+inline void score_row(__global const float* q_row, gin k, size_t kv_stride, size_t head_at, float scale,
+                      int length, __global const int* table, int block, __global float* sc,
+                      __local float* qs, __local float* red) {
+    int lid = get_local_id(0);
+    barrier(CLK_LOCAL_MEM_FENCE);              // the previous row's reads of qs are done
+    for (int e = lid; e < SC_GROUP * HEAD_DIM; e += SC_WG) qs[e] = q_row[e];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    float m[SC_GROUP], l[SC_GROUP];
+    for (int j = 0; j < SC_GROUP; j++) {
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+    }
+    for (int s = lid; s < length; s += SC_WG) {
+        size_t slot = score_slot(table, block, s);
+        float dot[SC_GROUP];
+        for (int j = 0; j < SC_GROUP; j++) dot[j] = 0.0f;
+        for (int d = 0; d < HEAD_DIM; d++) {
+            float kd = LD_KV(k, slot * kv_stride + head_at + d);
+            for (int j = 0; j < SC_GROUP; j++) dot[j] += qs[j * HEAD_DIM + d] * kd;
+        }
+        for (int j = 0; j < SC_GROUP; j++) {
+            float x = dot[j] * scale, mn = fmax(m[j], x);
+            l[j] = l[j] * exp(m[j] - mn) + exp(x - mn);   // exp(-inf) = 0 before the first slot
+            m[j] = mn;
+        }
+    }
+    float gm[SC_GROUP], gl[SC_GROUP];
+    for (int j = 0; j < SC_GROUP; j++) {
+        gm[j] = wg_max(m[j], red);
+        gl[j] = wg_sum(m[j] == -INFINITY ? 0.0f : l[j] * exp(m[j] - gm[j]), red);
+    }
+    for (int s = lid; s < length; s += SC_WG) {
+        size_t slot = score_slot(table, block, s);
+        float dot[SC_GROUP];
+        for (int j = 0; j < SC_GROUP; j++) dot[j] = 0.0f;
+        for (int d = 0; d < HEAD_DIM; d++) {
+            float kd = LD_KV(k, slot * kv_stride + head_at + d);
+            for (int j = 0; j < SC_GROUP; j++) dot[j] += qs[j * HEAD_DIM + d] * kd;
+        }
+        float add = 0.0f;
+        for (int j = 0; j < SC_GROUP; j++) add += exp(dot[j] * scale - gm[j]) / gl[j];
+        sc[slot] += add;
+    }
+}
+
 __kernel __attribute__((reqd_work_group_size(SC_WG, 1, 1)))
 void attention_scores(__global const int* step, gin qb, ulong q_off, gin kb, ulong k_off,
                       gout sb, ulong s_off, gin cb, ulong c_off,
                       int n_heads, int n_kv_heads, float scale, int slots) {
     __global const int* ctl = (__global const int*)(cb + c_off);
     if (ctl[0] == 0) return;
-    int lid = get_local_id(0), kvh = get_group_id(0);
+    int kvh = get_group_id(0);
     int n_past = STEP_N_PAST(step), n_tokens = STEP_N_TOKENS(step);
     size_t kv_stride = (size_t)n_kv_heads * HEAD_DIM, head_at = (size_t)kvh * HEAD_DIM;
     gin k = kb + k_off;
@@ -27,47 +80,9 @@ void attention_scores(__global const int* step, gin qb, ulong q_off, gin kb, ulo
     __global float* sc = (__global float*)(sb + s_off) + (size_t)kvh * slots;
     __local float qs[SC_GROUP * HEAD_DIM];          // the row's queries of this KV head's heads
     __local float red[SC_WG];
-    for (int t = max(0, ctl[1] - n_past); t < n_tokens; t++) {
-        int length = n_past + t + 1;
-        barrier(CLK_LOCAL_MEM_FENCE);              // the previous row's reads of qs are done
-        for (int e = lid; e < SC_GROUP * HEAD_DIM; e += SC_WG)
-            qs[e] = q[((size_t)t * n_heads + kvh * SC_GROUP) * HEAD_DIM + e];
-        barrier(CLK_LOCAL_MEM_FENCE);
-        float m[SC_GROUP], l[SC_GROUP];
-        for (int j = 0; j < SC_GROUP; j++) {
-            m[j] = -INFINITY;
-            l[j] = 0.0f;
-        }
-        for (int s = lid; s < length; s += SC_WG) {
-            float dot[SC_GROUP];
-            for (int j = 0; j < SC_GROUP; j++) dot[j] = 0.0f;
-            for (int d = 0; d < HEAD_DIM; d++) {
-                float kd = LD_KV(k, (size_t)s * kv_stride + head_at + d);
-                for (int j = 0; j < SC_GROUP; j++) dot[j] += qs[j * HEAD_DIM + d] * kd;
-            }
-            for (int j = 0; j < SC_GROUP; j++) {
-                float x = dot[j] * scale, mn = fmax(m[j], x);
-                l[j] = l[j] * exp(m[j] - mn) + exp(x - mn);   // exp(-inf) = 0 before the first slot
-                m[j] = mn;
-            }
-        }
-        float gm[SC_GROUP], gl[SC_GROUP];
-        for (int j = 0; j < SC_GROUP; j++) {
-            gm[j] = wg_max(m[j], red);
-            gl[j] = wg_sum(m[j] == -INFINITY ? 0.0f : l[j] * exp(m[j] - gm[j]), red);
-        }
-        for (int s = lid; s < length; s += SC_WG) {
-            float dot[SC_GROUP];
-            for (int j = 0; j < SC_GROUP; j++) dot[j] = 0.0f;
-            for (int d = 0; d < HEAD_DIM; d++) {
-                float kd = LD_KV(k, (size_t)s * kv_stride + head_at + d);
-                for (int j = 0; j < SC_GROUP; j++) dot[j] += qs[j * HEAD_DIM + d] * kd;
-            }
-            float add = 0.0f;
-            for (int j = 0; j < SC_GROUP; j++) add += exp(dot[j] * scale - gm[j]) / gl[j];
-            sc[s] += add;
-        }
-    }
+    for (int t = max(0, ctl[1] - n_past); t < n_tokens; t++)
+        score_row(q + ((size_t)t * n_heads + kvh * SC_GROUP) * HEAD_DIM, k, kv_stride, head_at, scale,
+                  n_past + t + 1, 0, 1, sc, qs, red);
 }
 
 #ifdef KV_BLOCK
@@ -86,7 +101,7 @@ void attention_scores_paged(__global const int* step, gin qb, ulong q_off, gin k
                             gout sb, ulong s_off, gin rb, ulong r_off, gin lb, ulong l_off,
                             gin tb, ulong t_off, gin fb, ulong f_off,
                             int n_heads, int n_kv_heads, float scale, int slots, int tab_w) {
-    int lid = get_local_id(0), kvh = get_group_id(0) % n_kv_heads, seq = get_group_id(0) / n_kv_heads;
+    int kvh = get_group_id(0) % n_kv_heads, seq = get_group_id(0) / n_kv_heads;
     int n_tokens = STEP_N_TOKENS(step);
     __global const int* row_seq = (__global const int*)(rb + r_off);
     __global const int* ctx_len = (__global const int*)(lb + l_off);
@@ -99,48 +114,9 @@ void attention_scores_paged(__global const int* step, gin qb, ulong q_off, gin k
     __local float qs[SC_GROUP * HEAD_DIM];          // the row's queries of this KV head's heads
     __local float red[SC_WG];
     for (int t = 0; t < n_tokens; t++) {
-        int length = ctx_len[t];
-        if (row_seq[t] != seq || length - 1 < score_from[t]) continue;   // the same for the whole group
-        barrier(CLK_LOCAL_MEM_FENCE);              // the previous row's reads of qs are done
-        for (int e = lid; e < SC_GROUP * HEAD_DIM; e += SC_WG)
-            qs[e] = q[((size_t)t * n_heads + kvh * SC_GROUP) * HEAD_DIM + e];
-        barrier(CLK_LOCAL_MEM_FENCE);
-        float m[SC_GROUP], l[SC_GROUP];
-        for (int j = 0; j < SC_GROUP; j++) {
-            m[j] = -INFINITY;
-            l[j] = 0.0f;
-        }
-        for (int s = lid; s < length; s += SC_WG) {
-            size_t slot = (size_t)table[s / KV_BLOCK] * KV_BLOCK + s % KV_BLOCK;
-            float dot[SC_GROUP];
-            for (int j = 0; j < SC_GROUP; j++) dot[j] = 0.0f;
-            for (int d = 0; d < HEAD_DIM; d++) {
-                float kd = LD_KV(k, slot * kv_stride + head_at + d);
-                for (int j = 0; j < SC_GROUP; j++) dot[j] += qs[j * HEAD_DIM + d] * kd;
-            }
-            for (int j = 0; j < SC_GROUP; j++) {
-                float x = dot[j] * scale, mn = fmax(m[j], x);
-                l[j] = l[j] * exp(m[j] - mn) + exp(x - mn);
-                m[j] = mn;
-            }
-        }
-        float gm[SC_GROUP], gl[SC_GROUP];
-        for (int j = 0; j < SC_GROUP; j++) {
-            gm[j] = wg_max(m[j], red);
-            gl[j] = wg_sum(m[j] == -INFINITY ? 0.0f : l[j] * exp(m[j] - gm[j]), red);
-        }
-        for (int s = lid; s < length; s += SC_WG) {
-            size_t slot = (size_t)table[s / KV_BLOCK] * KV_BLOCK + s % KV_BLOCK;
-            float dot[SC_GROUP];
-            for (int j = 0; j < SC_GROUP; j++) dot[j] = 0.0f;
-            for (int d = 0; d < HEAD_DIM; d++) {
-                float kd = LD_KV(k, slot * kv_stride + head_at + d);
-                for (int j = 0; j < SC_GROUP; j++) dot[j] += qs[j * HEAD_DIM + d] * kd;
-            }
-            float add = 0.0f;
-            for (int j = 0; j < SC_GROUP; j++) add += exp(dot[j] * scale - gm[j]) / gl[j];
-            sc[slot] += add;
-        }
+        if (row_seq[t] != seq || ctx_len[t] - 1 < score_from[t]) continue;   // the same for the whole group
+        score_row(q + ((size_t)t * n_heads + kvh * SC_GROUP) * HEAD_DIM, k, kv_stride, head_at, scale,
+                  ctx_len[t], table, KV_BLOCK, sc, qs, red);
     }
 }
 #endif

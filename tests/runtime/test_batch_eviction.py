@@ -157,8 +157,11 @@ def test_sliding_per_sequence_on_opencl_gives_each_prompt_its_tokens_alone(tmp_p
         model.batch.scheduler.kv.check()
 
 
-def test_llmrs_run_with_several_prompts_evicts_each_as_one_prompt_alone(plan, capsys):
-    flags = ["--eviction-policy", "sliding", "--eviction-window", "10", "--protected-prefix", "3", "-n", "70"]
+@pytest.mark.parametrize("policy", ["sliding", "h2o"])
+def test_llmrs_run_with_several_prompts_evicts_each_as_one_prompt_alone(plan, capsys, policy):
+    """Each of two prompts run together evicts as when run alone: by the window (sliding), or by
+    the scores the batch's step graph writes per sequence (h2o)."""
+    flags = ["--eviction-policy", policy, "--eviction-window", "10", "--protected-prefix", "3", "-n", "70"]
     texts = ["Once upon a time", "The cat sat"]
     alone_out = []
     for t in texts:
@@ -168,7 +171,7 @@ def test_llmrs_run_with_several_prompts_evicts_each_as_one_prompt_alone(plan, ca
     cap = capsys.readouterr()
     got = dict(line.split(" ", 1) for line in cap.out.split("\n[") if line)
     assert {k.strip("[]"): v.rstrip("\n") for k, v in got.items()} == {"1": alone_out[0], "2": alone_out[1]}
-    assert "evictions" in cap.err and "budget" in cap.err
+    assert "evictions" in cap.err and "budget" in cap.err and policy in cap.err
 
 
 # budget 13 of 64 slots each. SnapKV evicts a prompt over the budget after its prefill (its last 4
@@ -211,19 +214,6 @@ def test_score_policies_per_sequence_on_opencl_give_each_prompt_its_tokens_alone
     with llmrs.load(_plan(tmp_path_factory, "opencl"), backend="opencl", **SCORED[policy]) as model:
         check_scored_batch(model, policy)
 
-
-def test_llmrs_run_with_several_prompts_evicts_each_by_h2o_as_one_prompt_alone(plan, capsys):
-    flags = ["--eviction-policy", "h2o", "--eviction-window", "10", "--protected-prefix", "3", "-n", "70"]
-    texts = ["Once upon a time", "The cat sat"]
-    alone_out = []
-    for t in texts:
-        assert run_main([str(plan), "-p", t, *flags]) == 0
-        alone_out.append(capsys.readouterr().out.rstrip("\n"))
-    assert run_main([str(plan), "-p", texts[0], "-p", texts[1], *flags, "--stats"]) == 0
-    cap = capsys.readouterr()
-    got = dict(line.split(" ", 1) for line in cap.out.split("\n[") if line)
-    assert {k.strip("[]"): v.rstrip("\n") for k, v in got.items()} == {"1": alone_out[0], "2": alone_out[1]}
-    assert "evictions" in cap.err and "budget" in cap.err
 
 
 @pytest.mark.parametrize("policy", ["h2o", "snapkv"])
