@@ -17,6 +17,7 @@ from llmrs.models.config import parse_config
 from llmrs.models.llama import build_graph, build_graphs, load_model
 from llmrs.models.step import step_graph
 from llmrs.models.tiny import make_config
+from llmrs.runtime.kv.store import NEVER
 
 from ..conftest import rel_err, run_steps, unloadable_weights
 from .qwen_graphs import QWEN2, QWEN3, build_graphs as build_qwen
@@ -331,7 +332,9 @@ def _step_inputs(g: Graph, rng: np.random.Generator) -> dict[str, np.ndarray]:
             "positions": rng.permutation(np.arange(0, 50 * T, 50))[:T] + rng.integers(0, 50, T),
             "slots": rng.permutation(S)[:T], "row_seq": seqs, "ctx_len": rng.integers(1, S + 1, T),
             "block_tables": np.stack([rng.permutation(S // STEP_BS) for _ in range(STEP_SEQS)]),
-            "logit_rows": rng.permutation(T)[:STEP_SEQS]}
+            "logit_rows": rng.permutation(T)[:STEP_SEQS],
+            # half the rows add eviction scores (from a random KV index on), half none
+            "score_from": np.where(rng.random(T) < 0.5, NEVER, rng.integers(0, S, T)).astype(np.int32)}
 
 
 def _check_same_step(g: Graph, f: Graph, tol: float = 1e-5) -> None:
@@ -366,7 +369,8 @@ def test_a_step_graph_fuses_into_the_prefill_graphs_five_kernels_a_layer_with_th
     assert [(op.kind, op.attrs.get("prologue"), op.attrs.get("epilogue")) for op in f.ops[1:6]] == STEP_LAYER
     qkv = f.ops[1]
     assert qkv.attrs["step_rows"] is True and qkv.inputs[-2 - bool(qkv.attrs.get("bias")):][:2] == ["positions", "slots"]
-    assert f.ops[2].attrs["block_size"] == STEP_BS and f.ops[2].inputs[3:] == ["row_seq", "ctx_len", "block_tables"]
+    assert f.ops[2].attrs["block_size"] == STEP_BS and f.ops[2].inputs[3:6] == ["row_seq", "ctx_len", "block_tables"]
+    assert f.ops[2].inputs[-1] == "score_from"
     # the head stays on the gathered rows: last_token_logits does not fire on them
     assert [op.kind for op in f.ops[-2:]] == ["gather", "fused_matmul"] and f.values["logits"].shape[0] == STEP_SEQS
     _check_same_step(s, f)

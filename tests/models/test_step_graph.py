@@ -9,6 +9,7 @@ from llmrs.compiler.interpret import Interpreter
 from llmrs.compiler.ir import IRError
 from llmrs.models.llama import build_graphs, load_model
 from llmrs.models.step import step_graph
+from llmrs.runtime.kv.store import NEVER
 
 from ..conftest import DATA, run_steps
 
@@ -56,7 +57,8 @@ def run_step(ip: Interpreter, state, pool: Pool, rows: list[tuple[int, int]], se
     picked = np.zeros(B, np.int32)
     picked[:len(logit_rows)] = logit_rows
     out = ip.run({"tokens": np.array([t for _, t in rows], np.int32), "positions": pos, "slots": slots,
-                  "row_seq": row_seq, "ctx_len": ctx, "block_tables": tables, "logit_rows": picked},
+                  "row_seq": row_seq, "ctx_len": ctx, "block_tables": tables, "logit_rows": picked,
+                  "score_from": np.full(len(rows), NEVER, np.int32)},   # no row scores
                  state, n_past=0)
     return out["logits"][:len(logit_rows)]
 
