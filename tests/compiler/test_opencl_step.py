@@ -11,7 +11,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from llmrs.compiler import quant
 from llmrs.compiler.codegen.opencl import generate, lower_graph, matvec_tokens, paged_splits, paged_tiles
 from llmrs.compiler.codegen.opencl_tuning import DeviceKind, OpenCLTuning, tuning_for
 from llmrs.compiler.interpret import OPS, Interpreter, Step
