@@ -123,6 +123,13 @@ def profiled_cpu(plan: Any, threads: int | None) -> Any:
                 self._set(buf.ctypes.data)
             return super().run(phase, tokens, n_past, start_pos)
 
+        def run_step(self, rows: Any) -> np.ndarray:
+            buf = self.stamps.get("step")
+            if buf is not None:
+                buf[:] = 0
+                self._set(buf.ctypes.data)
+            return super().run_step(rows)
+
         def kernel_slices(self, phase: str) -> list[tuple[str, int, int, dict]]:
             g, ns = self.graphs[phase], self.stamps[phase]
             return [(slice_name(op), int(ns[i]), int(ns[i + 1]), _op_args(op)) for i, op in enumerate(g.ops)]

@@ -6,8 +6,9 @@ sequence (fed through the step graph, one sequence a step).
     python tools/bench_step_graph.py PLAN [PLAN ...] [--backend cpu|opencl] [--threads 2]
         [--repeats 9] [--steps 32] [--streams 1,4,8] [--profile]
 
---profile (opencl): each mode once more on a profiling queue, device microseconds a step summed
-by kernel, so a step's device time can be told from its host time.
+--profile: each mode once more, microseconds a step summed by kernel: on OpenCL the device's
+(a profiling queue), so a step's device time can be told from its host time; on the CPU the
+clock stamps measure/profile.py compiles in after every kernel.
 """
 from __future__ import annotations
 
@@ -60,23 +61,38 @@ def step_graph(be, shape: StepShape, n: int, steps: int, rng: np.random.Generato
     return (time.perf_counter() - t0) / steps
 
 
-def device_profile(plan: Plan, shape: StepShape, streams: list[int], rng: np.random.Generator) -> None:
-    """Device us a step by kernel (OpenCL profiling events) for the decode graph and each stream count."""
-    from llmrs.measure.profile import profiled_opencl
+def kernel_profile(plan: Plan, shape: StepShape, streams: list[int], rng: np.random.Generator, backend: str,
+                   threads: int) -> None:
+    """us a step by kernel for the decode graph and each stream count: OpenCL's profiling events,
+    or the CPU's clock stamps."""
+    from llmrs.measure.profile import profiled_cpu, profiled_opencl
 
-    be = profiled_opencl(plan, None)
     steps = 8
-    drop = lambda: be.kernel_slices("profile", 0)   # noqa: E731  the prompt's events
+    if backend == "opencl":
+        be = profiled_opencl(plan, None)
+        drop = lambda: be.kernel_slices("profile", 0)   # noqa: E731  the prompt's events
+    else:
+        be = profiled_cpu(plan, threads)
+        drop = None
+        slices_of = {"decode graph": "decode"}
     modes = [("decode graph", lambda: decode_graph(be, shape, steps, rng, drop))]
     modes += [(f"step graph, {n} rows", lambda n=n: step_graph(be, shape, n, steps, rng, drop)) for n in streams]
     for label, run in modes:
-        run()
-        slices = be.kernel_slices("profile", 0)
         per: dict[str, float] = defaultdict(float)
-        for name, s, e, args in slices:
-            per[args["cl_kernel"]] += (e - s) / 1e3 / steps
+        if backend == "opencl":
+            run()
+            slices = be.kernel_slices("profile", 0)
+            for name, s, e, args in slices:
+                per[args["cl_kernel"]] += (e - s) / 1e3 / steps
+            launches = len(slices) // steps
+        else:   # the stamps hold the last step run: run the mode, then one more step's worth
+            run()
+            slices = be.kernel_slices(slices_of.get(label, "step"))
+            for name, s, e, args in slices:
+                per[args["kernel"]] += (e - s) / 1e3
+            launches = len(slices)
         total = sum(per.values())
-        print(f"  {label}: {len(slices) // steps} launches a step, {total:.0f} us of device time a step; by kernel:")
+        print(f"  {label}: {launches} kernels a step, {total:.0f} us a step; by kernel:")
         for fn, us in sorted(per.items(), key=lambda kv: -kv[1])[:8]:
             print(f"    {fn:28s} {us:9.1f} us ({us / total:.0%})")
 
@@ -89,7 +105,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--streams", default="1,4,8", help="comma-separated sequence counts (default 1,4,8)")
-    ap.add_argument("--profile", action="store_true", help="opencl: device time by kernel, once per mode")
+    ap.add_argument("--profile", action="store_true", help="time by kernel, once per mode")
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     rng = np.random.default_rng(0)
@@ -116,8 +132,8 @@ def main() -> None:
             vs = f"{dec / t:.3f}x the decode graph" if n == 1 else f"{one * n / t:.2f}x one sequence"
             print(f"  step graph, {n} sequence{'s' * (n > 1)}: {n / t:.1f} tok/s ({t * 1e3:.2f} ms a step), {vs}")
         be.close()
-        if args.profile and args.backend == "opencl":
-            device_profile(plan, shape, streams, rng)
+        if args.profile:
+            kernel_profile(plan, shape, streams, rng, args.backend, args.threads)
 
 
 if __name__ == "__main__":
