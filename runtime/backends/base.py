@@ -66,7 +66,13 @@ def _within(name: str, arr: np.ndarray, lo: int, hi: int, what: str) -> None:
 
 def check_step_rows(rows: StepRows, shape: StepShape) -> StepRows:
     """rows as int32 arrays, after checking every index against the step graph's shape, so no
-    kernel is handed one that reads or writes outside its buffers; StepRowsError otherwise."""
+    kernel is handed one that reads or writes outside its buffers; StepRowsError otherwise. Every
+    back end's one check (the CPU's, the reference's, OpenCL's).
+
+    block_tables may be narrower than the graph's (a scheduler's tables as long as its longest
+    sequence): they come back padded to its width. Only the entries a row reads are checked
+    (blocks 0 .. (ctx_len - 1) // block_size of its sequence); every other entry comes back 0, so
+    no kernel, not even a prefetch, can follow one out of the cache."""
     per_row = {n: _ints(n, getattr(rows, n), 1) for n in ("tokens", "positions", "slots", "row_seq", "ctx_len")}
     tables, picked = _ints("block_tables", rows.block_tables, 2), _ints("logit_rows", rows.logit_rows, 1)
     n = len(per_row["tokens"])
@@ -75,21 +81,32 @@ def check_step_rows(rows: StepRows, shape: StepShape) -> StepRows:
     for name, arr in per_row.items():
         if len(arr) != n:
             raise StepRowsError(f"step rows: {name} has {len(arr)} entries for {n} tokens")
-    b = tables.shape[0]
-    if not 1 <= b <= shape.seqs or tables.shape[1] != shape.blocks_per_seq:
+    b, m = tables.shape
+    if not 1 <= b <= shape.seqs or not 1 <= m <= shape.blocks_per_seq:
         raise StepRowsError(f"step rows: block_tables is {list(tables.shape)}; give [1..{shape.seqs}, "
-                            f"{shape.blocks_per_seq}] (a row of block ids per sequence)")
-    if not 1 <= len(picked) <= shape.logits:
-        raise StepRowsError(f"step rows: logit_rows has {len(picked)} entries; give 1..{shape.logits}")
+                            f"1..{shape.blocks_per_seq}] (a row of block ids per sequence)")
+    if not 1 <= len(picked) <= min(shape.logits, n):
+        raise StepRowsError(f"step rows: logit_rows has {len(picked)} entries; give 1..{min(shape.logits, n)} "
+                            "(the step graph's logit rows, and no more than the step's rows)")
     _within("tokens", per_row["tokens"], 0, shape.vocab - 1, "the vocabulary")
     _within("positions", per_row["positions"], 0, 2**31 - 1, "RoPE positions")
     _within("slots", per_row["slots"], 0, shape.slots - 1, "the KV cache's slots")
     _within("row_seq", per_row["row_seq"], 0, b - 1, "rows of block_tables")
-    _within("ctx_len", per_row["ctx_len"], 1, shape.blocks_per_seq * shape.block_size, "KV entries a row attends")
-    _within("block_tables", tables, 0, shape.n_blocks - 1, "the cache's blocks")
+    _within("ctx_len", per_row["ctx_len"], 1, m * shape.block_size, "KV entries a row attends")
     _within("logit_rows", picked, 0, n - 1, "the step's rows")
-    if n > 1 and len(np.unique(per_row["slots"])) != n:
+    if n > 1 and len(np.unique(per_row["slots"])) != n:   # two writers of one row race on a device
         raise StepRowsError("step rows: two rows write the same KV slot; give each row its own slot")
+    # the entries rows read: per sequence, blocks up to its longest row's last
+    last = np.full(b, -1, np.int64)
+    np.maximum.at(last, per_row["row_seq"], (per_row["ctx_len"].astype(np.int64) - 1) // shape.block_size)
+    read = np.arange(m)[None, :] <= last[:, None]
+    bad = np.argwhere(read & ((tables < 0) | (tables > shape.n_blocks - 1)))
+    if bad.size:
+        s, j = (int(x) for x in bad[0])
+        raise StepRowsError(f"step rows: block_tables[{s}, {j}] = {int(tables[s, j])} is outside "
+                            f"0..{shape.n_blocks - 1} (the cache's blocks)")
+    padded = np.zeros((b, shape.blocks_per_seq), np.int32)
+    padded[:, :m] = np.where(read, tables, 0)
     generated = None
     if rows.generated is not None:
         generated = _ints("generated", rows.generated, 1)
@@ -98,11 +115,8 @@ def check_step_rows(rows: StepRows, shape: StepShape) -> StepRows:
         _within("generated", generated, 0, 1, "1: a sampled token, 0: the prompt's")
         generated = np.ascontiguousarray(generated, np.int32)
     as32 = {k: np.ascontiguousarray(v, np.int32) for k, v in per_row.items()}
-    return StepRows(**as32, block_tables=np.ascontiguousarray(tables, np.int32),
-                    logit_rows=np.ascontiguousarray(picked, np.int32), generated=generated,
-                    score_from=step_score_from(rows.score_from, n))
-
-
+    return StepRows(**as32, block_tables=padded, logit_rows=np.ascontiguousarray(picked, np.int32),
+                    generated=generated, score_from=step_score_from(rows.score_from, n))
 
 
 def step_score_from(score_from: object, n: int) -> np.ndarray:

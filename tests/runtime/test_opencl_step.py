@@ -13,11 +13,10 @@ import pytest
 from llmrs.compiler.codegen.opencl import generate
 from llmrs.compiler.codegen.opencl_tuning import OpenCLTuning
 from llmrs.compiler.interpret import Interpreter
-from llmrs.compiler.ir import IRError
 from llmrs.compiler.pipeline import CompileOptions, run_passes
 from llmrs.models.llama import build_graphs, load_model
 from llmrs.models.step import step_graph
-from llmrs.runtime.backends.base import StepRows
+from llmrs.runtime.backends.base import StepRows, StepRowsError
 from llmrs.runtime.backends.opencl_step import StepShape, check_step
 
 from ..conftest import DATA, rel_err
@@ -243,28 +242,29 @@ def small_step() -> tuple[OpenCLBackend, StepRows]:
 
 
 # one bad value a case: (field, value, what the message says); S = 64 slots, 16 blocks of 4, 2
-# sequences of the step, 3 rows, a vocabulary of 384
+# sequences of the step, 3 rows, a vocabulary of 384. OpenCL's step runs through the check every
+# back end shares (base.py check_step_rows; tests/runtime/test_step_backends.py has the CPU's)
 BAD = [("tokens", [5, 384, 7], r"tokens\[1\] = 384 is outside 0..383 \(the vocabulary\)"),
        ("positions", [0, -3, 0], r"positions\[1\] = -3 is outside 0..2147483647"),
-       ("slots", [1, 64, 2], r"slots\[1\] = 64 is outside 0..63 \(the KV cache's rows\)"),
+       ("slots", [1, 64, 2], r"slots\[1\] = 64 is outside 0..63 \(the KV cache's slots\)"),
        ("slots", [1, 2, 1], r"two rows write the same KV slot; give each row its own slot"),
-       ("row_seq", [0, 0, 2], r"row_seq\[2\] = 2 is outside 0..1 \(the 2 rows of block_tables\)"),
+       ("row_seq", [0, 0, 2], r"row_seq\[2\] = 2 is outside 0..1 \(rows of block_tables\)"),
        ("ctx_len", [1, 0, 1], r"ctx_len\[1\] = 0 is outside 1..4"),
-       ("ctx_len", [1, 2, 5], r"ctx_len\[2\] = 5 is outside 1..4 \(1 blocks of 4\)"),
-       ("block_tables", [[3], [16]], r"block_tables\[1, 0\] = 16, read by row 2, is outside 0..15"),
+       ("ctx_len", [1, 2, 5], r"ctx_len\[2\] = 5 is outside 1..4 \(KV entries a row attends\)"),   # 1 block of 4
+       ("block_tables", [[3], [16]], r"block_tables\[1, 0\] = 16 is outside 0..15 \(the cache's blocks\)"),
        ("logit_rows", [1, 3], r"logit_rows\[1\] = 3 is outside 0..2 \(the step's rows\)"),
-       ("logit_rows", [0, 1, 2], r"logit_rows has 3 rows; give 1..2"),
-       ("slots", [1, 2], r"slots has 2 rows and tokens 3; give one a row"),
-       ("positions", [0, 1 << 40, 2], r"positions\[1\] = 1099511627776 is outside -2147483648..2147483647"),
-       ("block_tables", np.zeros((3, 1), np.int32), r"block_tables is \[3, 1\]; the step graph takes 1..2 sequences"),
-       ("ctx_len", [1.0, 2.0, 1.0], r"ctx_len must be a 1-D array of integers, got float64\[3\]"),
-       ("score_from", [0, 1], r"score_from has 2 rows and tokens 3; give one a row")]
+       ("logit_rows", [0, 1, 2], r"logit_rows has 3 entries; give 1..2"),
+       ("slots", [1, 2], r"slots has 2 entries for 3 tokens"),
+       ("positions", [0, 1 << 40, 2], r"positions\[1\] = 1099511627776 is outside 0..2147483647"),
+       ("block_tables", np.zeros((3, 1), np.int32), r"block_tables is \[3, 1\]; give \[1..2, 1..16\]"),
+       ("ctx_len", [1.0, 2.0, 1.0], r"ctx_len must be a 1-d array of integers, got float64\[3\]"),
+       ("score_from", [0, 1], r"score_from has 2 entries for 3 tokens")]
 
 
 @pytest.mark.parametrize("field,value,message", BAD, ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(BAD)])
 def test_a_step_with_a_bad_index_is_refused_in_one_line(small_step, field, value, message):
     be, good = small_step
-    with pytest.raises(IRError, match=message) as e:
+    with pytest.raises(StepRowsError, match="^step rows: " + message) as e:
         be.run_step(replace(good, **{field: np.asarray(value)}))
     assert "\n" not in str(e.value)
 
@@ -272,7 +272,7 @@ def test_a_step_with_a_bad_index_is_refused_in_one_line(small_step, field, value
 def test_too_many_rows_and_a_plan_without_a_step_graph_are_refused(small_step):
     be, good = small_step
     nine = np.arange(9, dtype=np.int32)
-    with pytest.raises(IRError, match="takes 1..8 rows a step, got 9"):
+    with pytest.raises(StepRowsError, match="a step takes 1..8 rows, got 9"):
         be.run_step(replace(good, tokens=nine))
     graphs = _compiled("golden-a", "f32", "f32", T=8, seqs=2, with_prefill=True)
     del graphs["step"]

@@ -9,7 +9,7 @@ import pytest
 
 from llmrs.compiler.cli import main as compile_main
 from llmrs.runtime.backends import BackendOptions, open_backend
-from llmrs.runtime.backends.base import StepRows, StepRowsError
+from llmrs.runtime.backends.base import StepRows, StepRowsError, check_step_rows
 from llmrs.runtime.backends.cpu import CpuBackend, CpuBackendError
 from llmrs.runtime.backends.reference import ReferenceBackend
 from llmrs.runtime.plan import Plan
@@ -133,15 +133,35 @@ BAD = [
     ({"ctx_len": [1, 0, 3]}, "ctx_len[1] = 0 is outside 1..32 (KV entries a row attends)"),
     ({"ctx_len": [1, 2, 33]}, "ctx_len[2] = 33 is outside 1..32 (KV entries a row attends)"),
     ({"block_tables": np.full((2, 8), 8)}, "block_tables[0, 0] = 8 is outside 0..7 (the cache's blocks)"),
-    ({"block_tables": np.zeros((4, 8), np.int32)}, "block_tables is [4, 8]; give [1..3, 8] (a row of block ids per sequence)"),
-    ({"block_tables": np.zeros((2, 7), np.int32)}, "block_tables is [2, 7]; give [1..3, 8]"),
+    ({"block_tables": np.zeros((4, 8), np.int32)}, "block_tables is [4, 8]; give [1..3, 1..8] (a row of block ids per sequence)"),
+    ({"block_tables": np.zeros((2, 9), np.int32)}, "block_tables is [2, 9]; give [1..3, 1..8]"),
     ({"logit_rows": [0, 3]}, "logit_rows[1] = 3 is outside 0..2 (the step's rows)"),
-    ({"logit_rows": [0] * 9}, "logit_rows has 9 entries; give 1..8"),   # a verify step's rows: 8 of 8
+    ({"logit_rows": [0] * 4}, "logit_rows has 4 entries; give 1..3"),   # no more than the step's rows
     ({"ctx_len": [1, 2]}, "ctx_len has 2 entries for 3 tokens"),
     ({"tokens": np.zeros(9, np.int32)}, "a step takes 1..8 rows, got 9"),
     ({"positions": [0.5, 1, 2]}, "positions must be a 1-d array of integers, got float64[3]"),
     ({"score_from": [0, 1]}, "score_from has 2 entries for 3 tokens"),
 ]
+
+
+@pytest.mark.parametrize("kind", ["cpu", "reference"])
+def test_narrow_tables_and_entries_no_row_reads_are_taken_as_the_full_table(plan, kind):
+    """One contract for every back end (base.py check_step_rows): a table narrower than the
+    graph's is padded, and an entry no row reads may hold anything (it is zeroed before a kernel
+    sees it): the logits and the cache are those of the full, clean table."""
+    rows = StepRows(np.array([3, 4, 5]), np.array([0, 1, 0]), np.array([0, 1, 4]), np.array([0, 0, 1]),
+                    np.array([1, 2, 1]), np.array([[0] + [7] * 7, [1] + [7] * 7]), np.array([1, 2]))
+    messy = StepRows(**{**rows.__dict__, "block_tables": np.array([[0, -5, 1 << 20], [1, 99, -1]])})
+    got = []
+    for r in (rows, messy):
+        be = open_backend(plan, kind, BackendOptions(threads=2) if kind == "cpu" else BackendOptions())
+        try:
+            got.append(be.run_step(r))
+        finally:
+            be.close()
+    np.testing.assert_array_equal(got[0], got[1])
+    checked = check_step_rows(messy, plan.step_shape())
+    np.testing.assert_array_equal(checked.block_tables, [[0] + [0] * 7, [1] + [0] * 7])
 
 
 @pytest.mark.parametrize("kind", ["cpu", "reference"])
