@@ -18,6 +18,15 @@ inline size_t score_slot(__global const int* table, int block, int s) {
     return table ? (size_t)table[s / block] * block + s % block : (size_t)s;
 }
 
+// One row's query heads (qs) dotted with the key at element `at` of the cache (one read of it).
+inline void key_dots(__local const float* qs, gin k, size_t at, float* dot) {
+    for (int j = 0; j < SC_GROUP; j++) dot[j] = 0.0f;
+    for (int d = 0; d < HEAD_DIM; d++) {
+        float kd = LD_KV(k, at + d);
+        for (int j = 0; j < SC_GROUP; j++) dot[j] += qs[j * HEAD_DIM + d] * kd;
+    }
+}
+
 // One query row's softmax weights over its `length` entries, summed over the SC_GROUP query heads
 // of KV head kvh (q_row: the row's queries of those heads), added to sc at each entry's cache row.
 // Every thread of the group calls it (barriers inside).
@@ -36,11 +45,7 @@ inline void score_row(__global const float* q_row, gin k, size_t kv_stride, size
     for (int s = lid; s < length; s += SC_WG) {
         size_t slot = score_slot(table, block, s);
         float dot[SC_GROUP];
-        for (int j = 0; j < SC_GROUP; j++) dot[j] = 0.0f;
-        for (int d = 0; d < HEAD_DIM; d++) {
-            float kd = LD_KV(k, slot * kv_stride + head_at + d);
-            for (int j = 0; j < SC_GROUP; j++) dot[j] += qs[j * HEAD_DIM + d] * kd;
-        }
+        key_dots(qs, k, slot * kv_stride + head_at, dot);
         for (int j = 0; j < SC_GROUP; j++) {
             float x = dot[j] * scale, mn = fmax(m[j], x);
             l[j] = l[j] * exp(m[j] - mn) + exp(x - mn);   // exp(-inf) = 0 before the first slot
@@ -55,11 +60,7 @@ inline void score_row(__global const float* q_row, gin k, size_t kv_stride, size
     for (int s = lid; s < length; s += SC_WG) {
         size_t slot = score_slot(table, block, s);
         float dot[SC_GROUP];
-        for (int j = 0; j < SC_GROUP; j++) dot[j] = 0.0f;
-        for (int d = 0; d < HEAD_DIM; d++) {
-            float kd = LD_KV(k, slot * kv_stride + head_at + d);
-            for (int j = 0; j < SC_GROUP; j++) dot[j] += qs[j * HEAD_DIM + d] * kd;
-        }
+        key_dots(qs, k, slot * kv_stride + head_at, dot);
         float add = 0.0f;
         for (int j = 0; j < SC_GROUP; j++) add += exp(dot[j] * scale - gm[j]) / gl[j];
         sc[slot] += add;
