@@ -459,6 +459,57 @@ def _attention(kb: KernelBuilder, graph: Graph, op: Op) -> None:
         _paged_attention_scores(kb, graph, op)
 
 
+def _score_queries(kb: KernelBuilder, q: ir.Value, t: ir.Value, kh: ir.Value, h: int, group: int, hd: int,
+                   lanes: int) -> list[list[ir.Value]]:
+    """Row t's queries of KV head kh's `group` query heads, as lanes-wide vectors."""
+    b = kb.b
+    row0 = b.add(b.mul(t, kb.i64(h)), b.mul(kh, kb.i64(group)))
+    return [[kb.load(vec(F32, lanes), q, kb.idx((row0, hd * 4), (g * hd * 4 + k * lanes * 4, 1)))
+             for k in range(hd // lanes)] for g in range(group)]
+
+
+def _head_scores(kb: KernelBuilder, qv: list[list[ir.Value]], kv: list[ir.Value], scale: ir.Value) -> list[ir.Value]:
+    """Each query head's q . k * scale, the K row (kv) loaded once for all of them."""
+    b = kb.b
+    zero = ir.Constant(kv[0].type, [0.0] * kv[0].type.count)
+    out = []
+    for qg in qv:
+        d = kb.fma(qg[0], kv[0], zero)
+        for k in range(1, len(kv)):
+            d = kb.fma(qg[k], kv[k], d)
+        out.append(b.fmul(kb.hsum(d), scale))
+    return out
+
+
+def _softmax_start(kb: KernelBuilder, m: list[ir.Value], total: list[ir.Value]) -> None:
+    """Each head's running max (m) and sum of exp(score - max) (total), before a row's first pass."""
+    for g in range(len(m)):
+        kb.b.store(kb.f32(-math.inf), m[g])
+        kb.b.store(kb.f32(0.0), total[g])
+
+
+def _softmax_add(kb: KernelBuilder, m: list[ir.Value], total: list[ir.Value], vals: list[ir.Value]) -> None:
+    """The first pass: a block of each head's scores (-inf past the row) into its m and total."""
+    b = kb.b
+    for g, x in enumerate(vals):
+        m_old = b.load(m[g])
+        m_new = kb.maxnum(m_old, kb.hmax(x))
+        e = kb.exp(b.fsub(x, kb.splat(m_new, x.type.count)))
+        b.store(b.fadd(b.fmul(b.load(total[g]), kb.exp(b.fsub(m_old, m_new))), kb.hsum(e)), total[g])
+        b.store(m_new, m[g])
+
+
+def _summed_weights(kb: KernelBuilder, m: list[ir.Value], total: list[ir.Value], vals: list[ir.Value]) -> ir.Value:
+    """A block's softmax weights, summed over the query heads: what the scores add."""
+    b = kb.b
+    acc = None
+    for g, x in enumerate(vals):
+        n = x.type.count
+        p = b.fdiv(kb.exp(b.fsub(x, kb.splat(b.load(m[g]), n))), kb.splat(b.load(total[g]), n))
+        acc = p if acc is None else b.fadd(acc, p)
+    return acc
+
+
 def _attention_scores(kb: KernelBuilder, graph: Graph, op: Op) -> None:
     """Eviction scores (compiler/ir.py, attention): when score_ctl[0] != 0, each row t at slot
     n_past + t >= score_ctl[1] adds softmax(q_t,h . k * scale) over slots [0, n_past + t] to
@@ -479,8 +530,7 @@ def _attention_scores(kb: KernelBuilder, graph: Graph, op: Op) -> None:
     lanes = math.gcd(hd, width)             # dot-product vectors: any head_dim, a power of 2 dividing it
     blk = width                             # slots per block
     group, nv = h // kvh, hd // lanes
-    fvec, bvec = vec(F32, lanes), vec(F32, blk)
-    zero = ir.Constant(fvec, [0.0] * lanes)
+    bvec = vec(F32, blk)
     scale = kb.f32(a["scale"])
     m = [kb.var(F32) for _ in range(group)]        # running max of each query head's scores
     total = [kb.var(F32) for _ in range(group)]    # and its sum of exp(score - max)
@@ -492,19 +542,11 @@ def _attention_scores(kb: KernelBuilder, graph: Graph, op: Op) -> None:
         with kb.loop(lo, hi) as kh:
             with kb.loop(t0, kb.n_tokens) as t:
                 length = b.add(b.add(kb.n_past, t), kb.i64(1))
-                row0 = b.add(b.mul(t, kb.i64(h)), b.mul(kh, kb.i64(group)))
-                qv = [[kb.load(fvec, q, kb.idx((row0, hd * 4), (g * hd * 4 + k * lanes * 4, 1))) for k in range(nv)]
-                      for g in range(group)]
+                qv = _score_queries(kb, q, t, kh, h, group, hd, lanes)
 
                 def dots(slot: ir.Value) -> list[ir.Value]:
                     kv = [load_kv(kb, kdt, k_cache, slot, kh, kvh, hd, kb.i64(k * lanes), lanes) for k in range(nv)]
-                    out = []
-                    for g in range(group):
-                        d = kb.fma(qv[g][0], kv[0], zero)
-                        for k in range(1, nv):
-                            d = kb.fma(qv[g][k], kv[k], d)
-                        out.append(b.fmul(kb.hsum(d), scale))
-                    return out
+                    return _head_scores(kb, qv, kv, scale)
 
                 def block(s0: ir.Value, masked: bool) -> list[ir.Value]:
                     """Each head's scores of slots s0 .. s0 + B - 1 (-inf past the row's length)."""
@@ -518,22 +560,12 @@ def _attention_scores(kb: KernelBuilder, graph: Graph, op: Op) -> None:
                             vals[g] = b.insert_element(vals[g], x, ir.Constant(I32, j))
                     return vals
 
-                for g in range(group):
-                    b.store(kb.f32(-math.inf), m[g])
-                    b.store(kb.f32(0.0), total[g])
+                _softmax_start(kb, m, total)
                 with kb.loop(0, length, blk) as s0:
-                    for g, x in enumerate(block(s0, masked=True)):
-                        m_old = b.load(m[g])
-                        m_new = kb.maxnum(m_old, kb.hmax(x))
-                        e = kb.exp(b.fsub(x, kb.splat(m_new, blk)))
-                        b.store(b.fadd(b.fmul(b.load(total[g]), kb.exp(b.fsub(m_old, m_new))), kb.hsum(e)), total[g])
-                        b.store(m_new, m[g])
+                    _softmax_add(kb, m, total, block(s0, masked=True))
                 full = b.sub(length, b.urem(length, kb.i64(blk)))
                 with kb.loop(0, full, blk) as s0:
-                    acc = None
-                    for g, x in enumerate(block(s0, masked=False)):
-                        p = b.fdiv(kb.exp(b.fsub(x, kb.splat(b.load(m[g]), blk))), kb.splat(b.load(total[g]), blk))
-                        acc = p if acc is None else b.fadd(acc, p)
+                    acc = _summed_weights(kb, m, total, block(s0, masked=False))
                     at = kb.idx((kh, slots * 4), (s0, 4))
                     kb.store(b.fadd(kb.load(bvec, scores, at), acc), scores, at)
                 with kb.loop(full, length) as slot:
@@ -562,8 +594,7 @@ def _paged_attention_scores(kb: KernelBuilder, graph: Graph, op: Op) -> None:
     width = 16 if kb.target.has("avx512f") else kb.vw
     lanes, blk = math.gcd(hd, width), width
     group, nv = h // kvh, hd // lanes
-    fvec, bvec = vec(F32, lanes), vec(F32, blk)
-    zero = ir.Constant(fvec, [0.0] * lanes)
+    bvec = vec(F32, blk)
     scale = kb.f32(a["scale"])
     where = _PagedSlots(kb, graph, op)
     m = [kb.var(F32) for _ in range(group)]        # running max of each query head's scores
@@ -574,9 +605,7 @@ def _paged_attention_scores(kb: KernelBuilder, graph: Graph, op: Op) -> None:
             length = where.row(t)
             own = b.sub(length, kb.i64(1))
             with kb.if_(b.icmp_signed(">=", own, _row_index(kb, score_from, t))):
-                row0 = b.add(b.mul(t, kb.i64(h)), b.mul(kh, kb.i64(group)))
-                qv = [[kb.load(fvec, q, kb.idx((row0, hd * 4), (g * hd * 4 + k * lanes * 4, 1))) for k in range(nv)]
-                      for g in range(group)]
+                qv = _score_queries(kb, q, t, kh, h, group, hd, lanes)
 
                 def block(s0: ir.Value) -> tuple[list[ir.Value], list]:
                     """Each head's scores of entries s0 .. s0 + B - 1 (-inf past the row's length),
@@ -585,30 +614,17 @@ def _paged_attention_scores(kb: KernelBuilder, graph: Graph, op: Op) -> None:
                     chunk = where.chunk(s0, blk, length)
                     for j, (slot, live, _) in enumerate(chunk):
                         kv = [load_kv(kb, kdt, k_cache, slot, kh, kvh, hd, kb.i64(k * lanes), lanes) for k in range(nv)]
-                        for g in range(group):
-                            d = kb.fma(qv[g][0], kv[0], zero)
-                            for k in range(1, nv):
-                                d = kb.fma(qv[g][k], kv[k], d)
-                            x = b.select(live, b.fmul(kb.hsum(d), scale), kb.f32(-math.inf))
-                            vals[g] = b.insert_element(vals[g], x, ir.Constant(I32, j))
+                        for g, x in enumerate(_head_scores(kb, qv, kv, scale)):
+                            vals[g] = b.insert_element(vals[g], b.select(live, x, kb.f32(-math.inf)),
+                                                       ir.Constant(I32, j))
                     return vals, [(slot, live) for slot, live, _ in chunk]
 
-                for g in range(group):
-                    b.store(kb.f32(-math.inf), m[g])
-                    b.store(kb.f32(0.0), total[g])
+                _softmax_start(kb, m, total)
                 with kb.loop(0, length, blk) as s0:
-                    for g, x in enumerate(block(s0)[0]):
-                        m_old = b.load(m[g])
-                        m_new = kb.maxnum(m_old, kb.hmax(x))
-                        e = kb.exp(b.fsub(x, kb.splat(m_new, blk)))
-                        b.store(b.fadd(b.fmul(b.load(total[g]), kb.exp(b.fsub(m_old, m_new))), kb.hsum(e)), total[g])
-                        b.store(m_new, m[g])
+                    _softmax_add(kb, m, total, block(s0)[0])
                 with kb.loop(0, length, blk) as s0:
                     vals, chunk = block(s0)
-                    acc = None
-                    for g, x in enumerate(vals):
-                        p = b.fdiv(kb.exp(b.fsub(x, kb.splat(b.load(m[g]), blk))), kb.splat(b.load(total[g]), blk))
-                        acc = p if acc is None else b.fadd(acc, p)
+                    acc = _summed_weights(kb, m, total, vals)
                     for j, (slot, live) in enumerate(chunk):
                         add = b.select(live, b.extract_element(acc, ir.Constant(I32, j)), kb.f32(0.0))
                         at = kb.idx((kh, slots * 4), (slot, 4))
