@@ -114,8 +114,8 @@ def scratch_layout(spec: MatmulSpec) -> dict[str, int]:
         xd    f32[T, K/32]      their scales, rounded to f16
         xs    f32[T, K/32]      Q8_1's s = f16(d * sum(q))                       (q4_1 only)
         xg    i8[T, Kg]         the codes in q4_group_dot's order, rows padded to whole
-                                groups of 128 (Kg), the padding zero            (q4_0, q4_1)
-        gaux  [T, Kg/8]         per lane: q4_0's bias (i32), or q4_1's s (f32)
+                                groups of 128 (Kg), the padding zero      (q4_0, q4_1, q8_0)
+        gaux  [T, Kg/8]         per lane: q4_0's / q8_0's bias (i32), or q4_1's s (f32)
         gdx   f32[T, Kg/8]      per lane: the block's scale
 
     and `end`. The grouped layout is reserved whichever target runs the kernel."""
@@ -125,7 +125,7 @@ def scratch_layout(spec: MatmulSpec) -> dict[str, int]:
     parts = [("xq", T * K), ("xd", T * K // QK * 4)]
     if spec.wdtype == "q4_1":
         parts.append(("xs", T * K // QK * 4))
-    if spec.wdtype in Q4:
+    if spec.wdtype in GROUPED:
         kg = padded_k(K)
         parts += [("xg", T * kg), ("gaux", T * kg), ("gdx", T * kg)]   # aux, dx need T*kg/2
     for name, size in parts:
@@ -164,9 +164,17 @@ def prefetch(kb: KernelBuilder, ptr: ir.Value, byte_offset: ir.Value) -> None:
 # A row whose K is not a multiple of 128 ends in a partial group, loaded through a byte mask (so
 # it never reads past the row), against activations whose padding is zero. AVX2 has the same
 # layout and lanes, with vpdpbusd emulated (q4_group_dot) and blocks loaded one by one.
+#
+# q8_0 takes the same steps on AVX-512 VNNI: four blocks' first 16 codes in one <64 x i8>, their
+# last 16 in the other, i.e. the activations' grouped order unchanged, and each code moved to
+# unsigned by w + 128 (one xor), which the start value takes back: bias = -128 * (the lane's 8 x
+# values). Per-block 256-bit dot products with the sign moved onto x for every (row, token) cost a
+# q8_0 row of a step 3.4x one row's time at 8 rows (SmolLM2's tied head, issue 29). Not on AVX2:
+# vpmaddubsw's i16 pairs would saturate at 255 * 127 * 2.
 
 GROUP = 4 * QK          # values per step
 Q4 = ("q4_0", "q4_1")
+GROUPED = Q4 + ("q8_0",)   # weight types with a grouped activation layout
 
 
 def group_bytes(wdtype: str) -> int:
@@ -190,7 +198,37 @@ def group_isa(target: Target) -> str | None:
 
 
 def q4_group_ok(target: Target, wdtype: str) -> bool:
-    return wdtype in Q4 and group_isa(target) is not None
+    isa = group_isa(target)
+    return (wdtype in Q4 and isa is not None) or (wdtype == "q8_0" and isa == "vnni512")
+
+
+def _q8_mask(bb: int, half: int, base: int) -> list[int]:
+    # codes [16 half, 16 half + 16) of blocks 0..3 (the quants follow a 2-byte d), from two 64-byte
+    # loads at group bytes `base` and `base + 64`
+    return [bb * k + 2 + 16 * half + j - base for k in range(4) for j in range(16)]
+
+
+def _load_q8_group(kb: KernelBuilder, w: ir.Value, off: ir.Value,
+                   blocks: int) -> tuple[ir.Value, ir.Value, ir.Value, ir.Value]:
+    """load_q4_group for q8_0 (AVX-512): codes 0..15 and 16..31 of each block as unsigned w + 128,
+    and d; a partial group's loads are masked to its blocks (the rest zero, d 0)."""
+    b = kb.b
+    bb, n = BLOCK_BYTES["q8_0"], blocks * BLOCK_BYTES["q8_0"]
+    v64 = vec(I8, 64)
+
+    def part(at: int) -> ir.Value:     # group bytes [at, at + 64), nothing past the blocks read
+        if at + 64 <= n:
+            return kb.load(v64, w, b.add(off, kb.i64(at)))
+        if at >= n:
+            return ir.Constant(v64, None)
+        return masked_load(kb, v64, w, b.add(off, kb.i64(at)), n - at)
+    # A's codes lie in group bytes [2, 120), B's in [18, 136): two loads each
+    a0, a1, b0, b1 = part(0), part(64), part(8), part(72)
+    flip = ir.Constant(v64, [-128] * 64)
+    lo = b.xor(kb.shuffle(a0, a1, _q8_mask(bb, 0, 0)), flip)
+    hi = b.xor(kb.shuffle(b0, b1, _q8_mask(bb, 1, 8)), flip)
+    dbytes = kb.shuffle(a0, a1, [bb * (lane // 4) + byte for lane in range(16) for byte in (0, 1)])
+    return lo, hi, _f16x16(kb, dbytes), a0
 
 
 def _qs_mask(bb: int) -> list[int]:
@@ -216,7 +254,9 @@ def load_q4_group(kb: KernelBuilder, w: ir.Value, off: ir.Value, wdtype: str = "
                   blocks: int = 4) -> tuple[ir.Value, ir.Value, ir.Value, ir.Value]:
     """(low nibbles <64 x u8>, high nibbles <64 x u8>, d <16 x f32> = each block's d 4 times,
     the group's first 64 bytes, which hold every block's header: pack_q4_1_mins reads q4_1's m
-    there) of `blocks` blocks at w + off; missing blocks are all zero."""
+    there) of `blocks` blocks at w + off; missing blocks are all zero. q8_0: _load_q8_group."""
+    if wdtype == "q8_0":
+        return _load_q8_group(kb, w, off, blocks)
     if group_isa(kb.target) == "avx2":
         return _load_q4_group_by_block(kb, w, off, wdtype, blocks)
     b = kb.b
@@ -329,20 +369,22 @@ def store_q4_group_activation(kb: KernelBuilder, wdtype: str, q: ir.Value, d: ir
                               dx: ir.Value) -> None:
     """Block blk of activation row t (q <32 x i8>, d its f16-rounded scale, s Q8_1's sum term for
     q4_1) in the grouped layout: xg i8[T,Kg] (per group: 4 x 16 low values, then 4 x 16 high
-    values), aux [T,Kg/8] (q4_0: bias i32; q4_1: s f32), dx f32[T,Kg/8]; per lane, 4 per block."""
+    values), aux [T,Kg/8] (q4_0, q8_0: bias i32; q4_1: s f32), dx f32[T,Kg/8]; per lane, 4 per
+    block."""
     b = kb.b
     g, k = b.udiv(blk, kb.i64(4)), b.urem(blk, kb.i64(4))
     xo = kb.idx((t, Kg), (g, GROUP), (k, 16))
     kb.store(kb.shuffle(q, None, range(16)), xg, xo)
     kb.store(kb.shuffle(q, None, range(16, 32)), xg, b.add(xo, kb.i64(64)))
-    if wdtype == "q4_0":
+    offset = {"q4_0": -8, "q8_0": -128}.get(wdtype)   # the codes' offset: 8 below q4_0's, 128 above q8_0's
+    if offset is not None:
         wide = b.sext(q, vec(I32, 32))
         s16 = b.add(kb.shuffle(wide, None, range(16)), kb.shuffle(wide, None, range(16, 32)))
         s4 = kb.shuffle(s16, None, range(0, 16, 4))
         for j in (1, 2, 3):
             s4 = b.add(s4, kb.shuffle(s16, None, range(j, 16, 4)))
     lane = kb.idx((t, Kg // 8), (g, 16), (k, 4))
-    aux_val = b.mul(s4, ir.Constant(vec(I32, 4), [-8] * 4)) if wdtype == "q4_0" else kb.splat(s, 4)
+    aux_val = b.mul(s4, ir.Constant(vec(I32, 4), [offset] * 4)) if offset is not None else kb.splat(s, 4)
     kb.store(aux_val, aux, b.mul(lane, kb.i64(4)))
     kb.store(kb.splat(d, 4), dx, b.mul(lane, kb.i64(4)))
 
@@ -1057,7 +1099,7 @@ def emit_q4_group_probe(kb: KernelBuilder, K: int, N: int, wdtype: str = "q4_0")
             lo, hi, _, _ = load_q4_group(kb, w, kb.idx((n, nb * BLOCK_BYTES[wdtype]), (g, group_bytes(wdtype))),
                                          wdtype, blocks)
             xo = b.mul(g, kb.i64(GROUP))
-            start = (kb.load(vec(I32, 16), aux, b.mul(g, kb.i64(64))) if wdtype == "q4_0"
+            start = (kb.load(vec(I32, 16), aux, b.mul(g, kb.i64(64))) if wdtype != "q4_1"
                      else ir.Constant(vec(I32, 16), None))
             lanes = q4_group_dot(kb, start, lo, hi, kb.load(vec(I8, 64), xg, xo),
                                  kb.load(vec(I8, 64), xg, b.add(xo, kb.i64(64))))

@@ -349,7 +349,7 @@ ODD_K = [(576, "2-block tail, SmolLM2-135M's hidden size"), (672, "1-block tail"
          (96, "the tail alone")]
 
 
-@pytest.mark.parametrize("wdtype", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("wdtype", ["q4_0", "q4_1", "q8_0"])
 @pytest.mark.parametrize("K", [k for k, _ in ODD_K], ids=[why for _, why in ODD_K])
 @pytest.mark.parametrize("prologue,epilogue", [(False, None), (True, None), (False, "add"),
                                                (True, "silu_mul"), (True, "rope_kv_store")])
@@ -374,6 +374,37 @@ def test_grouped_q4_block_sums_with_a_partial_group_are_ggml_integer_sums_exactl
     x[0, -32:] = -127.0 / np.arange(1, 33)         # the last block (a tail's) uses the full int8 range
     w[0, -16:] = 0xFF                               # and meets 15s: the largest u8 x s8 products
     _block_sums(lambda kb: emit_q4_group_probe(kb, K, n, wdtype), TARGETS[target], w, wdtype, x, n, K)
+
+
+@pytest.mark.skipif("host" not in GROUPED or not q4_group_ok(TARGETS["host"], "q8_0"),
+                    reason="host CPU lacks AVX-512 VNNI (the grouped q8_0 path)")
+@pytest.mark.parametrize("K", [k for k, _ in ODD_K] + [512], ids=[why for _, why in ODD_K] + ["whole groups"])
+def test_grouped_q8_0_block_sums_are_ggml_integer_sums_exactly(K):
+    """q8_0's codes through vpdpbusd as w + 128 with the start taking 128 * sum(x) back: exact for
+    every code, -128 (which ggml never writes, a GGUF may hold) and +-127 included, whole and
+    partial groups."""
+    rng = np.random.default_rng(K + 1)
+    n = 5
+    w = quant.quantize(rng.standard_normal((n, K)).astype(np.float32), "q8_0")
+    x = rng.standard_normal((1, K)).astype(np.float32) * 3
+    x[0, -32:] = -127.0 / np.arange(1, 33)         # the last block uses the full int8 range
+    x[0, :32] = 127.0 / np.arange(1, 33)
+    w[0, 2:34] = np.int8(-128).view(np.uint8)      # the extremes of the codes meet them
+    w[1, -32:] = np.int8(127).view(np.uint8)
+    w[2, -32:] = np.int8(-128).view(np.uint8)
+    _block_sums(lambda kb: emit_q4_group_probe(kb, K, n, "q8_0"), TARGETS["host"], w, "q8_0", x, n, K)
+
+
+def test_q8_0_is_grouped_on_avx512_vnni_only():
+    """Compile-only: q8_0 takes the grouped vpdpbusd path on AVX-512 VNNI and stays off it on
+    AVX2, where vpmaddubsw's i16 pairs of (w + 128) * x would saturate."""
+    assert q4_group_ok(VNNI512, "q8_0") and not q4_group_ok(AVX2, "q8_0")
+    case = matmul_case("q8_0", 8, 8, True, None, K=576, N=48)
+    module = ir.Module("t")
+    module.triple = VNNI512.triple
+    emit_op(module, VNNI512, case.graph, case.op, "kernel")
+    asm = emit(str(module), VNNI512, "asm").decode()
+    assert "vpdpbusd" in asm and "zmm" in asm
 
 
 def _run_with_guard_page(case: Case, target: str, queue) -> None:
