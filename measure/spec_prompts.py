@@ -3,21 +3,27 @@ their input, which prompt lookup can draft from, and open-ended chat, where it r
 one user turn through the plan's chat template (as given, for a plan without one)."""
 from __future__ import annotations
 
-CODE = """Rewrite this Python code so that the variable `total` is called `acc`. Change nothing else.
+# Code rewritten with one change. SmolLM2-135M rewrites Python it is asked to change into a terser
+# function of its own (five such prompts tried: a rename, docstrings, type hints, a bug fix, a
+# re-indent; 27-60 tokens, little of it quoted); markup it copies line for line with the change.
+CODE = """Change the page title to "My Garden" in this HTML and return the whole page.
 
-```python
-def sum_of_squares(numbers):
-    total = 0
-    for n in numbers:
-        total += n * n
-    return total
-
-
-def mean(numbers):
-    total = 0
-    for n in numbers:
-        total += n
-    return total / len(numbers)
+```html
+<!DOCTYPE html>
+<html>
+<head>
+  <title>My Blog</title>
+  <link rel="stylesheet" href="style.css">
+</head>
+<body>
+  <h1>Welcome to my blog</h1>
+  <p>This is where I write about my garden.</p>
+  <ul>
+    <li><a href="/about">About</a></li>
+    <li><a href="/posts">Posts</a></li>
+  </ul>
+</body>
+</html>
 ```"""
 
 QUOTE = """Summarise this passage in three sentences, quoting its key sentences word for word.
