@@ -26,13 +26,18 @@ CODE = """Change the page title to "My Garden" in this HTML and return the whole
 </html>
 ```"""
 
-QUOTE = """Summarise this passage in three sentences, quoting its key sentences word for word.
+# A passage long enough that the summary runs ~90 tokens (a three-sentence summary of its first
+# three sentences ran 45, so a 128-token bench timed mostly its first steps)
+QUOTE = """Summarise this passage in five sentences, quoting its key sentences word for word.
 
 The Pacific Ocean is the largest and deepest of Earth's five oceanic divisions. It extends from the
 Arctic Ocean in the north to the Southern Ocean in the south, and is bounded by the continents of
 Asia and Australia in the west and the Americas in the east. At about 165 million square
 kilometres, it covers about 32 percent of Earth's total surface area, which is larger than its
-entire land area combined."""
+entire land area combined. The Mariana Trench in the western Pacific is the deepest known point
+in the ocean, reaching a depth of about 11 kilometres. The ocean's name comes from the Portuguese
+explorer Ferdinand Magellan, who called it the peaceful sea because its waters were calm when he
+crossed it in 1521."""
 
 LIST = """Continue this list with five more items in exactly the same format.
 

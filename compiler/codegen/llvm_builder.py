@@ -266,6 +266,14 @@ class KernelBuilder:
             v = b.fadd(lo, hi) if isinstance(v.type.element, ir.FloatType) else b.add(lo, hi)
         return b.extract_element(v, ir.Constant(I32, 0))
 
+    def hsums(self, vs: Sequence[ir.Value]) -> ir.Value:
+        """<n x f32> whose lane j is hsum(vs[j]), bit for bit, for n vectors of n lanes (n a power
+        of two): the same pairwise tree, run on pairs of vectors at once (LaneSums)."""
+        sums = LaneSums(self)
+        for v in vs:
+            sums.push(v)
+        return sums.result()
+
     def hmax(self, v: ir.Value) -> ir.Value:
         while v.type.count > 1:
             lo, hi = self.halves(v)
@@ -334,3 +342,37 @@ class KernelBuilder:
         b = self.b
         one = self.f32(1.0) if x.type == F32 else self.splat(self.f32(1.0), x.type.count)
         return b.fdiv(x, b.fadd(one, self.exp(b.fneg(x))))
+
+
+class LaneSums:
+    """hsum of n vectors of n lanes into one vector, pushed one at a time, so at most log2(n) + 1
+    partial vectors are live (a kernel can push each as soon as it is made). A partial vector of
+    level l holds 2^l sums in progress, n / 2^l lanes each; two of one level make one of the next
+    by adding each sum's low half to its high half, as hsum does to one vector: every lane sees
+    hsum's additions in hsum's order, and n vectors cost 2(n - 1) shuffles and n - 1 adds instead
+    of n hsums' n log2(n) of each."""
+
+    def __init__(self, kb: KernelBuilder):
+        self.kb = kb
+        self.stack: list[tuple[int, ir.Value]] = []     # (level, partial vector), levels decreasing
+
+    def push(self, v: ir.Value) -> None:
+        level = 0
+        while self.stack and self.stack[-1][0] == level:
+            _, a = self.stack.pop()
+            v = self._join(a, v, level)
+            level += 1
+        self.stack.append((level, v))
+
+    def _join(self, a: ir.Value, c: ir.Value, level: int) -> ir.Value:
+        n = a.type.count
+        w = n >> level                                  # lanes a sum in progress takes now
+        lows = [r * w + i for r in range(1 << level) for i in range(w // 2)]
+        lo = lows + [n + j for j in lows]
+        hi = [j + w // 2 for j in lo]
+        return self.kb.b.fadd(self.kb.shuffle(a, c, lo), self.kb.shuffle(a, c, hi))
+
+    def result(self) -> ir.Value:
+        (level, v), = self.stack                        # n pushes of n lanes: one vector of n sums
+        assert 1 << level == v.type.count, "LaneSums: push exactly as many vectors as they have lanes"
+        return v

@@ -12,7 +12,7 @@ import pytest
 from llmrs.compiler import quant
 from llmrs.compiler.interpret import Step
 from llmrs.compiler.ir import Graph
-from llmrs.compiler.codegen.llvm_builder import KernelBuilder
+from llmrs.compiler.codegen.llvm_builder import F32, KernelBuilder, vec
 from llmrs.compiler.codegen.llvm_kernels import emit_op, op_scratch_bytes
 from llmrs.compiler.codegen.llvm_matmul import (_align, emit_block_dot_probe, emit_q4_group_probe,
                                                  q4_group_ok, scratch_layout, MatmulSpec)
@@ -143,6 +143,32 @@ def _block_sums(emit, target, w: np.ndarray, wdtype: str, x: np.ndarray, n: int,
         code.address("probe"))
     fn(w.ctypes.data, xq_flat.ctypes.data, got.ctypes.data, 1, 0, 0, 0, 1, None)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("n", [4, 8, 16])
+def test_lane_sums_are_each_vectors_hsum_bit_for_bit(n):
+    """KernelBuilder.hsums (attention's L slots' dot products summed across lanes at once) gives
+    each lane exactly hsum's float: the same additions in the same order, on values whose sums
+    round differently in other orders."""
+    rng = np.random.default_rng(n)
+    vals = (rng.standard_normal((n, n)) * 10.0 ** rng.integers(-6, 7, (n, n))).astype(np.float32)
+    module = ir.Module("t")
+    target = TARGETS["host"]
+    module.triple = target.triple
+    kb = KernelBuilder(module, target, "probe", 3)
+    src, one, many = kb.bufs
+    vs = [kb.load(vec(F32, n), src, kb.i64(4 * n * j)) for j in range(n)]
+    for j, v in enumerate(vs):
+        kb.store(kb.hsum(v), one, kb.i64(4 * j))
+    kb.store(kb.hsums(vs), many, kb.i64(0))
+    kb.finish()
+    code = NativeCode(str(module))
+    fn = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_void_p]))(
+        code.address("probe"))
+    got_one, got_many = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    fn(vals.ctypes.data, got_one.ctypes.data, got_many.ctypes.data, 1, 0, 0, 0, 1, None)
+    np.testing.assert_array_equal(got_many.view(np.uint32), got_one.view(np.uint32))
+    np.testing.assert_allclose(got_one, vals.astype(np.float64).sum(axis=1), rtol=1e-5, atol=1e-3)
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))

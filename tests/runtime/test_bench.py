@@ -148,7 +148,7 @@ def test_bench_speculative_json_per_prompt_type(tmp_path):
     from ..conftest import DATA
     plan = tmp_path / "b.plan"
     assert compile_main([str(DATA / "golden-b"), "-o", str(plan), "--target", "cpu", "--weights", "q8_0",
-                         "--max-seq-len", "512", "-q"]) == 0
+                         "--max-seq-len", "1024", "-q"]) == 0
     out = tmp_path / "spec.json"
     assert bench.main([str(plan), "--speculative", "lookup", "--decode", "12", "--repeats", "1", "--threads", "2",
                        "--json", str(out)]) == 0
