@@ -266,14 +266,6 @@ class KernelBuilder:
             v = b.fadd(lo, hi) if isinstance(v.type.element, ir.FloatType) else b.add(lo, hi)
         return b.extract_element(v, ir.Constant(I32, 0))
 
-    def hsums(self, vs: Sequence[ir.Value]) -> ir.Value:
-        """<n x f32> whose lane j is hsum(vs[j]), bit for bit, for n vectors of n lanes (n a power
-        of two): the same pairwise tree, run on pairs of vectors at once (LaneSums)."""
-        sums = LaneSums(self)
-        for v in vs:
-            sums.push(v)
-        return sums.result()
-
     def hmax(self, v: ir.Value) -> ir.Value:
         while v.type.count > 1:
             lo, hi = self.halves(v)

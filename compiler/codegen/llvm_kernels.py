@@ -382,8 +382,8 @@ def _attention(kb: KernelBuilder, graph: Graph, op: Op) -> None:
     # not fit the 32 vector registers at head_dim 64
     E = 2 if group % 2 == 0 else 3 if group % 3 == 0 else 1
     # head rows of whole vectors: the L slots' dot products are summed across lanes together
-    # (LaneSums: hsum's additions, 2 (L - 1) shuffles for L slots where hsums took L log2 L)
-    whole = all(w == lanes for _, w in chunks) and lanes & (lanes - 1) == 0
+    # (LaneSums: hsum's additions, 2 (L - 1) shuffles for L slots where L hsums took L log2 L)
+    whole = hd % lanes == 0
     fvec = vec(F32, lanes)
     zeros = {w: ir.Constant(vec(F32, w), [0.0] * w) for _, w in chunks}
     zero = ir.Constant(fvec, [0.0] * lanes)
@@ -528,6 +528,20 @@ def _summed_weights(kb: KernelBuilder, m: list[ir.Value], total: list[ir.Value],
     return acc
 
 
+def _score_setup(kb: KernelBuilder, graph: Graph, op: Op, scores_at: int) -> tuple:
+    """What both eviction-score emitters start from: (n_heads, n_kv_heads, head_dim, K cache dtype,
+    score slots, lanes of a dot-product vector (any head_dim: a power of 2 dividing it), slots a
+    block, query heads a KV head, vectors a head row, <block x f32>, scale, and each query head's
+    running max and sum of exp(score - max))."""
+    a = op.attrs
+    h, kvh, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
+    width = 16 if kb.target.has("avx512f") else kb.vw
+    lanes, group = math.gcd(hd, width), h // kvh
+    return (h, kvh, hd, cache_dtype(graph, op.inputs[1]), graph.values[op.inputs[scores_at]].shape[1],
+            lanes, width, group, hd // lanes, vec(F32, width), kb.f32(a["scale"]),
+            [kb.var(F32) for _ in range(group)], [kb.var(F32) for _ in range(group)])
+
+
 def _attention_scores(kb: KernelBuilder, graph: Graph, op: Op) -> None:
     """Eviction scores (compiler/ir.py, attention): when score_ctl[0] != 0, each row t at slot
     n_past + t >= score_ctl[1] adds softmax(q_t,h . k * scale) over slots [0, n_past + t] to
@@ -540,18 +554,7 @@ def _attention_scores(kb: KernelBuilder, graph: Graph, op: Op) -> None:
     (this runs only when a policy asks, and leaves the attention loop above untouched)."""
     q, k_cache, scores, ctl = kb.bufs[0], kb.bufs[1], kb.bufs[3], kb.bufs[4]
     b = kb.b
-    a = op.attrs
-    h, kvh, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
-    kdt = cache_dtype(graph, op.inputs[1])
-    slots = graph.values[op.inputs[3]].shape[1]
-    width = 16 if kb.target.has("avx512f") else kb.vw
-    lanes = math.gcd(hd, width)             # dot-product vectors: any head_dim, a power of 2 dividing it
-    blk = width                             # slots per block
-    group, nv = h // kvh, hd // lanes
-    bvec = vec(F32, blk)
-    scale = kb.f32(a["scale"])
-    m = [kb.var(F32) for _ in range(group)]        # running max of each query head's scores
-    total = [kb.var(F32) for _ in range(group)]    # and its sum of exp(score - max)
+    h, kvh, hd, kdt, slots, lanes, blk, group, nv, bvec, scale, m, total = _score_setup(kb, graph, op, 3)
     on = b.icmp_signed("!=", kb.load(I32, ctl, 0), ir.Constant(I32, 0))
     with kb.if_(on):
         first = b.sub(b.sext(kb.load(I32, ctl, 4), ir.IntType(64)), kb.n_past)   # first scored row
@@ -605,18 +608,8 @@ def _paged_attention_scores(kb: KernelBuilder, graph: Graph, op: Op) -> None:
     entries through the block table; the second adds a chunk's weights one slot at a time."""
     q, k_cache, scores, score_from = kb.bufs[0], kb.bufs[1], kb.bufs[6], kb.bufs[7]
     b = kb.b
-    a = op.attrs
-    h, kvh, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
-    kdt = cache_dtype(graph, op.inputs[1])
-    slots = graph.values[op.inputs[6]].shape[1]
-    width = 16 if kb.target.has("avx512f") else kb.vw
-    lanes, blk = math.gcd(hd, width), width
-    group, nv = h // kvh, hd // lanes
-    bvec = vec(F32, blk)
-    scale = kb.f32(a["scale"])
+    h, kvh, hd, kdt, slots, lanes, blk, group, nv, bvec, scale, m, total = _score_setup(kb, graph, op, 6)
     where = _PagedSlots(kb, graph, op)
-    m = [kb.var(F32) for _ in range(group)]        # running max of each query head's scores
-    total = [kb.var(F32) for _ in range(group)]    # and its sum of exp(score - max)
     lo, hi = kb.split(kvh)
     with kb.loop(lo, hi) as kh:
         with kb.loop(0, kb.n_tokens) as t:

@@ -198,6 +198,8 @@ def group_isa(target: Target) -> str | None:
 
 
 def q4_group_ok(target: Target, wdtype: str) -> bool:
+    """Whether wdtype's matmuls take the grouped path here: q4_0 / q4_1 wherever group_isa has
+    one, q8_0 on AVX-512 VNNI only."""
     isa = group_isa(target)
     return (wdtype in Q4 and isa is not None) or (wdtype == "q8_0" and isa == "vnni512")
 

@@ -12,7 +12,7 @@ import pytest
 from llmrs.compiler import quant
 from llmrs.compiler.interpret import Step
 from llmrs.compiler.ir import Graph
-from llmrs.compiler.codegen.llvm_builder import F32, KernelBuilder, vec
+from llmrs.compiler.codegen.llvm_builder import F32, KernelBuilder, LaneSums, vec
 from llmrs.compiler.codegen.llvm_kernels import emit_op, op_scratch_bytes
 from llmrs.compiler.codegen.llvm_matmul import (_align, emit_block_dot_probe, emit_q4_group_probe,
                                                  q4_group_ok, scratch_layout, MatmulSpec)
@@ -147,7 +147,7 @@ def _block_sums(emit, target, w: np.ndarray, wdtype: str, x: np.ndarray, n: int,
 
 @pytest.mark.parametrize("n", [4, 8, 16])
 def test_lane_sums_are_each_vectors_hsum_bit_for_bit(n):
-    """KernelBuilder.hsums (attention's L slots' dot products summed across lanes at once) gives
+    """LaneSums (attention's L slots' dot products summed across lanes at once) gives
     each lane exactly hsum's float: the same additions in the same order, on values whose sums
     round differently in other orders."""
     rng = np.random.default_rng(n)
@@ -160,7 +160,10 @@ def test_lane_sums_are_each_vectors_hsum_bit_for_bit(n):
     vs = [kb.load(vec(F32, n), src, kb.i64(4 * n * j)) for j in range(n)]
     for j, v in enumerate(vs):
         kb.store(kb.hsum(v), one, kb.i64(4 * j))
-    kb.store(kb.hsums(vs), many, kb.i64(0))
+    sums = LaneSums(kb)
+    for v in vs:
+        sums.push(v)
+    kb.store(sums.result(), many, kb.i64(0))
     kb.finish()
     code = NativeCode(str(module))
     fn = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_void_p]))(
