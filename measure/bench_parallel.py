@@ -2,7 +2,9 @@
 beside llama.cpp's llama-batched-bench on the same weights in the same run.
 
 For each stream count N, N requests of --prefill tokens (random ids, no shared prefix: the prefix
-cache is off so every prompt is computed) each generate --decode greedy tokens, submitted at once:
+cache is off so every prompt is computed) each generate --decode greedy tokens, submitted at once.
+Stop tokens do not end a stream (ignore_eos, as llama-batched-bench and vLLM's throughput bench run):
+a stream that stopped early would leave the later steps with fewer rows than N.
 
   decode tok/s   aggregate: the tokens all streams generate after every stream has its first one,
                  over that time (llama-batched-bench's S_TG: N x ntg / T_TG)
@@ -32,7 +34,8 @@ def run_streams(model, n: int, prompt: int, decode: int, rng: np.random.Generato
     """One run of n streams: their figures (see the module docstring)."""
     vocab = model.vocab_size
     t0 = time.perf_counter()
-    reqs = [model.add_request(rng.integers(0, vocab, prompt).tolist(), max_tokens=decode) for _ in range(n)]
+    reqs = [model.add_request(rng.integers(0, vocab, prompt).tolist(), max_tokens=decode, ignore_eos=True)
+            for _ in range(n)]
     first: float | None = None
     done_tokens_at_first = 0
     while model.step():

@@ -116,19 +116,20 @@ def profiled_cpu(plan: Any, threads: int | None) -> Any:
             self._set = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(code.address("llmrs_profile_set"))
             self.stamps = {p: np.zeros(len(g.ops) + 1, np.int64) for p, g in self.graphs.items()}
 
-        def run(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
+        # run, run_argmax and their step-graph pair all go through these two
+        def _run(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
             buf = self.stamps.get(phase)
             if buf is not None:
                 buf[:] = 0
                 self._set(buf.ctypes.data)
-            return super().run(phase, tokens, n_past, start_pos)
+            return super()._run(phase, tokens, n_past, start_pos)
 
-        def run_step(self, rows: Any) -> np.ndarray:
+        def _run_step(self, rows: Any) -> np.ndarray:
             buf = self.stamps.get("step")
             if buf is not None:
                 buf[:] = 0
                 self._set(buf.ctypes.data)
-            return super().run_step(rows)
+            return super()._run_step(rows)
 
         def kernel_slices(self, phase: str) -> list[tuple[str, int, int, dict]]:
             g, ns = self.graphs[phase], self.stamps[phase]

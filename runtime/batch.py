@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 
 from ..options import OptionError, option, whole
-from .backends.base import Backend, StepRows
+from .backends.base import Backend, NonFiniteLogits, StepRows
 from .plan import Plan, StepShape
-from .engine import EngineError, check_finite
+from .engine import EngineError, check_finite, nonfinite
 from .kv import KVOptions
 from .kv.manager import LinuxSystemMonitor
 from .kv.options import _log, check_threshold
@@ -242,7 +242,7 @@ class Batcher:
             req = Request(self, rid, list(prompt), options, Detokenizer(self.tokenizer), StopScan(options.stop))
             try:
                 self.scheduler.add(Sequence(rid, list(prompt), max_tokens, priority=priority,
-                                            stop_token_ids=self.stop_ids))
+                                            stop_token_ids=frozenset() if options.ignore_eos else self.stop_ids))
             except ValueError as e:
                 raise EngineError(str(e)) from None
             self.requests[rid] = req
@@ -288,7 +288,11 @@ class Batcher:
                     on_device = self.backend.device_argmax and len(live) > 0 and all(
                         req is None or req.done or req.sampler.greedy for req in live)
                 if on_device:
-                    chosen = self.backend.run_step_argmax(rows)
+                    try:
+                        chosen = self.backend.run_step_argmax(rows)
+                    except NonFiniteLogits:
+                        first = next((r for r in live if r is not None), None)
+                        raise nonfinite(len(first.tokens) + 1 if first else 1) from None
                 else:
                     logits = self.backend.run_step(rows)
                 self.steps += 1

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 import numpy as np
 
 from ..options import OptionError
-from .backends.base import Backend, StepRows
+from .backends.base import Backend, NonFiniteLogits, StepRows
 from .kv import CacheManager, StepInfo, summarize
 from .sampler import Sampler
 
@@ -83,9 +83,13 @@ def check_finite(logits: np.ndarray, step: int) -> np.ndarray:
     with np.errstate(invalid="ignore"):     # inf - inf: the NaN is the answer, not a warning
         total = np.sum(logits, dtype=np.float64)
     if not np.isfinite(total):
-        raise EngineError(f"step {step}{' (prefill)' if step == 0 else ''}: the logits are NaN/inf — the model "
-                          "file is corrupt or badly converted (llmrs-check PLAN compares every kernel)")
+        raise nonfinite(step)
     return logits
+
+
+def nonfinite(step: int) -> EngineError:
+    return EngineError(f"step {step}{' (prefill)' if step == 0 else ''}: the logits are NaN/inf — the model "
+                       "file is corrupt or badly converted (llmrs-check PLAN compares every kernel)")
 
 
 def cache_full_notice(max_seq_len: int) -> str:
@@ -240,10 +244,11 @@ class Engine:
         return gen
 
     def stream(self, prompt: list[int], max_new_tokens: int, sampler: Sampler, gen: Generation,
-               keep_logits: bool = False, context: Sequence[int] = ()) -> Iterator[int]:
+               keep_logits: bool = False, context: Sequence[int] = (), ignore_eos: bool = False) -> Iterator[int]:
         """generate, as a generator: yields each token as it is chosen and keeps `gen` (tokens,
         stop reason, stats) current, so a caller may stop between tokens by closing it. `context`:
-        the tokens already cached before `prompt` (the repetition penalty looks back over them)."""
+        the tokens already cached before `prompt` (the repetition penalty looks back over them).
+        ignore_eos: a stop token is emitted like any other."""
         if max_new_tokens < 1:
             raise EngineError(f"{{0}} must be at least 1, got {max_new_tokens}", "max_tokens")
         st = gen.stats
@@ -252,11 +257,15 @@ class Engine:
             st.eviction_policy = self.cache.policy.name
             seen = len(self.cache.events)
         spec = self.speculator
+        stop_ids = () if ignore_eos else self.stop_ids
         if spec is not None:
             st.speculative = spec.start(sampler.cfg)
         on_device = sampler.greedy and not keep_logits and self.backend.device_argmax
         t0 = time.perf_counter()
-        logits = self.prefill(prompt, on_device)
+        try:
+            logits = self.prefill(prompt, on_device)
+        except NonFiniteLogits:
+            raise nonfinite(0) from None
         st.prefill_s = time.perf_counter() - t0
         history = [*context, *prompt]
         t_dec = None
@@ -277,7 +286,7 @@ class Engine:
                     gen.logits.append(np.asarray(row, np.float32).copy())
                 if not gen.tokens:
                     st.ttft_s = time.perf_counter() - t0
-                if token in self.stop_ids:
+                if token in stop_ids:
                     gen.stop_reason = "stop token"
                     gen.logits = gen.logits[:len(gen.tokens)]
                     break
@@ -303,7 +312,10 @@ class Engine:
                 else:
                     if spec is not None:
                         st.speculative.plain += 1
-                    logits = self.decode_one_token(token, on_device)
+                    try:
+                        logits = self.decode_one_token(token, on_device)
+                    except NonFiniteLogits:
+                        raise nonfinite(len(gen.tokens)) from None
                     st.decode_tokens += 1
                 st.decode_s = time.perf_counter() - t_dec  # per step: a closed stream keeps its stats
         finally:   # a stream closed early keeps its stats too

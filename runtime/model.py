@@ -111,6 +111,8 @@ class GenerationOptions:
     repetition_window: int = 64     # recent tokens the penalty looks at
     seed: int | None = None
     stop: tuple[str, ...] = ()      # text that ends the reply; it is not part of the reply
+    ignore_eos: bool = False        # run to max_tokens past stop tokens (benchmarks: llama-batched-bench
+                                    # and vLLM's ignore_eos time every stream's full length)
 
     def sampler_config(self) -> SamplerConfig:
         return SamplerConfig(**{name: getattr(self, name) for name in option_names(SamplerConfig)})
@@ -122,6 +124,10 @@ class GenerationOptions:
         self.sampler_config().check()
         if self.max_tokens is not None and self.max_tokens < 1:
             raise OptionError(f"{{0}} must be a whole number of at least 1, got {self.max_tokens!r}", "max_tokens")
+        if not isinstance(self.ignore_eos, bool):
+            raise OptionTypeError(f"{{0}} must be True or False, got {self.ignore_eos!r}", "ignore_eos")
+        if self.ignore_eos and self.max_tokens is None:
+            raise OptionError("{0} needs max_tokens: without stop tokens nothing else ends the reply", "ignore_eos")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise OptionError(f"{{0}} must be non-empty strings, got {list(self.stop)!r}", "stop")
         return self
@@ -214,7 +220,7 @@ class Completion:
         engine, k = model.engine, self.cached_tokens
         max_new = opts.max_tokens or model.max_seq_len
         tokens = engine.stream(self.prompt[k:], max_new, Sampler(opts.sampler_config()), self.generation,
-                               self.keep_logits, context=self.prompt[:k])
+                               self.keep_logits, context=self.prompt[:k], ignore_eos=opts.ignore_eos)
         detok, stops = Detokenizer(model.tokenizer), StopScan(opts.stop)
         try:
             for token in tokens:
@@ -378,11 +384,13 @@ class Model:
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int | None = 256, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, repetition_penalty: float = 1.0,
                  repetition_window: int = 64, seed: int | None = None,
-                 stop: str | Sequence[str] | None = None, keep_logits: bool = False) -> Completion:
+                 stop: str | Sequence[str] | None = None, keep_logits: bool = False,
+                 ignore_eos: bool = False) -> Completion:
         """Continue `prompt` (text, tokenized with the tokenizer's own special tokens, or token ids;
         bytes are refused: decode them first). Returns a Completion: iterate it for text pieces as
         they decode. Options are checked now (TypeError, ValueError); the prompt is prefilled when
-        the first piece is asked for. keep_logits: completion.generation.logits holds the f32[vocab]
+        the first piece is asked for. ignore_eos: generate max_tokens tokens, stop tokens included
+        (throughput benchmarks). keep_logits: completion.generation.logits holds the f32[vocab]
         row each token was drawn from (greedy then picks on the host, not on the device). One
         generation at a time: a new one closes the unfinished one this thread started; while
         another thread's is unfinished, EngineError (it does not wait). The KV cache's options are
@@ -390,7 +398,7 @@ class Model:
         self._check_free()
         opts = GenerationOptions.of(stop, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                     top_p=top_p, repetition_penalty=repetition_penalty,
-                                    repetition_window=repetition_window, seed=seed)
+                                    repetition_window=repetition_window, seed=seed, ignore_eos=ignore_eos)
         if isinstance(prompt, (bytes, bytearray, memoryview)):
             raise TypeError("prompt must be str or token ids, got bytes: decode it first (prompt.decode())")
         if not isinstance(prompt, (str, Sequence, np.ndarray)):
@@ -416,14 +424,15 @@ class Model:
     def add_request(self, prompt: str | Sequence[int], *, priority: int = 0, max_tokens: int | None = 256,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                     repetition_penalty: float = 1.0, repetition_window: int = 64, seed: int | None = None,
-                    stop: str | Sequence[str] | None = None) -> Request:
+                    stop: str | Sequence[str] | None = None, ignore_eos: bool = False) -> Request:
         """Queue `prompt` (text or token ids) to run beside other requests, through the plan's step
         graph (continuous batching; equal prompt prefixes share their KV). Returns a Request:
         iterate it for text pieces (iterating steps the batch when nothing else does), or drive
-        every request with step(). Higher `priority` runs first when the cache is short."""
+        every request with step(). Higher `priority` runs first when the cache is short.
+        ignore_eos: generate max_tokens tokens whatever is sampled (throughput benchmarks)."""
         opts = GenerationOptions.of(stop, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
                                     top_p=top_p, repetition_penalty=repetition_penalty,
-                                    repetition_window=repetition_window, seed=seed)
+                                    repetition_window=repetition_window, seed=seed, ignore_eos=ignore_eos)
         if not whole(priority):
             raise TypeError(f"priority must be a whole number, got {priority!r}")
         ids = self._prompt_ids(prompt)
@@ -439,7 +448,7 @@ class Model:
     def generate_many(self, prompts: Sequence[str | Sequence[int]], *, max_tokens: int | None = 256,
                       temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                       repetition_penalty: float = 1.0, repetition_window: int = 64, seed: int | None = None,
-                      stop: str | Sequence[str] | None = None) -> list[Request]:
+                      stop: str | Sequence[str] | None = None, ignore_eos: bool = False) -> list[Request]:
         """Every prompt continued at once (add_request for each, then steps until all are done);
         each Request's text, tokens and finish_reason as generate's Completion has them. With a
         seed, request i samples with seed + i, so equal prompts may still differ."""
@@ -447,7 +456,7 @@ class Model:
             raise TypeError("prompts must be a list of prompts (text or token ids)")
         reqs = [self.add_request(p, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                  repetition_penalty=repetition_penalty, repetition_window=repetition_window,
-                                 seed=None if seed is None else seed + i, stop=stop)
+                                 seed=None if seed is None else seed + i, stop=stop, ignore_eos=ignore_eos)
                 for i, p in enumerate(prompts)]
         try:
             for r in reqs:

@@ -131,6 +131,11 @@ def step_score_from(score_from: object, n: int) -> np.ndarray:
     return np.ascontiguousarray(arr, np.int32)
 
 
+class NonFiniteLogits(ValueError):
+    """A greedy step whose chosen logit is NaN or inf (a back end's run_argmax / run_step_argmax
+    that checks it); the engine names the step."""
+
+
 class Backend(ABC):
     name: str                    # what --stats prints ("cpu", "opencl", "reference", "hybrid (...)")
     device_name: str             # the OpenCL device's name; "" where everything runs on the host

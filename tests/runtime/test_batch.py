@@ -118,3 +118,24 @@ def test_seeded_sampling_in_a_batch_repeats(plan):
                 for _ in range(2)]
         assert runs[0] == runs[1]
         assert len({tuple(t) for t in runs[0]}) == 3
+
+
+def test_ignore_eos_runs_past_stop_tokens_alone_and_in_a_batch(plan):
+    """ignore_eos (throughput benchmarks) emits a stop token like any other and runs to max_tokens;
+    without it the same token ends the reply, in a conversation and in a batch."""
+    p = prompts(1, seed=5)[0]
+    with llmrs.load(plan) as model:
+        want = alone(model, p, 12)
+        stop = want[3]
+        cut = want.index(stop)
+        model.engine.stop_ids = {stop}      # before the batch exists: it takes the engine's stop ids
+        assert alone(model, p, 12) == want[:cut]
+        model.reset()
+        c = model.generate(p, max_tokens=12, ignore_eos=True)
+        assert list(c) and c.tokens == want and c.generation.stop_reason == "length"
+        stopped, full = model.generate_many([p, p], max_tokens=12, ignore_eos=False), \
+            model.generate_many([p], max_tokens=12, ignore_eos=True)
+        assert [r.tokens for r in stopped] == [want[:cut]] * 2 and {r.finish_reason for r in stopped} == {"stop"}
+        assert full[0].tokens == want and full[0].finish_reason == "length"
+        with pytest.raises(ValueError, match="ignore_eos needs max_tokens"):
+            model.add_request(p, max_tokens=None, ignore_eos=True)

@@ -123,6 +123,32 @@ def test_bad_steps_are_one_line_errors():
         CpuBackend(GraphPlan(be.graphs), threads=1)
 
 
+def test_argmax_reads_the_arena_and_run_keeps_its_copy():
+    """run_argmax takes each row's argmax off the arena, where the next step writes: run's rows
+    must be copies, and the argmax numpy's of those rows."""
+    prompt = np.load(DATA / "golden-a.npz")["prompt_tokens"][:12]
+    be = backend("golden-a", "q4_0", threads=2)
+    first = be.run("prefill", prompt, 0, 0)
+    kept = first.copy()
+    be.reset()
+    chosen = be.run_argmax("prefill", prompt, 0, 0)
+    be.run("decode", np.array([int(chosen[-1])]), 12, 12)      # writes over the arena's logits
+    np.testing.assert_array_equal(first, kept)
+    np.testing.assert_array_equal(chosen, np.argmax(kept, axis=-1).astype(np.int32))
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_argmax_refuses_a_row_with_nan_or_inf(value):
+    from llmrs.runtime.backends.base import NonFiniteLogits
+    from llmrs.runtime.backends.cpu import _argmax_rows
+    rows = np.random.default_rng(3).standard_normal((3, 50)).astype(np.float32)
+    rows[1, 7] = -np.inf                                       # a token never chosen: fine
+    np.testing.assert_array_equal(_argmax_rows(rows), np.argmax(rows, axis=-1))
+    rows[2, 30] = value
+    with pytest.raises(NonFiniteLogits):
+        _argmax_rows(rows)
+
+
 @pytest.fixture(scope="module")
 def tiny_q4(tmp_path_factory) -> list[Graph]:
     """The `tiny` preset (K = 256 and 768): q4_0 matmuls take the grouped path on x86 (AVX-512 VNNI

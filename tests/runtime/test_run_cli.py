@@ -280,6 +280,18 @@ def test_nan_logits_are_a_one_line_error_not_a_silent_answer(overflowing_plan, c
     assert out == ""
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_nan_logits_in_a_batch_are_the_same_one_line_error(overflowing_plan, temperature):
+    """Greedy batches take their tokens from the back end's argmax (no logits read back); it must
+    refuse NaN as the sampler's check does."""
+    import llmrs
+    from llmrs.runtime.engine import EngineError
+    with llmrs.load(overflowing_plan, threads=2) as model:
+        with pytest.raises(EngineError) as e:
+            model.generate_many([[5, 6, 7], [8, 9]], max_tokens=3, temperature=temperature, seed=1)
+    assert str(e.value) == NAN_ERROR.replace("step 0 (prefill)", "step 1")
+
+
 def test_nan_logits_end_a_piped_chat_with_one_line(overflowing_plan, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\nHow are you?\n"))
     rc, out, err = _run(capsys, overflowing_plan, "--chat", "--threads", "2")
