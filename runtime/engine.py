@@ -188,9 +188,10 @@ class Engine:
             rows = self.cache.plain_rows(self.n_past, rows)
         return max(rows, 1)
 
-    def verify(self, tokens: Sequence[int]) -> np.ndarray:
+    def verify(self, tokens: Sequence[int], argmax: bool = False) -> np.ndarray:
         """Feed tokens (the last emitted one, then the drafts) in one step of the step graph at the
-        next slots and positions: f32 [len(tokens), vocab], row i the logits after tokens[i].
+        next slots and positions: f32 [len(tokens), vocab], row i the logits after tokens[i] (with
+        argmax: int32 [len(tokens)], each row's greedy token, from the back end's argmax).
         Nothing is committed: advance() keeps rows one at a time, and the rest are written over."""
         n = len(tokens)
         room = self.verify_room(n)
@@ -199,12 +200,13 @@ class Engine:
         if self.cache is not None:
             self.cache.before_step(StepInfo("decode", self.n_past, n, 0, False, self.max_seq_len))
         if self.backend.verify_graph:     # decode's kernels, row by row (OpenCL)
-            return self.backend.run("verify", np.asarray(tokens, np.int32), self.n_past, self.start_pos)
+            run = self.backend.run_argmax if argmax else self.backend.run
+            return run("verify", np.asarray(tokens, np.int32), self.n_past, self.start_pos)
         at = np.arange(n, dtype=np.int32)
         rows = StepRows(tokens=np.asarray(tokens, np.int32), positions=self.start_pos + at, slots=self.n_past + at,
                         row_seq=np.zeros(n, np.int32), ctx_len=self.n_past + 1 + at,
                         block_tables=self._identity_table, logit_rows=at)
-        return self.backend.run_step(rows)
+        return self.backend.run_step_argmax(rows) if argmax else self.backend.run_step(rows)
 
     def advance(self) -> None:
         """Commit the next row of the last verify step, as a decode step of its token would have."""
@@ -216,17 +218,27 @@ class Engine:
             self.n_past = self.cache.after_step(self.n_past)
 
     def _speculate(self, token: int, draft, sampler: Sampler, history: list[int], stats: SpecStats,
-                   step: int) -> list[tuple[int, np.ndarray]]:
+                   step: int, on_device: bool) -> list[tuple[int, np.ndarray | None]]:
         """One verify step of `token` and the drafts: the tokens it yields (the kept drafts, then
-        the replacement of the first refused or a bonus token), each with its logits row."""
+        the replacement of the first refused or a bonus token), each with its logits row (None
+        where on_device: greedy, each row's token from the back end's argmax, no logits read)."""
         spec = self.speculator
-        rows = self.verify([token, *draft.tokens])
-        verdict = spec.judge(sampler, rows, draft.tokens, draft.q, history, step)
-        spec.update(len(draft.tokens), len(verdict.accepted))
+        try:
+            rows = self.verify([token, *draft.tokens], argmax=on_device)
+        except NonFiniteLogits:
+            raise nonfinite(step) from None
+        if on_device:       # greedy keeps a draft exactly when it is its row's argmax
+            n = 0
+            while n < len(draft.tokens) and draft.tokens[n] == rows[n]:
+                n += 1
+            kept, rows = [*draft.tokens[:n], int(rows[n])], [None] * (n + 1)
+        else:
+            verdict = spec.judge(sampler, rows, draft.tokens, draft.q, history, step)
+            kept = [*verdict.accepted, verdict.token]
+        spec.update(len(draft.tokens), len(kept) - 1)
         stats.drafted += len(draft.tokens)
-        stats.accepted += len(verdict.accepted)
+        stats.accepted += len(kept) - 1
         stats.steps += 1
-        kept = [*verdict.accepted, verdict.token]
         return [(t, rows[i]) for i, t in enumerate(kept)]
 
     def use_step_graph(self, shape) -> None:
@@ -306,7 +318,8 @@ class Engine:
                                                self.verify_room(spec.k_max + 1) - 1)
                 draft = spec.drafter.propose(history, k) if k > 0 else None
                 if draft is not None and draft.tokens:
-                    queue = self._speculate(token, draft, sampler, history, st.speculative, len(gen.tokens))
+                    queue = self._speculate(token, draft, sampler, history, st.speculative, len(gen.tokens),
+                                            on_device)
                     verified = True
                     st.decode_tokens += len(queue)
                 else:

@@ -11,6 +11,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import llmrs
 from llmrs.compiler.cli import main as compile_main
@@ -64,6 +66,29 @@ def test_lookup_drafts_what_followed_the_latest_occurrence_of_the_longest_match(
     assert d.propose([4, 5, 6, 7, 5], 3).tokens == []      # a lone token's match is not enough
     assert PromptLookup(ngram=1).propose([4, 5, 6, 7, 5], 3).tokens == [6, 7, 5]   # unless asked for
     assert d.propose([5], 3).tokens == []
+
+
+def _scan(h: list[int], ngram: int, k: int) -> list[int]:
+    """The lookup from scratch: for n = ngram .. 2 (1 if ngram is 1), the latest earlier start of
+    h's last n tokens that a token follows, and up to k tokens from after it."""
+    for n in range(min(ngram, len(h) - 1), min(2, ngram) - 1, -1):
+        starts = [i for i in range(len(h) - n) if h[i:i + n] == h[len(h) - n:]]
+        if starts:
+            return h[starts[-1] + n:starts[-1] + n + k]
+    return []
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.lists(st.tuples(st.sampled_from(["grow", "cut", "new"]),
+                                             st.lists(st.integers(0, 5), max_size=12)), min_size=1, max_size=12))
+def test_lookups_index_kept_across_proposals_answers_as_a_fresh_scan(ngram, edits):
+    """PromptLookup indexes the text once and adds what each proposal's history adds; a history
+    that is not an extension (a rollback, another generation) starts the index again."""
+    d, h = PromptLookup(ngram), []
+    for kind, tokens in edits:
+        h = h + tokens if kind == "grow" else h[:len(h) // 2] + tokens if kind == "cut" else list(tokens)
+        for k in (1, 3):
+            assert d.propose(h, k).tokens == _scan(h, ngram, k), (kind, h)
 
 
 def test_adaptive_k_grows_while_drafts_are_kept_and_pauses_after_misses():
