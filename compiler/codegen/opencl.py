@@ -436,6 +436,8 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
     toks = matvec_tokens(tuning, m, k, quantized, bool(qk_split or rope_heads)) if part == "rest" else 1
     if toks > 1:
         options.append(f"-DMV_TOKS={toks}")
+    if not tiled and m > toks and tuning.mv_tokens_inner:
+        options.append("-DMV_TOKS_INNER")
     eps, ints = {"float": float(a.get("eps", 0.0))}, [{"int": h} for h in heads]
     # last: b (BIAS); qn, kn, qk_eps (QK_NORM)
     late = ([_v(bias)] if bias else []) + ([_v(extra[3]), _v(extra[4]), {"float": float(a["qk_eps"])}]

@@ -40,6 +40,12 @@ class OpenCLTuning:
                                      # 749 / 3393, T 4 503 / 2994, T 16 379 / 2884 (round 17)
     mv_toks_float: int = 4           # and float weights (x read per token; acc[T][MV_RPW] registers):
                                      # 1B f16, T 1 504 / 1475, T 4 417 / 1884, T 8 373 / 1847
+    mv_tokens_inner: bool = True     # a matvec over several token rows (a step's generated rows, a
+                                     # verify step) walks its groups token-fastest (matvec.cl
+                                     # MV_TOKS_INNER): the groups of one weight batch for every row
+                                     # run together, so the batch comes from DRAM once and from L2
+                                     # for the other rows, not once a row as each row's sweep of
+                                     # the whole matrix evicted it
     # -- prefill matmul (matmul*.cl) ----------------------------------------------------------
     tile_n_min_groups: int = 256     # 128-row weight tiles where they give this many groups
                                      # (about two per SM of an H100 / H200), else 64-row tiles or

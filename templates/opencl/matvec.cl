@@ -27,7 +27,7 @@
 // own RMS sum, dot products, reductions and epilogue; nothing summed across tokens), so a row's
 // bits do not depend on the rows sharing its group. Slots past the step's last row read row t0
 // and write nothing.
-// Grid: (groups * MV_WG, ceil(rows of x / MV_TOKS)).
+// Grid: (groups * MV_WG, ceil(rows of x / MV_TOKS)); -DMV_TOKS_INNER walks it token-fastest.
 
 #ifndef MV_WG
 #define MV_WG 256
@@ -214,7 +214,15 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
     ulong e1_off = 0, e2_off = 0;
     int n_heads = 0, n_kv_heads = 0, hd = 0;
 #endif
-    int lid = get_local_id(0), g = get_group_id(0), t0 = get_group_id(1) * MV_TOKS + MV_ROW0(step);
+#ifdef MV_TOKS_INNER
+    // groups launch in order of gid0 + gid1 * groups0; read as token group fastest, the groups
+    // of one weight batch for every token run side by side and share its DRAM reads through L2
+    int lin = get_group_id(0) + get_group_id(1) * get_num_groups(0);
+    int g = lin / get_num_groups(1), tg = lin % get_num_groups(1);
+#else
+    int g = get_group_id(0), tg = get_group_id(1);
+#endif
+    int lid = get_local_id(0), t0 = tg * MV_TOKS + MV_ROW0(step);
     int lane = lid & 31, warp = lid >> 5;
     int rset = warp / MV_SPLIT, split = warp % MV_SPLIT;   // row set, K slice
 #if MV_TOKS > 1

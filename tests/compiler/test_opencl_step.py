@@ -259,7 +259,9 @@ def test_a_1b_step_graph_splits_each_layer_matmul_by_row_kind_and_pages_every_at
     rest = [launch for launch in launches if launch.part == "rest"]
     assert [launch.row_tile for launch in rest] == TOKS_1B[weights] * 16
     assert all((f"-DMV_TOKS={launch.row_tile}" in launch.options) if launch.row_tile > 1
-               else not any("MV_TOKS" in o for o in launch.options) for launch in rest)   # T 1: today's kernel
+               else not any(o.startswith("-DMV_TOKS=") for o in launch.options) for launch in rest)   # T 1: today's kernel
+    # each walks its groups token-fastest (several token groups: 16 rows over row_tile)
+    assert all("-DMV_TOKS_INNER" in launch.options for launch in rest if launch.row_tile < 16)
     if weights == "q4_0":   # as many as local memory holds, where the tuning allows 16
         many = [launch.row_tile for launch in lower_graph(g, MANY_TOKS) if launch.part == "rest"]
         assert many == TOKS_1B_16 * 16
