@@ -108,7 +108,6 @@ class OpenCLBackend(Backend):
         self._limits: dict[str, tuple[int, int, int | None]] = {}
         self._step_shape: StepShape | None = None   # the step graph's bounds, read on its first step
         self._paged_tiles: bool | None = None        # whether it has attention_paged_tiles (likewise)
-        self._step_runs: list | None = None          # _step_input_runs: runs of step inputs end to end
         self._sized: dict[tuple[str, int, bool, frozenset[str], int], list[Any]] = {}
         self._command_buffers: dict[tuple[Any, ...], CommandBuffer] = {}
         self._prepared: dict[tuple[Any, ...], list[Any]] = {}
@@ -327,9 +326,10 @@ class OpenCLBackend(Backend):
         n = len(inputs["tokens"])
         lead = split_rows(inputs, len(rows.logit_rows))
         cl.enqueue_fill_buffer(self.queue, self.step_buf, np.array([n, 0, 0, n - lead], np.int32), 0, 16)
-        for buf, off, host in self._step_input_runs(inputs):
-            self._in_flight.append(host)   # released by the blocking read below
-            cl.enqueue_copy(self.queue, buf, host, dst_offset=off, is_blocking=False)
+        for name, arr in inputs.items():
+            buf, off = self.locate("step", name)
+            self._in_flight.append(arr)   # released by the blocking read below
+            cl.enqueue_copy(self.queue, buf, arr, dst_offset=off, is_blocking=False)
         idle = self._idle_paged_kernels(inputs["row_seq"][:n])
         # the scores kernel runs in a step with a scoring row (its rows say so, not the flag)
         scoring = bool(np.any(inputs["ctx_len"] - 1 >= inputs["score_from"]))
@@ -346,31 +346,6 @@ class OpenCLBackend(Backend):
         else:
             out = self.read_value("step", g.outputs[0], rows=picked).astype(np.float32, copy=False)
         self._in_flight.clear()
-        return out
-
-    def _step_input_runs(self, inputs: dict[str, np.ndarray]) -> list[tuple[Any, int, np.ndarray]]:
-        """(buffer, offset, bytes) of one host-to-device copy per run of step inputs that sit end
-        to end in the arena (the memory plan packs most of them together), each input at its
-        place and the rest of its slot zero: a step's few copies, not one an input (each copy
-        is a driver call the host pays, and a decode step's pace is the host's)."""
-        if self._step_runs is None:
-            g, runs = self.graphs["step"], []
-            for name in sorted(inputs, key=lambda n: self.locate("step", n)[1]):
-                buf, off = self.locate("step", name)
-                size = g.values[name].nbytes
-                if runs and runs[-1][0] is buf and runs[-1][1] + runs[-1][2] == off:
-                    runs[-1][2] += size
-                    runs[-1][3].append((name, off - runs[-1][1]))
-                else:
-                    runs.append([buf, off, size, [(name, 0)]])
-            self._step_runs = runs
-        out = []
-        for buf, off, size, names in self._step_runs:
-            host = np.zeros(size, np.uint8)
-            for name, at in names:
-                raw = inputs[name].view(np.uint8).reshape(-1)
-                host[at:at + raw.size] = raw
-            out.append((buf, off, host))
         return out
 
     def _idle_paged_kernels(self, row_seq: np.ndarray) -> frozenset[str]:
