@@ -44,7 +44,8 @@ device copy on opencl); prefill as 2 x matmul params x tok/s against numpy's GEM
 
 --kernels times every distinct kernel of the plan alone (measure/bench_kernels.py) with GB/s and
 GFLOP/s against those ceilings. --llama-bench runs llama.cpp's llama-bench on --gguf (the same
-weights) between the probes and adds its tok/s and the ratios llmrs / llama.cpp.
+weights) once after each of our repeats (-r 1, so both engines share each stretch of a shared
+machine's time) and adds its tok/s and the ratios llmrs / llama.cpp (medians of the repeats' ratios).
 
 examples:
   llmrs-bench plan.bin
@@ -142,6 +143,17 @@ def run_llama_bench(binary: str, gguf: str, threads: int, repeats: int, prompt: 
             "decode_samples": [round(x, 2) for x in tg["samples_ts"]]}
 
 
+def merge_llama_runs(runs: list[dict]) -> dict:
+    """llama-bench run once after each of our repeats (-r 1): its figures as medians of those runs,
+    so both engines' numbers come from the same stretch of a shared machine's time."""
+    first, med = runs[0], statistics.median
+    pre = [x for r in runs for x in r["prefill_samples"]]
+    dec = [x for r in runs for x in r["decode_samples"]]
+    return {**first, "command": first["command"] + f"  (once after each of {len(runs)} llmrs repeats)",
+            "prefill_tok_s": round(med(pre), 2), "decode_tok_s": round(med(dec), 2),
+            "prefill_samples": pre, "decode_samples": dec}
+
+
 # -- speeds -----------------------------------------------------------------------------------
 
 def _greedy(engine: Engine) -> Callable[[Any], int]:
@@ -214,6 +226,7 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
     pre = {n: [] for n in prefills}
     ttft = {n: [] for n in prefills}
     dec_empty, dec_deep = [], []
+    lcpp_runs: list[dict] = []
     for r in range(a.repeats):
         say(f"llmrs-bench: repeat {r + 1}/{a.repeats}: prefill {','.join(map(str, prefills))}, decode {a.decode} "
             f"from empty and after {deep}")
@@ -223,11 +236,11 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
             ttft[n].append(first)
         dec_empty.append(time_decode(engine, 1, a.decode, rng, vocab))
         dec_deep.append(time_decode(engine, deep, a.decode, rng, vocab))
+        if a.llama_bench:   # interleaved: each engine's repeat beside the other's, not minutes apart
+            say(f"llmrs-bench: llama-bench on {a.gguf}, repeat {r + 1}/{a.repeats}")
+            lcpp_runs.append(run_llama_bench(a.llama_bench, a.gguf, threads, 1, deep, a.decode))
     peak = Stats.peak_rss_bytes()
-    lcpp = None
-    if a.llama_bench:
-        say(f"llmrs-bench: llama-bench on {a.gguf}")
-        lcpp = run_llama_bench(a.llama_bench, a.gguf, threads, a.repeats, deep, a.decode)
+    lcpp = merge_llama_runs(lcpp_runs) if lcpp_runs else None
     say("llmrs-bench: ceilings again")
     host.append(ceilings.measure_host(threads, read_bytes, a.gemm, str(a.plan)))
     # best of before and after: the machine may be shared, and a low ceiling would flatter us
@@ -266,10 +279,11 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
         "llama_cpp": lcpp,
         "kernels": None,
     }
-    if lcpp:
-        result["llama_cpp_ratios"] = {"decode_deep": round(d_deep / lcpp["decode_tok_s"], 3),
-                                      "decode_empty": round(d_empty / lcpp["decode_tok_s"], 3),
-                                      "prefill": round(med(pre[deep]) / lcpp["prefill_tok_s"], 3)}
+    if lcpp:   # medians of the per-repeat ratios: each pair ran back to back
+        ratios = lambda ours, theirs: round(med(o / t for o, t in zip(ours, theirs)), 3)  # noqa: E731
+        result["llama_cpp_ratios"] = {"decode_deep": ratios(dec_deep, lcpp["decode_samples"]),
+                                      "decode_empty": ratios(dec_empty, lcpp["decode_samples"]),
+                                      "prefill": ratios(pre[deep], lcpp["prefill_samples"])}
     if a.kernels:
         from .bench_kernels import time_kernels
         dev = a.device

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -140,6 +141,34 @@ def test_llama_bench_records_are_read_and_failures_are_one_line(tmp_path):
         bench.run_llama_bench(str(fake), "m.gguf", 2, 3, 10, 5)
     with pytest.raises(bench.BenchError, match="cannot run it"):
         bench.run_llama_bench(str(tmp_path / "absent"), "m.gguf", 2, 3, 10, 5)
+
+
+def test_llama_bench_runs_once_after_each_repeat_and_ratios_are_the_repeats_medians(plan, tmp_path):
+    """Each llmrs repeat is followed by one llama-bench run (-r 1); its figures are the runs'
+    medians and each ratio the median of the per-repeat ratios, pairs that ran back to back."""
+    count = tmp_path / "count"
+    fake = tmp_path / "llama-bench"
+    # the n-th run reports 100 * n tok/s for both tests
+    fake.write_text(f"""#!{sys.executable}
+import json, pathlib, sys
+count = pathlib.Path({str(count)!r})
+n = len(count.read_text()) + 1 if count.exists() else 1
+count.write_text("x" * n)
+pathlib.Path({str(tmp_path / 'argv')!r}).write_text(" ".join(sys.argv[1:]))
+print(json.dumps([{{"n_prompt": 10, "n_gen": 0, "avg_ts": 100 * n, "samples_ts": [100 * n]}},
+                  {{"n_prompt": 0, "n_gen": 5, "avg_ts": 100 * n, "samples_ts": [100 * n]}}]))
+""")
+    fake.chmod(0o755)
+    r = _run(plan, tmp_path, "--repeats", "3", "--llama-bench", str(fake), "--gguf", "m.gguf")
+    assert count.read_text().count("x") == 3 and " -r 1 " in f" {(tmp_path / 'argv').read_text()} "
+    lc = r["llama_cpp"]
+    assert lc["decode_samples"] == [100, 200, 300] and lc["decode_tok_s"] == 200
+    ours = r["decode"]["empty"]["samples_tok_s"]
+    want = float(np.median([o / t for o, t in zip(ours, [100, 200, 300])]))
+    assert r["llama_cpp_ratios"]["decode_empty"] == pytest.approx(want, abs=2e-3)
+    pre = next(p for p in r["prefill"] if p["tokens"] == 10)["samples_tok_s"]
+    assert r["llama_cpp_ratios"]["prefill"] == pytest.approx(
+        float(np.median([o / t for o, t in zip(pre, [100, 200, 300])])), abs=2e-3)
 
 
 def test_bench_speculative_json_per_prompt_type(tmp_path):
