@@ -452,7 +452,8 @@ def check_kernels(kernels: list[Kernel], runners: dict[str, Runner | Unavailable
                 results.append(Result(kernel, name, None, "SKIP", str(runner)))
                 continue
             for part in runner.parts(kernel) if hasattr(runner, "parts") else [""]:
-                label = name + {"": "", "lead": " (prompt rows)", "rest": " (generated rows)"}[part]
+                label = name + {"": "", "lead": " (prompt rows)", "rest": " (generated rows)",
+                                "logits": " (logit rows)"}[part]
                 try:
                     got = runner.run(kernel, Case({k: v.copy() for k, v in case.arrays.items()}, case.step),
                                      *([part] if part else []))

@@ -94,7 +94,8 @@ class Launch:
     rows: int
     row_tile: int = 1
     scores: bool = False
-    part: str = ""        # a step graph's row split (ROW_SPLIT): "lead" rows before it, "rest" from it
+    part: str = ""        # a step graph's row split (ROW_SPLIT): "lead" rows before it, "rest" from it;
+                          # "logits": its head, sized by the step's logit rows (not its tokens)
 
 
 @dataclass
@@ -373,8 +374,12 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
         _matmul_variant(ctx, op, True, "lead", **_variant_inputs(locals()))
         _matmul_variant(ctx, op, False, "rest", **_variant_inputs(locals()))
         return
-    tiled = ((m > 1 and not matvec) or k % 8 != 0) and not rope_heads and not wide_heads
-    _matmul_variant(ctx, op, tiled, "", **_variant_inputs(locals()))
+    # a step graph's head (its logit rows, fewer than its tokens) is a matvec for every row too, a
+    # group per row (the tiled head read its weights in 64-token tiles for a row or two: H200 1B
+    # q4_0 212 us a step against decode's ~60), sized by the step's logit rows
+    head = ctx.graph.name == STEP and m < ctx.graph.T
+    tiled = ((m > 1 and not matvec and not head) or k % 8 != 0) and not rope_heads and not wide_heads
+    _matmul_variant(ctx, op, tiled, "logits" if head and not tiled else "", **_variant_inputs(locals()))
 
 
 _VARIANT_INPUTS = ("options", "a", "x", "w", "extra", "m", "k", "n", "wt", "quantized", "nw", "bias", "e", "epi",
@@ -392,7 +397,7 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
     """One launch (two with X_STAGED) of a matmul: the tiled kernel or the matvec; `part`
     "lead" / "rest": only the step's rows before / from its row split (ROW_SPLIT)."""
     tuning = ctx.tuning
-    options = options + (["-DROW_SPLIT"] if part else [])
+    options = options + (["-DROW_SPLIT"] if part in ("lead", "rest") else [])
     mv_wg = tuning.mv_wg_quant if quantized else tuning.mv_wg
     qk_split = 0
     if rope_heads:

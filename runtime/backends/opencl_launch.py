@@ -153,16 +153,18 @@ class Bound:
     row_tile: int
     variant: str = ""   # the fused prologue/epilogue switches, for profiles
     scores: bool = False  # eviction scores: in a step only while the back end is scoring
-    part: str = ""      # a step graph's row split: "lead" takes rows 0..lead-1, "rest" the others
+    part: str = ""      # a step graph's row split: "lead" takes rows 0..lead-1, "rest" the others;
+                        # "logits": the head, as many rows as the step has logit rows
 
-    def rows_of(self, n_tokens: int, lead: int) -> int:
+    def rows_of(self, n_tokens: int, lead: int, logits: int | None = None) -> int:
         """Rows this launch runs in a step of n_tokens rows split at `lead` (matmul_common.cl
-        ROW_SPLIT); 0: nothing to launch."""
-        n = lead if self.part == "lead" else n_tokens - lead if self.part == "rest" else n_tokens
+        ROW_SPLIT) with `logits` logit rows (default: every row); 0: nothing to launch."""
+        n = (lead if self.part == "lead" else n_tokens - lead if self.part == "rest"
+             else n_tokens if self.part != "logits" or logits is None else logits)
         return min(self.rows, n)
 
-    def global_size(self, n_tokens: int, lead: int | None = None) -> tuple[int, int]:
-        rows = self.rows_of(n_tokens, n_tokens if lead is None else lead)
+    def global_size(self, n_tokens: int, lead: int | None = None, logits: int | None = None) -> tuple[int, int]:
+        rows = self.rows_of(n_tokens, n_tokens if lead is None else lead, logits)
         return self.groups * self.local, math.ceil(rows / self.row_tile)
 
 
