@@ -437,8 +437,8 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
                     f"-DMV_SPLIT={mv_split}"]
         if _rms_late(mv_split, bool(a.get("norm_folded"))):
             options.append("-DMV_RMS_LATE")   # matvec.cl applies it to float weights' RMS prologue
-    # the generated rows of a step graph, T a group; decode and verify keep a token a group
-    toks = matvec_tokens(tuning, m, k, quantized, bool(qk_split or rope_heads)) if part == "rest" else 1
+    # the generated rows and logit rows of a step graph, T a group; decode and verify keep a token a group
+    toks = matvec_tokens(tuning, m, k, quantized, bool(qk_split or rope_heads)) if part in ("rest", "logits") else 1
     if toks > 1:
         options.append(f"-DMV_TOKS={toks}")
     if not tiled and m > toks and tuning.mv_tokens_inner:

@@ -226,7 +226,9 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
     int lane = lid & 31, warp = lid >> 5;
     int rset = warp / MV_SPLIT, split = warp % MV_SPLIT;   // row set, K slice
 #if MV_TOKS > 1
-    int nt = MV_MIN(MV_TOKS, STEP_N_TOKENS(step) - t0);   // the group's valid tokens (uniform)
+    // the group's valid tokens (uniform): within the step's rows and x's M (a step graph's head
+    // has M logit rows, fewer than the step's tokens)
+    int nt = MV_MIN(MV_TOKS, MV_MIN(M, STEP_N_TOKENS(step)) - t0);
 #else
     int nt = 1;
 #endif
