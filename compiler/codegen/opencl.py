@@ -374,10 +374,12 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
         _matmul_variant(ctx, op, True, "lead", **_variant_inputs(locals()))
         _matmul_variant(ctx, op, False, "rest", **_variant_inputs(locals()))
         return
-    # a step graph's head (its logit rows, fewer than its tokens) is a matvec for every row too, a
-    # group per row (the tiled head read its weights in 64-token tiles for a row or two: H200 1B
-    # q4_0 212 us a step against decode's ~60), sized by the step's logit rows
-    head = ctx.graph.name == STEP and m < ctx.graph.T
+    # a step graph's quantized head (its logit rows, fewer than its tokens) is a matvec for every
+    # row too, sized by the step's logit rows: the tiled head read its weights in 64-token tiles
+    # for a row or two (H200 1B q4_0 212 us a step against decode's ~60; one sequence 570 -> 654
+    # tok/s, 8 sequences 2337 -> 2435, 16 2921 -> 2869). A float head stays tiled: its matvec read
+    # the 525 MB f16 head once per 1 or 4 rows (16 sequences 2344 -> 2147 and 2215 -> 1945)
+    head = ctx.graph.name == STEP and m < ctx.graph.T and quantized
     tiled = ((m > 1 and not matvec and not head) or k % 8 != 0) and not rope_heads and not wide_heads
     _matmul_variant(ctx, op, tiled, "logits" if head and not tiled else "", **_variant_inputs(locals()))
 
@@ -437,8 +439,8 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
                     f"-DMV_SPLIT={mv_split}"]
         if _rms_late(mv_split, bool(a.get("norm_folded"))):
             options.append("-DMV_RMS_LATE")   # matvec.cl applies it to float weights' RMS prologue
-    # the generated rows and logit rows of a step graph, T a group; decode and verify keep a token a group
-    toks = matvec_tokens(tuning, m, k, quantized, bool(qk_split or rope_heads)) if part in ("rest", "logits") else 1
+    # the generated rows of a step graph, T a group; decode, verify and a step's head keep a token a group
+    toks = matvec_tokens(tuning, m, k, quantized, bool(qk_split or rope_heads)) if part == "rest" else 1
     if toks > 1:
         options.append(f"-DMV_TOKS={toks}")
     if not tiled and m > toks and tuning.mv_tokens_inner:

@@ -271,11 +271,11 @@ def test_a_1b_step_graph_splits_each_layer_matmul_by_row_kind_and_pages_every_at
     assert dec and all(launch.row_tile == 1 and not any("MV_TOKS" in o for o in launch.options) for launch in dec)
     kernels = Counter(launch.kernel for launch in launches)
     layers = 16
-    assert kernels["matmul_tiled"] == 4 * layers and kernels["matvec"] == 4 * layers + 1   # qkv o gate_up down; head
+    q = weights == "q4_0"   # the head: quantized a matvec for every logit row, sized by them; f16 tiled
+    assert kernels["matmul_tiled"] == 4 * layers + (not q) and kernels["matvec"] == 4 * layers + q
     parts = Counter((launch.kernel, launch.part) for launch in launches if launch.family in ("matmul", "matvec"))
     assert parts[("matmul_tiled", "lead")] == parts[("stage_x", "lead")] == parts[("matvec", "rest")] == 4 * layers
-    # the head: a matvec for every logit row, its grid sized by the step's logit rows
-    assert parts[("matvec", "logits")] == 1 and parts[("matmul_tiled", "")] == parts[("stage_x", "")] == 0
+    assert parts[("matvec", "logits")] == q and parts[("matmul_tiled", "")] == parts[("stage_x", "")] == (not q)
     assert all(("-DROW_SPLIT" in launch.options) == (launch.part in ("lead", "rest")) for launch in launches)
     assert kernels["attention_paged_rows"] == kernels["attention_paged_tiles"] == layers
     assert kernels["attention_tiled"] == kernels["attention_decode"] == kernels["attention_split"] == 0
@@ -296,15 +296,16 @@ def test_a_1b_step_graph_launches_the_prefill_graphs_kernels_a_layer_but_for_pag
     layers, paged = 16, ("attention_paged_rows", "attention_paged_tiles", "attention_scores_paged")
     prefill_attention = ("attention_tiled", "attention_scores")
     per_layer = {k: n / layers for k, n in step.items() if k not in ("embedding", "gather_rows")}
-    assert per_layer == {"stage_x": 4, "matmul_tiled": 4, "matvec": 4 + 1 / layers,   # + the head's
-                         "attention_paged_rows": 1, "attention_paged_tiles": 1,
+    q = weights == "q4_0"   # the head: quantized a matvec (as the prefill's on its last row), f16 tiled
+    head = Counter(matvec=1) if q else Counter(stage_x=1, matmul_tiled=1)
+    assert per_layer == {"stage_x": 4 + (not q) / layers, "matmul_tiled": 4 + (not q) / layers,
+                         "matvec": 4 + q / layers, "attention_paged_rows": 1, "attention_paged_tiles": 1,
                          "attention_scores_paged": 1}   # launched only while a policy scores
-    # less attention, the generated rows' matvecs, the embedding and the head (a matvec, as the
-    # prefill's on its last row)
+    # less attention, the generated rows' matvecs, the embedding and the head
     assert step - Counter({k: step[k] for k in paged}) - Counter(matvec=4 * layers) \
-        - Counter(embedding=1, gather_rows=1, matvec=1) \
+        - Counter(embedding=1, gather_rows=1) - head \
         == pre - Counter({k: pre[k] for k in prefill_attention}) - Counter(embedding=1, last_row=1, matvec=1)
-    assert sum(step.values()) - 3 == (12 + len(paged)) * layers   # embedding, gather, the head
+    assert sum(step.values()) - 2 - sum(head.values()) == (12 + len(paged)) * layers   # embedding, gather, the head
 
 
 def test_rope_at_per_row_positions_matches_interpreter():
