@@ -34,10 +34,10 @@ def verify_costs(model: Model, rows_max: int, repeats: int, ids: list[int]) -> l
             eng.reset()
             eng.prefill(ids)
             t0 = time.perf_counter()
-            if r == 1:
-                eng.decode_one_token(ids[-1])
+            if r == 1:     # as greedy runs them: each row's token from the back end's argmax
+                eng.decode_one_token(ids[-1], eng.backend.device_argmax)
             else:
-                eng.verify(ids[-r:])
+                eng.verify(ids[-r:], argmax=eng.backend.device_argmax)
             times[r].append(time.perf_counter() - t0)
     one = statistics.median(times[1])
     return [0.0] + [statistics.median(times[r]) / one for r in range(1, rows_max + 1)]
