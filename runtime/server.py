@@ -27,7 +27,8 @@ read the answers. So a request's Host must name this server, a browser's Origin 
 Defaults are OpenAI's, not llmrs-run's: temperature 1; a completion is 16 tokens, a chat reply runs
 until it ends or the cache is full. A model that evicts (llmrs-serve --eviction-policy) takes prompts
 and replies longer than its cache, and a chat reply then runs at most a cache's worth. Besides OpenAI's fields a request may set top_k and
-repetition_penalty (as vLLM and llama.cpp's server take them); fields llmrs cannot honour (n > 1,
+repetition_penalty (as vLLM and llama.cpp's server take them), and vLLM's ignore_eos (a reply runs
+to max_tokens past stop tokens, as throughput benchmarks ask); fields llmrs cannot honour (n > 1,
 logprobs, tools, penalties on frequency or presence, ...) are refused by name rather than ignored.
 """
 from __future__ import annotations
@@ -250,7 +251,10 @@ def _options(body: dict, prompt_tokens: int, max_seq_len: int, default_max: int 
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)
                              or len(stop) > 4):
         raise APIError(400, f"'stop' must be a string or a list of up to 4 non-empty strings, got {stop!r}", "stop")
-    values = dict(max_tokens=max_tokens, stop=tuple(stop or ()),
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise APIError(400, f"'ignore_eos' must be true or false, got {ignore_eos!r}", "ignore_eos")
+    values = dict(max_tokens=max_tokens, stop=tuple(stop or ()), ignore_eos=ignore_eos,
                   temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
                   top_k=_number(body, "top_k", 0, integer=True),
                   repetition_penalty=_number(body, "repetition_penalty", 1.0),
@@ -316,7 +320,8 @@ class Server:
         if not self.batching:
             return Completion(self.model, ids, opts)
         fields = {f: getattr(opts, f) for f in ("max_tokens", "temperature", "top_k", "top_p",
-                                                "repetition_penalty", "repetition_window", "seed", "stop")}
+                                                "repetition_penalty", "repetition_window", "seed", "stop",
+                                                "ignore_eos")}
         try:
             req = self.model.add_request(ids, **fields)
         except EngineError as e:

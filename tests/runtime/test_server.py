@@ -576,3 +576,29 @@ def test_a_speculating_server_answers_as_the_plain_one(srv, plans):
         assert running.model.speculator is not None
     finally:
         stop()
+
+
+def test_ignore_eos_runs_a_reply_past_its_stop_token(plans, tmp_path):
+    """vLLM's ignore_eos (what serving benchmarks send): the reply runs to max_tokens with the
+    stop token inside it; without it the same token ends the reply."""
+    gd = np.load(DATA / "golden-a.npz")
+    prompt = gd["prompt_tokens"].tolist()
+    with Model.load(plans["chat"], threads=2) as m:    # no stop tokens: the whole greedy run
+        c = m.generate(prompt, max_tokens=9)
+        list(c)
+        tokens = c.tokens
+    stop = tokens[3]
+    plan = compile_tiny(tmp_path / "stop.plan.bin", max_seq_len=256, prefill_chunk=64, stop_ids=[stop])
+    running, shut = _serve(plan, "tiny")
+    try:
+        client = running.client()
+        cut = client.completions.create(model="tiny", prompt=prompt, max_tokens=9, temperature=0)
+        assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == tokens.index(stop)
+        full = client.completions.create(model="tiny", prompt=prompt, max_tokens=9, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 9
+        assert full.choices[0].text == running.model.detokenize(tokens, skip_special_tokens=True)
+        got, reply = running.raw("POST", "/v1/completions", json.dumps({"prompt": "a", "ignore_eos": "yes"}))
+        assert got == 400 and reply["error"]["param"] == "ignore_eos"
+    finally:
+        shut()
