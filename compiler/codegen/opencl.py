@@ -557,8 +557,10 @@ def _paged_attention(ctx: _Ctx, op: Op, kv: str) -> None:
     _need(hd <= 256, op, f"head_dim {hd}: the paged attention kernels hold at most 256 dims (8 a lane)")
     splits = paged_splits(tuning, m, h, hd, ctx.shape(k)[0])
     wg = tuning.att_dec_wg
+    # the runtime launches only the splits the step's longest row needs (ATT_GRID_BY_ROWS): a grid
+    # sized for the whole cache was 16 384 groups at 16 rows, nearly all returning at once
     options = [f"-DHEAD_DIM={hd}", *_kv_options(kv), f"-DKV_BLOCK={a['block_size']}", f"-DATT_WG={wg}",
-               f"-DATT_SPLITS={splits}"]
+               f"-DATT_SPLITS={splits}", "-DATT_GRID_BY_ROWS"]
     tiles = paged_tiles(tuning, m, hd)
     if tiles:
         options += ["-DATT_TILES", f"-DATT_RPW={tuning.att_paged_rpw}"]

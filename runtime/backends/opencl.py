@@ -108,7 +108,7 @@ class OpenCLBackend(Backend):
         self._limits: dict[str, tuple[int, int, int | None]] = {}
         self._step_shape: StepShape | None = None   # the step graph's bounds, read on its first step
         self._paged_tiles: bool | None = None        # whether it has attention_paged_tiles (likewise)
-        self._sized: dict[tuple[str, int, bool, frozenset[str], int, int | None], list[Any]] = {}
+        self._sized: dict[tuple[str, int, bool, frozenset[str], int, int | None, int | None], list[Any]] = {}
         self._command_buffers: dict[tuple[Any, ...], CommandBuffer] = {}
         self._prepared: dict[tuple[Any, ...], list[Any]] = {}
         self.use_command_buffers = ("cl_khr_command_buffer" in self.device.extensions.split()
@@ -213,17 +213,19 @@ class OpenCLBackend(Backend):
 
     def _step_launches(self, phase: str, n_tokens: int, idle: frozenset[str] = frozenset(),
                        lead: int | None = None, scoring: bool | None = None,
-                       logits: int | None = None) -> list[tuple[Any, tuple[int, int], tuple[int, int]]]:
+                       logits: int | None = None, longest: int | None = None
+                       ) -> list[tuple[Any, tuple[int, int], tuple[int, int]]]:
         """(kernel, global size, local size) of every launch of a step, computed once per size;
         kernels named in `idle` (with nothing to do this step) left out, and a step graph's
         row-split launches with no row on their side of `lead` (default: every row leads), the
         scores launches unless `scoring` (default: the back end's flag); a step graph's head
-        takes `logits` rows (default: as many as the step's)."""
+        takes `logits` rows (default: as many as the step's), and its paged attention the splits
+        of its `longest` row (in KV entries; default: the whole cache's)."""
         lead = n_tokens if lead is None else lead
         scoring = self.scoring if scoring is None else scoring
-        key = (phase, n_tokens, scoring, idle, lead, logits)
+        key = (phase, n_tokens, scoring, idle, lead, logits, longest)
         if key not in self._sized:
-            self._sized[key] = [(b.kernel, b.global_size(n_tokens, lead, logits), (b.local, 1))
+            self._sized[key] = [(b.kernel, b.global_size(n_tokens, lead, logits, longest), (b.local, 1))
                                 for b in self.launches[phase]
                                 if (scoring or not b.scores) and b.kernel.function_name not in idle
                                 and b.rows_of(n_tokens, lead, logits) > 0]
@@ -337,13 +339,15 @@ class OpenCLBackend(Backend):
         # the scores kernel runs in a step with a scoring row (its rows say so, not the flag)
         scoring = bool(np.any(inputs["ctx_len"] - 1 >= inputs["score_from"]))
         picked = len(rows.logit_rows)
-        launches = self._step_launches("step", n, idle, lead, scoring, picked)
+        # the longest row's entries, rounded up to whole 128-entry splits: few sizes, few launch lists
+        longest = -(-int(inputs["ctx_len"][:n].max()) // 128) * 128
+        launches = self._step_launches("step", n, idle, lead, scoring, picked, longest)
         if argmax:
             b = self.greedy["step"]
             launches = launches + [(b.kernel, b.global_size(picked), (b.local, 1))]
         # the argmax's size is the chosen rows', so a recorded launch list is kept per count
-        self._enqueue_launches(("step", n, ("argmax", picked) if argmax else "logits", picked, scoring, idle, lead),
-                               launches)
+        self._enqueue_launches(("step", n, ("argmax", picked) if argmax else "logits", picked, scoring, idle, lead,
+                                longest), launches)
         if argmax:
             out = np.empty(picked, np.int32)
             cl.enqueue_copy(self.queue, out, self.result_buf, is_blocking=True)

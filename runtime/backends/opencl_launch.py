@@ -155,6 +155,8 @@ class Bound:
     scores: bool = False  # eviction scores: in a step only while the back end is scoring
     part: str = ""      # a step graph's row split: "lead" takes rows 0..lead-1, "rest" the others;
                         # "logits": the head, as many rows as the step has logit rows
+    splits: int = 0     # attention_paged_rows built with ATT_GRID_BY_ROWS: its ATT_SPLITS, of which a
+                        # step launches only those its longest row needs (0: the grid is fixed)
 
     def rows_of(self, n_tokens: int, lead: int, logits: int | None = None) -> int:
         """Rows this launch runs in a step of n_tokens rows split at `lead` (matmul_common.cl
@@ -163,9 +165,14 @@ class Bound:
              else n_tokens if self.part != "logits" or logits is None else logits)
         return min(self.rows, n)
 
-    def global_size(self, n_tokens: int, lead: int | None = None, logits: int | None = None) -> tuple[int, int]:
+    def global_size(self, n_tokens: int, lead: int | None = None, logits: int | None = None,
+                    longest: int | None = None) -> tuple[int, int]:
+        """longest: the step's longest row in KV entries, which sizes a paged attention's splits."""
         rows = self.rows_of(n_tokens, n_tokens if lead is None else lead, logits)
-        return self.groups * self.local, math.ceil(rows / self.row_tile)
+        groups = self.groups
+        if self.splits and longest is not None:   # attention_paged_rows.cl: a row of L entries uses
+            groups = self.groups // self.splits * min(self.splits, max(1, -(-longest // self.local)))
+        return groups * self.local, math.ceil(rows / self.row_tile)
 
 
 @dataclass
@@ -228,8 +235,10 @@ class _Binder:
         kern.set_args(*args)
         variant = "+".join(o[2:].split("=")[0].lower() for o in entry["options"]
                            if o.startswith(("-DEPI_", "-DPROLOGUE_")))
+        splits = next((int(o.split("=")[1]) for o in entry["options"] if o.startswith("-DATT_SPLITS=")), 0) \
+            if "-DATT_GRID_BY_ROWS" in entry["options"] else 0
         return Bound(entry["op"], kern, entry["local"], entry["groups"], entry["rows"],
-                     entry["row_tile"], variant, bool(entry.get("scores")), entry.get("part", ""))
+                     entry["row_tile"], variant, bool(entry.get("scores")), entry.get("part", ""), splits)
 
     def _args(self, phase: str, entry: dict[str, Any], advance: int | None) -> list[Any]:
         args: list[Any] = [self.step_buf]

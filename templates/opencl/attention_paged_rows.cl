@@ -7,7 +7,7 @@
 // group writes o directly, else each group writes its partial, takes a ticket, and the last
 // folds them all in order and puts the counter back to 0.
 //   scratch  int counters [M, H], then f32 partials [M, H, ATT_SPLITS, hd + 2]
-// Grid: (H * ATT_SPLITS * ATT_WG, rows).
+// Grid: (H * ATT_SPLITS * ATT_WG, rows); -DATT_GRID_BY_ROWS: (H * ceil(longest row / ATT_WG) * ATT_WG, rows).
 #define ATT_VB (ATT_DPL > 2 ? 16 : 32)          // V rows per batch of loads (registers)
 
 // the lane's V dims of cache row `row` (lane + 32 i; dims past HEAD_DIM left as they are)
@@ -23,7 +23,14 @@ void attention_paged_rows(__global const int* step, gin qb, ulong q_off, gin kb,
                           gin clb, ulong cl_off, gin tbb, ulong tb_off, gout sb, ulong s_off,
                           int n_heads, int n_kv_heads, float scale, int M, int tab_w) {
     int lid = get_local_id(0), lane = lid & 31, warp = lid >> 5, t = get_group_id(1);
-    int h = get_group_id(0) / ATT_SPLITS, g = get_group_id(0) % ATT_SPLITS;
+#ifdef ATT_GRID_BY_ROWS
+    // the grid holds only the splits the step's longest row has chunks for (the runtime sizes it:
+    // ceil(longest / ATT_WG)); a row's splits depend on its own length alone, as below
+    int ns = get_num_groups(0) / n_heads;
+#else
+    int ns = ATT_SPLITS;
+#endif
+    int h = get_group_id(0) / ns, g = get_group_id(0) % ns;
     __global const int* row_seq = (__global const int*)(rsb + rs_off);
 #ifdef ATT_TILES
     if (in_run(row_seq, t, min(M, STEP_N_TOKENS(step)))) return;   // attention_paged_tiles takes it

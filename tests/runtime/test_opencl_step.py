@@ -278,3 +278,17 @@ def test_too_many_rows_and_a_plan_without_a_step_graph_are_refused(small_step):
     del graphs["step"]
     with pytest.raises(OpenCLError, match="this plan has no step graph"):
         _backend(graphs).run_step(good)
+
+
+def test_paged_attention_launches_only_the_splits_its_longest_row_needs():
+    """attention_paged_rows built with ATT_GRID_BY_ROWS: a row of L entries folds ceil(L / ATT_WG)
+    splits (the rest of its groups returned at once), so a step launches that many for its longest
+    row, never more than the plan's ATT_SPLITS; without a length, the whole cache's."""
+    from llmrs.runtime.backends.opencl_launch import Bound
+    b = Bound("att", None, local=128, groups=32 * 32, rows=16, row_tile=1, splits=32)
+    assert b.global_size(16, longest=80) == (32 * 1 * 128, 16)
+    assert b.global_size(16, longest=129) == (32 * 2 * 128, 16)
+    assert b.global_size(16, longest=128 * 32) == b.global_size(16, longest=10 ** 6) == (32 * 32 * 128, 16)
+    assert b.global_size(16) == (32 * 32 * 128, 16)
+    fixed = Bound("att", None, local=128, groups=32 * 32, rows=16, row_tile=1)   # a plan built before
+    assert fixed.global_size(16, longest=80) == (32 * 32 * 128, 16)
