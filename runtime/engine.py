@@ -223,10 +223,7 @@ class Engine:
         the replacement of the first refused or a bonus token), each with its logits row (None
         where on_device: greedy, each row's token from the back end's argmax, no logits read)."""
         spec = self.speculator
-        try:
-            rows = self.verify([token, *draft.tokens], argmax=on_device)
-        except NonFiniteLogits:
-            raise nonfinite(step) from None
+        rows = self.verify([token, *draft.tokens], argmax=on_device)
         if on_device:       # greedy keeps a draft exactly when it is its row's argmax
             n = 0
             while n < len(draft.tokens) and draft.tokens[n] == rows[n]:
@@ -276,7 +273,7 @@ class Engine:
         t0 = time.perf_counter()
         try:
             logits = self.prefill(prompt, on_device)
-        except NonFiniteLogits:
+        except NonFiniteLogits:     # a back end's argmax found it: named as the host's check names it
             raise nonfinite(0) from None
         st.prefill_s = time.perf_counter() - t0
         history = [*context, *prompt]
@@ -325,12 +322,11 @@ class Engine:
                 else:
                     if spec is not None:
                         st.speculative.plain += 1
-                    try:
-                        logits = self.decode_one_token(token, on_device)
-                    except NonFiniteLogits:
-                        raise nonfinite(len(gen.tokens)) from None
+                    logits = self.decode_one_token(token, on_device)
                     st.decode_tokens += 1
                 st.decode_s = time.perf_counter() - t_dec  # per step: a closed stream keeps its stats
+        except NonFiniteLogits:     # a decode or verify step's argmax: the step being chosen
+            raise nonfinite(len(gen.tokens)) from None
         finally:   # a stream closed early keeps its stats too
             if self.cache is not None:
                 st.evictions = self.cache.events[seen:]

@@ -162,6 +162,26 @@ def test_non_finite_logits_stop_generation_naming_the_step(value):
     assert len(seen) == 3     # the prefill's token and two decode steps' went out before it
 
 
+class _PoisonedArgmax(_Poisoned):
+    """The same, choosing greedy tokens as the CPU back end does (its checked argmax)."""
+    device_argmax = True
+
+    def run_argmax(self, phase, *a):
+        from llmrs.runtime.backends.cpu import _argmax_rows
+        return _argmax_rows(self.run(phase, *a))
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_non_finite_logits_a_back_ends_argmax_finds_stop_greedy_generation_naming_the_step(value):
+    gd = np.load(DATA / "golden-a.npz")
+    prefill, decode = build_graphs(load_model(DATA / "golden-a"), 16, 64)
+    engine = Engine(_PoisonedArgmax({"prefill": prefill, "decode": decode}, 3, value), 16, 64)
+    seen = []
+    with pytest.raises(EngineError) as e:
+        engine.generate(list(gd["prompt_tokens"]), 9, Sampler(SamplerConfig()), on_token=seen.append)
+    assert str(e.value).startswith("step 3: the logits are NaN/inf") and len(seen) == 3
+
+
 def test_finite_logits_of_any_size_pass_the_check():
     from llmrs.runtime.engine import check_finite
 
