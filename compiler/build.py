@@ -44,7 +44,8 @@ def _cpu_sections(graphs, triples: tuple[str, ...]) -> dict[str, bytes | str]:
 
 def _opencl_sections(graphs, triples: tuple[str, ...]) -> dict[str, bytes | str]:
     from .codegen import opencl
-    return {"opencl": json.dumps(opencl.generate(graphs))}
+    from .codegen.opencl_tuning import OpenCLTuning, tuning_from_env
+    return {"opencl": json.dumps(opencl.generate(graphs, tuning_from_env(OpenCLTuning())))}
 
 
 def code_sections(graphs, targets: tuple[str, ...],

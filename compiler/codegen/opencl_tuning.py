@@ -132,3 +132,27 @@ def tuning_for(device: DeviceKind) -> OpenCLTuning:
     return replace(tuning, tile_pair_f16=tuning.tile_pair_f16 and device.tensor_cores,
                    mv_max_k=mv_max_k, mv_wg_quant=min(tuning.mv_wg_quant, device.max_work_group_size),
                    att_paged_local_bytes=min(tuning.att_paged_local_bytes, device.local_mem_bytes))
+
+
+def tuning_from_env(tuning: OpenCLTuning) -> OpenCLTuning:
+    """`tuning` with the fields LLMRS_OPENCL_TUNING names ("field=value,field=value"): a
+    measurement's variant of the plan compiled as a user compiles it (BENCHMARKS.md says which
+    figures used one). An unknown field or a value of the wrong kind is a one-line error."""
+    import os
+    from dataclasses import fields
+    spec = os.environ.get("LLMRS_OPENCL_TUNING", "").strip()
+    if not spec:
+        return tuning
+    kinds = {f.name: f.type for f in fields(OpenCLTuning)}
+    changes: dict[str, int | bool] = {}
+    for item in spec.split(","):
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in kinds:
+            raise ValueError(f"LLMRS_OPENCL_TUNING: no field {name!r}; fields: {', '.join(kinds)}")
+        try:
+            changes[name] = value.strip().lower() in ("1", "true") if kinds[name] in (bool, "bool") \
+                else int(value)
+        except ValueError:
+            raise ValueError(f"LLMRS_OPENCL_TUNING: {name}={value!r} is not a whole number") from None
+    return replace(tuning, **changes)

@@ -54,3 +54,17 @@ def test_generate_shapes_launches_by_the_tuning_it_is_given():
     assert {e["row_tile"] for e in _launches(default, "attention_tiled")} == {128}
     assert {e["row_tile"] for e in _launches(small, "attention_tiled")} == {64}
     assert generate(graphs) == default
+
+
+def test_a_measurement_overrides_tuning_fields_through_the_environment(monkeypatch):
+    from llmrs.compiler.codegen.opencl_tuning import OpenCLTuning, tuning_from_env
+    base = OpenCLTuning()
+    monkeypatch.delenv("LLMRS_OPENCL_TUNING", raising=False)
+    assert tuning_from_env(base) == base
+    monkeypatch.setenv("LLMRS_OPENCL_TUNING", "mv_wg_quant=256, mv_tokens_inner=0")
+    got = tuning_from_env(base)
+    assert (got.mv_wg_quant, got.mv_tokens_inner, got.mv_wg) == (256, False, base.mv_wg)
+    for spec, message in [("mv_wgg=1", "no field 'mv_wgg'"), ("mv_wg=big", "not a whole number")]:
+        monkeypatch.setenv("LLMRS_OPENCL_TUNING", spec)
+        with pytest.raises(ValueError, match=message):
+            tuning_from_env(base)
