@@ -71,6 +71,7 @@ SWEEPS = {
     "test_one_sequence_through_the_identity_table_is_the_contiguous_kernel_bit_for_bit",
     "test_sequences_joining_mid_run_get_their_greedy_tokens_alone", "test_kv_store_at_per_row_slots_matches_interpreter",
     "test_a_row_alone_gets_the_bits_it_gets_among_other_rows_from_either_kernel",
+    "test_a_persistent_decode_step_has_the_bits_and_greedy_tokens_of_the_launches",
 }
 
 

@@ -26,6 +26,7 @@ from .base import Backend, StepRows
 # the parts' public names, importable from here as before the split
 from .opencl_device import INSTALL_OPENCL, OpenCLError, _cl, list_devices, pick_device
 from .opencl_launch import GREEDY_MAX_STEPS, Bound, CommandBuffer, DirectLaunches, bind_program
+from .opencl_persistent import PersistentError, PersistentProgram, PersistentStep
 from .opencl_memory import (ALIGN, DeviceMemory, Region, from_split_blocks, naive_layout, pack_weights,
                             split_region, to_split_blocks)
 from .opencl_program import build_program, cache_dir, device_options, patch_wgmma_ptx
@@ -130,6 +131,14 @@ class OpenCLBackend(Backend):
                          self.arena.chunks[0][2], self.build_options, self.build_notes)
         self.launches: dict[str, list[Bound]] = b.launches
         self.greedy, self.advance = b.greedy, b.advance
+        self._bound_of = {x.kernel.int_ptr: x for x in [*(x for t in b.launches.values() for x in t),
+                                                        *b.greedy.values(), *([b.advance] if b.advance else [])]}
+        self._persistent: dict[tuple[Any, ...], PersistentStep | None] = {}
+        self._persistent_program: PersistentProgram | None = None
+        # LLMRS_OPENCL_PERSISTENT=1: a decode step as one persistent kernel wherever it builds
+        # (opencl_persistent.py). Off by default: on the H200 it ran 0.8-1.2x the launches
+        # (BENCHMARKS.md round 20)
+        self.persistent = os.environ.get("LLMRS_OPENCL_PERSISTENT", "") == "1"
         self.scratch_buf, self.result_buf, self.staging_buf, self.steps_buf = b.scratch, b.result, b.staging, b.steps
 
     # -- the KV cache shared with another back end (runtime/backends/hybrid.py) ---------------
@@ -307,6 +316,41 @@ class OpenCLBackend(Backend):
             for kern, gsize, lsize in launches:
                 launch(queue, kern, gsize, lsize)
 
+    def _persistent_step(self, key: tuple[Any, ...], launches: list[tuple[Any, tuple[int, int], tuple[int, int]]]
+                         ) -> PersistentStep | None:
+        """The launch list as one persistent kernel (opencl_persistent.py), built on first use;
+        None where the back end launches kernel by kernel (off, or the list cannot run so: the
+        reason goes to build_notes once)."""
+        if not self.persistent:
+            return None
+        if key not in self._persistent:
+            groups = int(os.environ.get("LLMRS_OPENCL_PERSISTENT_GROUPS", "0") or 0) or None
+            try:
+                if self._persistent_program is None:   # one program for decode's three launch lists
+                    union = list(self._step_launches("decode", 1))
+                    union += [(b.kernel, b.global_size(1), (b.local, 1))
+                              for b in ([self.greedy["decode"]] if "decode" in self.greedy else [])
+                              + ([self.advance] if self.advance else [])]
+                    self._persistent_program = PersistentProgram(self.ctx, self.device, union, self._bound_of,
+                                                                 self.program["sources"], self.build_options)
+                self._persistent[key] = PersistentStep(self._persistent_program, self.queue, launches,
+                                                       self._bound_of, groups)
+            except PersistentError as err:
+                self._persistent[key] = None
+                self.build_notes.append(f"{err}; launching kernel by kernel")
+        return self._persistent[key]
+
+    def _persistent_aborted(self, pk: PersistentStep) -> None:
+        """A persistent step gave up waiting at a grid barrier (its groups were not all resident):
+        the caller reruns the step launch by launch, as every later step runs."""
+        pk.reset_sync()
+        self.queue.finish()
+        self.persistent = False
+        note = (f"{self.device_name}: a persistent decode step timed out at a grid barrier (its groups were not "
+                "all resident); launching kernel by kernel from now on")
+        warnings.warn(note)
+        self.build_notes.append(note)
+
     def run_step(self, rows: StepRows) -> np.ndarray:
         """One step of the plan's "step" graph (compiler/ir.py "Step graphs"): its rows checked
         (opencl_step.py), written into the arena as the graph's inputs, the kernels enqueued;
@@ -390,10 +434,18 @@ class OpenCLBackend(Backend):
         self.enqueue("decode", np.array([token], np.int32), n_past, start_pos, kernels=False)
         a = self.advance
         step = self._step_launches("decode", 1) + [(a.kernel, a.global_size(1), (a.local, 1))]
-        self._enqueue_launches(("greedy", self.scoring), step, repeat=n)
+        pk = self._persistent_step(("greedy", self.scoring), step)
+        if pk is not None:
+            self._enqueue_launches(("greedy", self.scoring, "persistent"), [pk.launch], repeat=n)
+            pk.read_status()
+        else:
+            self._enqueue_launches(("greedy", self.scoring), step, repeat=n)
         out = np.empty(n, np.int32)
         cl.enqueue_copy(self.queue, out, self.steps_buf, is_blocking=True)
         self._in_flight.clear()
+        if pk is not None and pk.aborted():
+            self._persistent_aborted(pk)
+            return self.run_greedy_steps(token, n_past, start_pos, n)
         return out
 
     def run_argmax(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
@@ -420,7 +472,14 @@ class OpenCLBackend(Backend):
         if want == "argmax":
             b = self.greedy[phase]
             launches = launches + [(b.kernel, b.global_size(len(tokens)), (b.local, 1))]
-        self._enqueue_launches((phase, len(tokens), want, self.scoring), launches)
+        key = (phase, len(tokens), want, self.scoring)
+        # a decode step of one token: one persistent kernel where the back end runs them
+        pk = self._persistent_step(key, launches) if phase == "decode" and len(tokens) == 1 else None
+        if pk is not None:
+            self._enqueue_launches(key + ("persistent",), [pk.launch])
+            pk.read_status()
+        else:
+            self._enqueue_launches(key, launches)
         if want == "argmax":
             rows = min(len(tokens), b.rows)
             out = np.empty(rows, np.int32)
@@ -428,6 +487,9 @@ class OpenCLBackend(Backend):
         else:
             out = self.read_value(phase, g.outputs[0], rows=len(tokens)).astype(np.float32, copy=False)
         self._in_flight.clear()
+        if pk is not None and pk.aborted():
+            self._persistent_aborted(pk)
+            return self.run(phase, tokens, n_past, start_pos, want)
         return out
 
 

@@ -157,6 +157,9 @@ class Bound:
                         # "logits": the head, as many rows as the step has logit rows
     splits: int = 0     # attention_paged_rows built with ATT_GRID_BY_ROWS: its ATT_SPLITS, of which a
                         # step launches only those its longest row needs (0: the grid is fixed)
+    family: str = ""    # its template family and build options, and the arguments set on it:
+    options: tuple[str, ...] = ()   # what a persistent step (opencl_persistent.py) rebuilds it from
+    args: tuple[Any, ...] = ()
 
     def rows_of(self, n_tokens: int, lead: int, logits: int | None = None) -> int:
         """Rows this launch runs in a step of n_tokens rows split at `lead` (matmul_common.cl
@@ -238,7 +241,8 @@ class _Binder:
         splits = next((int(o.split("=")[1]) for o in entry["options"] if o.startswith("-DATT_SPLITS=")), 0) \
             if "-DATT_GRID_BY_ROWS" in entry["options"] else 0
         return Bound(entry["op"], kern, entry["local"], entry["groups"], entry["rows"],
-                     entry["row_tile"], variant, bool(entry.get("scores")), entry.get("part", ""), splits)
+                     entry["row_tile"], variant, bool(entry.get("scores")), entry.get("part", ""), splits,
+                     entry["family"], tuple(options), tuple(args))
 
     def _args(self, phase: str, entry: dict[str, Any], advance: int | None) -> list[Any]:
         args: list[Any] = [self.step_buf]
