@@ -52,6 +52,17 @@ def _backend(graphs, tuning: OpenCLTuning, monkeypatch, mode: str, groups: int |
     return OpenCLBackend.from_graphs(graphs, generate(graphs, tuning))
 
 
+def _nvidia(be: OpenCLBackend) -> bool:
+    return "-DUSE_NV_PTX" in be.build_options
+
+
+@pytest.fixture(scope="module")
+def fallback_weights(opencl_device) -> str:
+    """The fallback tests' weights: the first sweep case's q4_0, whose persistent program PoCL has
+    then built already; f16 on NVIDIA, which refuses quantized matvecs."""
+    return "f16" if "NVIDIA" in opencl_device.platform.vendor.upper() else "q4_0"
+
+
 def _decode(be: OpenCLBackend) -> tuple[np.ndarray, list[int]]:
     """Logits of FEED's decode steps after PROMPT, then 6 greedy steps enqueued at once."""
     be.reset()
@@ -80,6 +91,10 @@ def test_a_persistent_decode_step_has_the_bits_and_greedy_tokens_of_the_launches
     want, want_greedy = _decode(launches)
     be = _backend(graphs, UNIFORM, monkeypatch, "1", groups)
     got, got_greedy = _decode(be)
+    if _nvidia(be) and weights in ("q4_0", "q4_1", "q8_0"):   # refused there (round 20): the launches ran
+        assert any("quantized matvecs" in n for n in be.build_notes)
+        np.testing.assert_array_equal(got, want)
+        return
     assert be.build_notes == [] and be.persistent
     pk = be._persistent[("decode", 1, "logits", False)]
     assert pk is not None and pk.groups == groups and pk.n_launches == len(launches._step_launches("decode", 1))
@@ -90,8 +105,8 @@ def test_a_persistent_decode_step_has_the_bits_and_greedy_tokens_of_the_launches
         assert rel_err(got, np.stack(steps)) < 1e-4
 
 
-def test_a_step_that_gives_up_at_a_grid_barrier_is_rerun_launch_by_launch(monkeypatch):
-    graphs = _graphs("golden-b", "q4_0", "f16")
+def test_a_step_that_gives_up_at_a_grid_barrier_is_rerun_launch_by_launch(monkeypatch, fallback_weights):
+    graphs = _graphs("golden-b", fallback_weights, "f16")
     want, want_greedy = _decode(_backend(graphs, UNIFORM, monkeypatch, "0"))
     be = _backend(graphs, UNIFORM, monkeypatch, "1", 2)
     be.reset()
@@ -106,8 +121,8 @@ def test_a_step_that_gives_up_at_a_grid_barrier_is_rerun_launch_by_launch(monkey
     assert _decode(be)[1] == want_greedy                 # greedy steps now launch kernel by kernel
 
 
-def test_greedy_steps_that_give_up_are_rerun_from_their_first_step(monkeypatch):
-    graphs = _graphs("golden-b", "q4_0", "f16")
+def test_greedy_steps_that_give_up_are_rerun_from_their_first_step(monkeypatch, fallback_weights):
+    graphs = _graphs("golden-b", fallback_weights, "f16")
     want = _decode(_backend(graphs, UNIFORM, monkeypatch, "0"))[1]
     be = _backend(graphs, UNIFORM, monkeypatch, "1", 2)
     assert _decode(be)[1] == want
@@ -116,11 +131,11 @@ def test_greedy_steps_that_give_up_are_rerun_from_their_first_step(monkeypatch):
         assert _decode(be)[1] == want
 
 
-def test_a_spin_too_short_for_the_other_groups_still_gives_the_launches_tokens(monkeypatch):
+def test_a_spin_too_short_for_the_other_groups_still_gives_the_launches_tokens(monkeypatch, fallback_weights):
     """One read of the arrival counter a wait: a group that arrives first gives up at once (on a
     CPU the other group is rarely there yet); whether or not any step did, nothing hangs and the
     tokens are the launches'."""
-    graphs = _graphs("golden-b", "q4_0", "f16")
+    graphs = _graphs("golden-b", fallback_weights, "f16")
     want = _decode(_backend(graphs, UNIFORM, monkeypatch, "0"))
     monkeypatch.setenv("LLMRS_OPENCL_PERSISTENT_SPIN", "1")
     be = _backend(graphs, UNIFORM, monkeypatch, "1", 2)
@@ -137,10 +152,9 @@ def test_kernels_with_barriers_narrower_than_the_group_are_refused_without_named
     be = _backend(graphs, OpenCLTuning(), monkeypatch, "1")
     want = _decode(_backend(graphs, OpenCLTuning(), monkeypatch, "0"))
     got = _decode(be)
-    if "-DUSE_NV_PTX" in be.build_options:   # NVIDIA: each 128-thread virtual group on its own barrier,
-        # where the registers allow a 512-thread group (the H200 did not: "at most 256 threads")
-        assert be._persistent[("decode", 1, "logits", False)] is not None or \
-            any("threads a group" in n for n in be.build_notes)
+    if _nvidia(be):   # NVIDIA: quantized matvecs are refused there (round 20)
+        assert be._persistent[("decode", 1, "logits", False)] is None
+        assert any("quantized matvecs" in n for n in be.build_notes)
     else:
         assert be._persistent[("decode", 1, "logits", False)] is None
         assert any("named barriers" in n for n in be.build_notes)
