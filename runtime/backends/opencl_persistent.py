@@ -204,23 +204,24 @@ def variant_source(v: Variant, tag: str, group: int, named_barriers: bool) -> tu
     return "\n".join(lines) + "\n", fn
 
 
-def _arg_kinds(args: list[Any]) -> list[str]:
-    """A bound kernel's argument list (as set_args took it) as kinds: "b" buffer (then its
-    offset, "o"), "i" int32, "f" float32."""
+def _arg_words(args: list[Any], index: dict[int, int] | None = None) -> list[tuple[str, list[int]]]:
+    """A bound kernel's argument list (as set_args took it) as (kind, int32 words of its table
+    record): "b" a buffer (its place among the dispatcher's buffers in `index`), "o" a byte offset
+    (two words), "i" an int32, "f" a float32's bits."""
     cl = _cl()
-    kinds = []
+    out = []
     for a in args:
         if isinstance(a, cl.MemoryObjectHolder):
-            kinds.append("b")
+            out.append(("b", [index[a.int_ptr] if index is not None else 0]))
         elif isinstance(a, np.uint64):
-            kinds.append("o")
+            out.append(("o", np.array([a], np.uint64).view(np.int32).tolist()))
         elif isinstance(a, np.int32):
-            kinds.append("i")
+            out.append(("i", [int(a)]))
         elif isinstance(a, np.float32):
-            kinds.append("f")
+            out.append(("f", np.array([a], np.float32).view(np.int32).tolist()))
         else:
             raise PersistentError(f"persistent decode: argument {a!r} has no table form")
-    return kinds
+    return out
 
 
 _PRELUDE = r"""
@@ -413,7 +414,7 @@ class PersistentProgram:
                 continue
             self.variants[key] = len(vlist)
             vlist.append(Variant(sources[b.family], b.options, name, local))
-            kinds.append(_arg_kinds(list(b.args)))
+            kinds.append([kind for kind, _ in _arg_words(list(b.args))])
             used = int(b.kernel.get_work_group_info(cl.kernel_work_group_info.LOCAL_MEM_SIZE, device))
             decls = len(_LOCAL_DECL.findall(sources[b.family]))
             pool = max(pool, (group // local) * (-(-(used + 16 * (decls + 1)) // 16) * 16))
@@ -471,21 +472,8 @@ class PersistentStep:
             if _variant_key(b, name, local) not in p.variants:
                 raise PersistentError(f"persistent decode: {name} is not in the built program")
             rec = table[1 + i * stride: 1 + (i + 1) * stride]
-            rec[:3] = p.variants[_variant_key(b, name, local)], g0, g1
-            w = 3
-            for a in b.args:
-                if isinstance(a, cl.MemoryObjectHolder):
-                    rec[w] = p.index[a.int_ptr]
-                    w += 1
-                elif isinstance(a, np.uint64):
-                    rec[w:w + 2] = np.array([int(a)], np.uint64).view(np.int32)
-                    w += 2
-                elif isinstance(a, np.int32):
-                    rec[w] = a
-                    w += 1
-                else:
-                    rec[w] = np.array([a], np.float32).view(np.int32)[0]
-                    w += 1
+            words = [w for _, ws in _arg_words(list(b.args), p.index) for w in ws]
+            rec[:3 + len(words)] = [p.variants[_variant_key(b, name, local)], g0, g1, *words]
         mf = cl.mem_flags
         self.table = cl.Buffer(p.ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=table)
         self.sync = cl.Buffer(p.ctx, mf.READ_WRITE, 4 * SYNC_WORDS)
