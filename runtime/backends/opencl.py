@@ -136,8 +136,8 @@ class OpenCLBackend(Backend):
         self._persistent: dict[tuple[Any, ...], PersistentStep | None] = {}
         self._persistent_program: PersistentProgram | None = None
         # LLMRS_OPENCL_PERSISTENT=1: a decode step as one persistent kernel wherever it builds
-        # (opencl_persistent.py). Off by default: on the H200 it ran 0.8-1.2x the launches
-        # (BENCHMARKS.md round 20)
+        # (opencl_persistent.py). Off by default: on the H200 it ran 0.75-0.82x the launches on
+        # the default f16 plans (BENCHMARKS.md round 20)
         self.persistent = os.environ.get("LLMRS_OPENCL_PERSISTENT", "") == "1"
         self.scratch_buf, self.result_buf, self.staging_buf, self.steps_buf = b.scratch, b.result, b.staging, b.steps
 
@@ -340,6 +340,19 @@ class OpenCLBackend(Backend):
                 self.build_notes.append(f"{err}; launching kernel by kernel")
         return self._persistent[key]
 
+    def _enqueue_decode(self, key: tuple[Any, ...], launches: list[tuple[Any, tuple[int, int], tuple[int, int]]],
+                        repeat: int = 1) -> PersistentStep | None:
+        """A one-token decode step's launches `repeat` times over, as one persistent kernel each
+        where the back end runs them (then returned: its abort word is read with the step's
+        result, so the caller checks pk.aborted() after its blocking read), else kernel by kernel."""
+        pk = self._persistent_step(key, launches)
+        if pk is None:
+            self._enqueue_launches(key, launches, repeat)
+            return None
+        self._enqueue_launches(key + ("persistent",), [pk.launch], repeat)
+        pk.read_status()
+        return pk
+
     def _persistent_aborted(self, pk: PersistentStep) -> None:
         """A persistent step gave up waiting at a grid barrier (its groups were not all resident):
         the caller reruns the step launch by launch, as every later step runs."""
@@ -434,12 +447,7 @@ class OpenCLBackend(Backend):
         self.enqueue("decode", np.array([token], np.int32), n_past, start_pos, kernels=False)
         a = self.advance
         step = self._step_launches("decode", 1) + [(a.kernel, a.global_size(1), (a.local, 1))]
-        pk = self._persistent_step(("greedy", self.scoring), step)
-        if pk is not None:
-            self._enqueue_launches(("greedy", self.scoring, "persistent"), [pk.launch], repeat=n)
-            pk.read_status()
-        else:
-            self._enqueue_launches(("greedy", self.scoring), step, repeat=n)
+        pk = self._enqueue_decode(("greedy", self.scoring), step, repeat=n)
         out = np.empty(n, np.int32)
         cl.enqueue_copy(self.queue, out, self.steps_buf, is_blocking=True)
         self._in_flight.clear()
@@ -473,11 +481,9 @@ class OpenCLBackend(Backend):
             b = self.greedy[phase]
             launches = launches + [(b.kernel, b.global_size(len(tokens)), (b.local, 1))]
         key = (phase, len(tokens), want, self.scoring)
-        # a decode step of one token: one persistent kernel where the back end runs them
-        pk = self._persistent_step(key, launches) if phase == "decode" and len(tokens) == 1 else None
-        if pk is not None:
-            self._enqueue_launches(key + ("persistent",), [pk.launch])
-            pk.read_status()
+        pk = None
+        if phase == "decode" and len(tokens) == 1:
+            pk = self._enqueue_decode(key, launches)
         else:
             self._enqueue_launches(key, launches)
         if want == "argmax":
