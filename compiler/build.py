@@ -33,8 +33,8 @@ def _cpu_sections(graphs, triples: tuple[str, ...]) -> dict[str, bytes | str]:
     from .codegen import llvm
     from .codegen.llvm_target import host_target, parse_target
     sections: dict[str, bytes | str] = {}
-    from .pipeline import VERIFY
-    graphs = {name: g for name, g in graphs.items() if name != VERIFY}   # OpenCL's alone (pipeline.py)
+    from .pipeline import OPENCL_ONLY
+    graphs = {name: g for name, g in graphs.items() if name not in OPENCL_ONLY}
     for target in [parse_target(t) for t in triples] if triples else [host_target()]:
         ir_text, obj = llvm.generate(graphs, target)
         sections.setdefault("llvm-ir", ir_text)  # the first target's IR, for JIT fallback

@@ -56,7 +56,9 @@ class CompileOptions:
     kv_type: str = option("f16", "KV cache format: q8_0 and q4_0 take 34 and 18 bytes per 32 values (head_dim "
                           "a multiple of 32) (default f16)", choices=KV_TYPES)
     max_seq_len: int | None = option(2048, "KV cache length in tokens (default 2048)", metavar="N", type=int)
-    prefill_chunk: int = option(128, "tokens per prefill step (default 128)", metavar="T")
+    prefill_chunk: int = option(512, "most tokens a prefill step takes: the prefill and step graphs' rows (a "
+                                "step may run fewer; the CPU feeds at most 128; default 512, llama.cpp's "
+                                "ubatch)", metavar="T")
     max_num_seqs: int = option(8, "sequences one step of the plan's step graph serves (continuous batching; "
                                "at most --prefill-chunk, the rows of a step); 0 leaves the step graph out "
                                "(default 8)", metavar="N")
@@ -160,6 +162,13 @@ def compile_graphs(model: LlamaModel | str | Path, opts: CompileOptions = Compil
 
 DEFAULT_BLOCK = 16
 VERIFY = "verify"       # the OpenCL verify graph's name (runtime/speculative)
+# OpenCL's prefill graph for prompts (and a long prompt's tail) of up to SHORT_CHUNK tokens, where
+# --prefill-chunk is larger: its matmuls are tiled for its own few rows. H200, one process: a 32-
+# or 128-token prompt ran 13-17 % faster on a 1B f16 plan of 128-token chunks than of 512 (q4_0
+# and SmolLM2 1-2 %), and 512 tokens 2.2-3.6x slower (BENCHMARKS.md round 21)
+PREFILL_SHORT = "prefill_short"
+SHORT_CHUNK = 128
+OPENCL_ONLY = (VERIFY, PREFILL_SHORT)   # graphs only the OpenCL code holds
 
 
 def _block_size(opts: CompileOptions, slots: int) -> int:
@@ -184,13 +193,18 @@ def check_kv_head_dim(kv_type: str, head_dim: int) -> None:
 def compile_phases(model: LlamaModel | str | Path, opts: CompileOptions = CompileOptions()) -> dict[str, Graph]:
     """The plan's graphs after every pass: prefill, decode and, unless opts.max_num_seqs is 0, the
     step graph (for up to min(max_num_seqs, prefill_chunk) sequences a step, made from the built
-    prefill graph). All of them share one KV-cache layout."""
+    prefill graph); for OpenCL, the verify graph and a short prefill graph (PREFILL_SHORT). All of
+    them share one KV-cache layout."""
     opts.check()
     if not isinstance(model, LlamaModel):
         model = load_model(model)
     check_kv_head_dim(opts.kv_type, model.config.head_dim)
     prefill, decode = build_graphs(model, opts.prefill_chunk, opts.max_seq_len, opts.kv_type)
     built = {"prefill": prefill, "decode": decode}
+    if "opencl" in opts.target and opts.prefill_chunk > SHORT_CHUNK:
+        short, _ = build_graphs(model, SHORT_CHUNK, opts.max_seq_len, opts.kv_type)
+        short.name = PREFILL_SHORT
+        built[PREFILL_SHORT] = short
     if opts.max_num_seqs:
         built["step"] = step_graph(prefill, min(opts.max_num_seqs, prefill.T), _block_size(opts, prefill.kv_slots),
                                    logit_rows=opts.max_draft_tokens + 1)

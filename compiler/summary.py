@@ -89,6 +89,10 @@ def summarize(cfg: LlamaConfig, graphs: dict[str, Graph], info, seconds: float) 
     if verify is not None:
         lines.append(f"verify graph  {verify.T - 1} drafts and the token before them, each row as a decode step "
                      f"(OpenCL): {verify.kernel_count()} kernels")
+    short = graphs.get("prefill_short")
+    if short is not None:
+        lines.append(f"short prefill prompts and a long prompt's tail of up to {short.T} tokens, in matmuls tiled for "
+                     f"them (OpenCL): {short.kernel_count()} kernels")
     lines += [
         f"arena shared  {fmt_bytes(s['arena_bytes'])} (max of the phases)",
         f"KV cache      {fmt_bytes(s['kv_bytes'])} (+ {fmt_bytes(s['kv_score_bytes'])} of eviction scores)",

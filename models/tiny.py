@@ -80,6 +80,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(family="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
                          rope_theta=1000000.0, max_position_embeddings=32768),
+    # the exact shape of HuggingFaceTB/SmolLM2-135M (the built-in model's, for benchmarks where its
+    # GGUF cannot go: a lent GPU machine)
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0,
+                         max_position_embeddings=8192),
     # the exact shape of meta-llama/Llama-3.2-1B
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,

@@ -60,7 +60,7 @@ class BatchOptions:
     max_num_seqs: int = option(0, "most sequences decoding at once (default 0: as many as the plan's step graph "
                                   "takes, llmrs-compile --max-num-seqs)", metavar="N")
     max_batched_tokens: int = option(0, "most token rows in one step (default 0: the step graph's rows, "
-                                        "llmrs-compile --prefill-chunk)", metavar="T")
+                                        "llmrs-compile --prefill-chunk, or on the CPU at most 128)", metavar="T")
     num_blocks: int = option(0, "KV blocks of the pool to use (default 0: the plan's whole cache, "
                                 "llmrs-compile --max-seq-len / --block-size)", metavar="N")
     no_prefix_cache: bool = option(False, "do not share the KV of equal prompt prefixes across requests")
@@ -83,16 +83,18 @@ def step_shape(plan: Plan) -> StepShape:
     return shape
 
 
-def scheduler_config(shape: StepShape, options: BatchOptions) -> SchedulerConfig:
-    """The scheduler's limits: the step graph's, or fewer where the options ask."""
-    def pick(name: str, value: int, most: int, flag_of: str) -> int:
+def scheduler_config(shape: StepShape, options: BatchOptions, rows: int | None = None) -> SchedulerConfig:
+    """The scheduler's limits: the step graph's, or fewer where the options ask. rows: the back
+    end's prefill_rows, the default token budget where it is below the graph's rows."""
+    def pick(name: str, value: int, most: int, flag_of: str, default: int | None = None) -> int:
         if value > most:
             raise OptionError(f"{{0}} {value} is more than the plan's {flag_of} allows ({most}); recompile "
                               f"with a larger {flag_of}", name)
-        return value or most
+        return value or min(most, default or most)
     return SchedulerConfig(
         max_num_seqs=pick("max_num_seqs", options.max_num_seqs, shape.seqs, "--max-num-seqs"),
-        max_batched_tokens=pick("max_batched_tokens", options.max_batched_tokens, shape.rows, "--prefill-chunk"),
+        max_batched_tokens=pick("max_batched_tokens", options.max_batched_tokens, shape.rows, "--prefill-chunk",
+                                rows),
         block_size=shape.block_size,
         num_blocks=pick("num_blocks", options.num_blocks, shape.n_blocks, "--max-seq-len"),
         enable_prefix_cache=not options.no_prefix_cache)
@@ -212,7 +214,7 @@ class Batcher:
         self.stop_ids = frozenset(stop_ids)
         self.shape = step_shape(plan)
         self.kv_options = kv.check()
-        self.config = scheduler_config(self.shape, options.check())
+        self.config = scheduler_config(self.shape, options.check(), backend.prefill_rows)
         if kv.evicts and kv.policy().uses_scores and self.config.enable_prefix_cache:
             self.config = dataclasses.replace(self.config, enable_prefix_cache=False)
         self.max_seq_len = min(max_seq_len, self.config.capacity)

@@ -103,8 +103,10 @@ class Engine:
 
     def __init__(self, backend: Backend, prefill_T: int, max_seq_len: int, stop_ids: tuple[int, ...] = (),
                  cache: CacheManager | None = None):
+        """prefill_T: the prefill graph's tokens a step; the prompt is fed in steps of that, or of
+        the back end's prefill_rows where that is fewer."""
         self.backend = backend
-        self.prefill_T = prefill_T
+        self.prefill_T = min(prefill_T, backend.prefill_rows or prefill_T)
         self.max_seq_len = max_seq_len
         self.stop_ids = set(stop_ids)
         self.cache = cache
@@ -149,7 +151,7 @@ class Engine:
         return out[-1]
 
     def prefill(self, tokens: list[int], argmax: bool = False) -> np.ndarray:
-        """Feed the prompt in chunks of the prefill graph's T; logits of its last position
+        """Feed the prompt in chunks of prefill_T; logits of its last position
         (or, with argmax, the greedy token chosen on the device). With eviction a prompt may be
         longer than the cache: chunks then fit what the policy's budget leaves free."""
         if not tokens:

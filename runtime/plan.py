@@ -436,12 +436,15 @@ def _check_run_keys(m: dict[str, Any], graphs: dict[str, Graph], fail) -> None:
 
 STEP = "step"
 VERIFY = "verify"       # OpenCL's speculative verify graph (compiler/pipeline.py)
+PREFILL_SHORT = "prefill_short"     # OpenCL's prefill graph for short prompts (compiler/pipeline.py)
+OPENCL_ONLY = (VERIFY, PREFILL_SHORT)
 
 
 def cpu_graphs(graphs: dict[str, Graph]) -> dict[str, Graph]:
     """The graphs a plan's CPU code holds: all but OpenCL's verify graph (the CPU verifies drafts
-    through the step graph, whose rows already sum as its decode step does)."""
-    return {phase: g for phase, g in graphs.items() if phase != VERIFY}
+    through the step graph, whose rows already sum as its decode step does) and short prefill
+    graph (the CPU feeds the prefill graph few rows at a step anyway: Backend.prefill_rows)."""
+    return {phase: g for phase, g in graphs.items() if phase not in OPENCL_ONLY}
 STEP_INPUTS = ("tokens", "positions", "slots", "row_seq", "ctx_len", "block_tables", "logit_rows", "score_from")
 
 

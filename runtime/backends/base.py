@@ -145,6 +145,11 @@ class Backend(ABC):
     # decode step sums it, logits for every row (OpenCL, whose step graph's kernels sum otherwise);
     # without it a speculative verify step goes through run_step
     verify_graph: bool = False
+    # the most prompt tokens one prefill step feeds here (None: the prefill graph's T). Kernels
+    # size their work by the step's tokens, so a graph of T rows runs fewer at the cost of fewer:
+    # a plan carries one prefill graph as large as its fastest back end wants (the GPU's), and a
+    # back end whose steps run faster smaller feeds them so (the CPU: cpu.py PREFILL_ROWS)
+    prefill_rows: int | None = None
 
     @abstractmethod
     def run(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:

@@ -23,6 +23,11 @@ from .cpu_native import NativeCode, NativeCodeError, host_triple
 from .options import MAX_THREADS
 
 _STEP_ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5
+# prompt tokens a CPU prefill step feeds at most (Backend.prefill_rows): a chunk's activations then
+# stay near the cache. On Zen 5, 2 threads, prefill 512 of SmolLM2 fed to its 512-row graph ran 0.96x
+# in 512-token steps and 0.99x in 128-token ones of a 128-row graph's speed; the 1B shape 1.00x
+# either way (BENCHMARKS.md round 21)
+PREFILL_ROWS = 128
 
 
 class CpuBackendError(ValueError):
@@ -159,6 +164,7 @@ class CpuBackend(Backend):
     # run_argmax reads each row's argmax straight off the arena: no copy of the logits, no
     # sampler (SmolLM2, 8 streams: ~60 us a row of the batcher's host time)
     device_argmax = True
+    prefill_rows = PREFILL_ROWS
 
     def __init__(self, plan, threads: int | None = None, code: NativeCode | None = None):
         threads = physical_cores() if threads is None else threads

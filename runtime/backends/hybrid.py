@@ -285,6 +285,11 @@ class HybridBackend(Backend):
             plan += f", {s.start} again from position {s.back_at}"
         return f"hybrid ({plan}; KV {self.kv_mode}; {self.opencl.device_name})"
 
+    @property
+    def prefill_rows(self) -> int | None:
+        """The feed of the side a prompt starts on (a prompt's first chunk fixes the engine's)."""
+        return self.backends[self._side("prefill", 0)].prefill_rows
+
     # -- the engine's interface ---------------------------------------------------------------
     def run(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
         return self._steps(phase, tokens, n_past, start_pos, argmax=False)

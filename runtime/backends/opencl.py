@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from ...compiler.ir import Graph, IRError, storage_shape
-from ..plan import VERIFY, Plan
+from ..plan import PREFILL_SHORT, VERIFY, Plan
 from .base import Backend, StepRows
 # the parts' public names, importable from here as before the split
 from .opencl_device import INSTALL_OPENCL, OpenCLError, _cl, list_devices, pick_device
@@ -77,6 +77,8 @@ class OpenCLBackend(Backend):
             raise OpenCLError(f"opencl section format {program.get('format')!r} is not 1; recompile the plan")
         self.graphs = graphs
         self.verify_graph = VERIFY in graphs and VERIFY in program["graphs"]
+        # prefill steps of up to this many tokens run the short prefill graph (0: none in the plan)
+        self._short_T = graphs[PREFILL_SHORT].T if PREFILL_SHORT in graphs and PREFILL_SHORT in program["graphs"] else 0
         self.device = pick_device(device)
         self.device_name = self.device.name.strip()
         try:
@@ -469,8 +471,10 @@ class OpenCLBackend(Backend):
         want="argmax": int32 [rows], each row's argmax (first of equal maxima, as numpy)
         taken on the device, so a greedy step reads back 4 bytes per row."""
         cl = _cl()
-        g = self.graphs[phase]
         tokens = np.asarray(tokens).reshape(-1)
+        if phase == "prefill" and len(tokens) <= self._short_T:    # tiled for few rows (compiler/pipeline.py)
+            phase = PREFILL_SHORT
+        g = self.graphs[phase]
         if want not in ("logits", "argmax"):
             raise ValueError(f"run(want={want!r}): choose 'logits' or 'argmax'")
         if want == "argmax" and phase not in self.greedy:

@@ -99,3 +99,17 @@ def test_the_1b_decode_graph_compiles_to_5_kernels_a_layer_without_loading_weigh
     decode = run_passes(llama_1b_graphs[1], CompileOptions())
     assert decode.kernel_count() == 16 * 5 + 2
     assert decode.meta["layout"]["arena_bytes"] > 0
+
+
+@pytest.mark.parametrize("target,chunk,short", [(("cpu", "opencl"), 160, True), (("opencl",), 129, True),
+                                                (("cpu",), 160, False), (("cpu", "opencl"), 128, False)])
+def test_opencl_gets_a_short_prefill_graph_where_the_chunk_is_longer(target, chunk, short):
+    graphs = pipeline.compile_phases("tests/data/golden-a", CompileOptions(
+        weights="f32", max_seq_len=192, prefill_chunk=chunk, target=target, max_num_seqs=0, max_draft_tokens=0))
+    assert (pipeline.PREFILL_SHORT in graphs) == short
+    assert graphs["prefill"].T == chunk
+    if short:
+        g = graphs[pipeline.PREFILL_SHORT]
+        assert g.T == pipeline.SHORT_CHUNK and g.name == pipeline.PREFILL_SHORT
+        assert g.meta["layout"]["kv"] == graphs["decode"].meta["layout"]["kv"]
+        assert g.kernel_count() == graphs["prefill"].kernel_count()

@@ -182,3 +182,23 @@ def test_finite_logits_of_any_size_pass_the_check():
         assert np.isinf(rows[0].sum()) and np.isfinite(rows).all()   # an f32 sum would overflow
     for row in rows:
         np.testing.assert_array_equal(check_finite(row, 1), row)
+
+
+def test_a_back_end_that_wants_fewer_prefill_rows_gets_its_feed_with_the_same_logits():
+    """Backend.prefill_rows below the graph's T: the prompt goes in steps of that many tokens (the
+    CPU's 128 on a 512-row graph), and the logits are those of feeding whole chunks."""
+    class Fed(ReferenceBackend):
+        prefill_rows = 5
+
+        def run(self, phase, tokens, n_past, start_pos):
+            sizes.append((phase, len(tokens)))
+            return super().run(phase, tokens, n_past, start_pos)
+
+    prefill, decode = build_graphs(load_model(DATA / "golden-a"), 16, 64)
+    sizes: list = []
+    prompt = list(np.random.default_rng(3).integers(1, 300, 12))
+    fed = Engine(Fed({"prefill": prefill, "decode": decode}), 16, 64).prefill(prompt)
+    assert sizes == [("prefill", 5), ("prefill", 5), ("prefill", 2)]
+    whole = Engine(ReferenceBackend({"prefill": prefill, "decode": decode}), 16, 64).prefill(prompt)
+    assert rel_err(fed, whole) <= 1e-5
+    assert Engine(Fed({"prefill": prefill, "decode": decode}), 4, 64).prefill_T == 4   # never above T

@@ -63,6 +63,7 @@ class Lockstep:
     that survived every eviction so far, and the score control) into the interpreter and runs
     the same step there; it keeps both logits and both updated scores."""
     device_argmax = False     # the engine takes the greedy token from run's logits
+    prefill_rows = None       # the prompt in the graph's chunks
 
     def __init__(self, be, graphs):
         self.be, self.name = be, "lockstep"

@@ -13,7 +13,7 @@ cl = pytest.importorskip("pyopencl")
 
 from llmrs.compiler.codegen.opencl import generate  # noqa: E402
 from llmrs.compiler.interpret import Interpreter  # noqa: E402
-from llmrs.compiler.pipeline import CompileOptions, compile_graphs  # noqa: E402
+from llmrs.compiler.pipeline import PREFILL_SHORT, CompileOptions, compile_graphs, compile_phases  # noqa: E402
 from llmrs.compiler.plan import write_graph_plan  # noqa: E402
 from llmrs.compiler import quant  # noqa: E402
 from llmrs.compiler.ir import Graph, LazyTensor  # noqa: E402
@@ -39,6 +39,33 @@ def _plan(tmp_path: Path, model: str, weights: str, kv: str) -> Plan:
 
 def _rel(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def test_short_prompts_run_the_short_prefill_graph_and_match_the_interpreter(tmp_path):
+    """A plan of 160-token chunks carries OpenCL's 128-token prefill graph: a step of up to 128
+    tokens runs it, a longer one the prefill graph, and both give the interpreter's logits."""
+    graphs = compile_phases(DATA / "golden-a", CompileOptions(weights="f32", kv_type="f32", prefill_chunk=160,
+                                                              max_seq_len=192, target="opencl", max_num_seqs=0,
+                                                              max_draft_tokens=0))
+    assert graphs[PREFILL_SHORT].T == 128
+    path = tmp_path / "short.bin"
+    write_graph_plan(path, graphs, sections={"opencl": json.dumps(generate(graphs))})
+    be = OpenCLBackend(Plan.open(path))
+    ran = []
+    enqueue = be.enqueue
+    be.enqueue = lambda phase, *a, **k: ran.append(phase) or enqueue(phase, *a, **k)
+    pre = Interpreter(graphs["prefill"])
+    state = pre.new_state()
+    rng = np.random.default_rng(11)
+    n = 0
+    for size in (140, 20, 1):
+        chunk = rng.integers(1, 300, size, dtype=np.int32)
+        got = be.run("prefill", chunk, n, n)
+        want = pre.run({"tokens": chunk}, state, n)[graphs["prefill"].outputs[0]]
+        assert _rel(got, want) <= 1e-4
+        n += size
+    assert ran == ["prefill", PREFILL_SHORT, PREFILL_SHORT]
+    assert int(be.run_argmax("prefill", chunk, n - 1, n - 1)[-1]) == int(np.argmax(want[-1]))
 
 
 @pytest.mark.parametrize("model,weights,kv,tol", [

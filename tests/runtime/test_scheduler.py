@@ -327,3 +327,14 @@ def test_random_traffic_matches_each_sequence_run_alone_and_leaks_no_block(case)
     stats = sched.kv.stats()
     assert stats.used == 0 and stats.free + stats.cached == cfg.num_blocks
     sched.kv.check()
+
+
+def test_the_default_token_budget_is_the_back_ends_prefill_feed_where_that_is_fewer_than_the_graphs_rows():
+    from llmrs.runtime.batch import BatchOptions, scheduler_config
+    from llmrs.runtime.plan import StepShape
+    shape = StepShape(rows=512, seqs=8, block_size=16, blocks_per_seq=8, n_blocks=64, vocab=100)
+    assert scheduler_config(shape, BatchOptions(), 128).max_batched_tokens == 128     # the CPU
+    assert scheduler_config(shape, BatchOptions(), None).max_batched_tokens == 512    # OpenCL
+    assert scheduler_config(shape, BatchOptions(max_batched_tokens=300), 128).max_batched_tokens == 300
+    with pytest.raises(OptionError, match="more than the plan's --prefill-chunk allows"):
+        scheduler_config(shape, BatchOptions(max_batched_tokens=600), 128)
