@@ -44,8 +44,8 @@ device copy on opencl); prefill as 2 x matmul params x tok/s against numpy's GEM
 
 --kernels times every distinct kernel of the plan alone (measure/bench_kernels.py) with GB/s and
 GFLOP/s against those ceilings. --llama-bench runs llama.cpp's llama-bench on --gguf (the same
-weights) once after each of our repeats (-r 1, so both engines share each stretch of a shared
-machine's time) and adds its tok/s and the ratios llmrs / llama.cpp (medians of the repeats' ratios).
+weights) once after each of our repeats (-r 2, its first repetition dropped: on CUDA it still pays
+set-up; so both engines share each stretch of a shared machine's time) and adds its tok/s and the ratios llmrs / llama.cpp (medians of the repeats' ratios).
 
 examples:
   llmrs-bench plan.bin
@@ -118,10 +118,14 @@ def say(msg: str) -> None:
 
 # -- llama.cpp --------------------------------------------------------------------------------
 
-def run_llama_bench(binary: str, gguf: str, threads: int, repeats: int, prompt: int, decode: int) -> dict:
+def run_llama_bench(binary: str, gguf: str, threads: int, repeats: int, prompt: int, decode: int,
+                    dropped: int = 0) -> dict:
     """llama.cpp's own benchmark on the same machine and thread count; its JSON has one record per
-    test: n_prompt > 0 is prefill, n_gen > 0 decode; samples_ts are per-repetition tok/s."""
-    cmd = [binary, "-m", gguf, "-p", str(prompt), "-n", str(decode), "-t", str(threads), "-r", str(repeats),
+    test: n_prompt > 0 is prefill, n_gen > 0 decode; samples_ts are per-repetition tok/s. `dropped`
+    more repetitions run first and are left out of the samples: on CUDA the first repetition of a
+    fresh llama-bench process still pays lazy set-up its own warm-up run does not (H200, 1B q4_0
+    pp512: 17-26k tok/s against 52k for the next ones)."""
+    cmd = [binary, "-m", gguf, "-p", str(prompt), "-n", str(decode), "-t", str(threads), "-r", str(repeats + dropped),
            "-o", "json"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -136,15 +140,18 @@ def run_llama_bench(binary: str, gguf: str, threads: int, repeats: int, prompt: 
         tg = next(r for r in records if r["n_gen"] > 0)
     except (ValueError, StopIteration, KeyError, TypeError):
         raise BenchError(f"--llama-bench {binary} printed no prefill and decode records; is it llama.cpp's llama-bench?")
-    return {"command": " ".join(cmd), "build_commit": str(pp.get("build_commit", "")),
+    pre, dec = pp["samples_ts"][dropped:], tg["samples_ts"][dropped:]
+    return {"command": " ".join(cmd) + (f"  (its first {dropped} repetition(s) dropped)" if dropped else ""),
+            "build_commit": str(pp.get("build_commit", "")),
             "model_bytes": int(pp.get("model_size", 0)), "prefill_tokens": prompt,
-            "prefill_tok_s": round(pp["avg_ts"], 2), "decode_tok_s": round(tg["avg_ts"], 2),
-            "prefill_samples": [round(x, 2) for x in pp["samples_ts"]],
-            "decode_samples": [round(x, 2) for x in tg["samples_ts"]]}
+            "prefill_tok_s": round(statistics.mean(pre) if dropped else pp["avg_ts"], 2),
+            "decode_tok_s": round(statistics.mean(dec) if dropped else tg["avg_ts"], 2),
+            "prefill_samples": [round(x, 2) for x in pre],
+            "decode_samples": [round(x, 2) for x in dec]}
 
 
 def merge_llama_runs(runs: list[dict]) -> dict:
-    """llama-bench run once after each of our repeats (-r 1): its figures as medians of those runs,
+    """llama-bench run once after each of our repeats (-r 2, the first dropped): its figures as medians of those runs,
     so both engines' numbers come from the same stretch of a shared machine's time."""
     first, med = runs[0], statistics.median
     pre = [x for r in runs for x in r["prefill_samples"]]
@@ -238,7 +245,7 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
         dec_deep.append(time_decode(engine, deep, a.decode, rng, vocab))
         if a.llama_bench:   # interleaved: each engine's repeat beside the other's, not minutes apart
             say(f"llmrs-bench: llama-bench on {a.gguf}, repeat {r + 1}/{a.repeats}")
-            lcpp_runs.append(run_llama_bench(a.llama_bench, a.gguf, threads, 1, deep, a.decode))
+            lcpp_runs.append(run_llama_bench(a.llama_bench, a.gguf, threads, 1, deep, a.decode, dropped=1))
     peak = Stats.peak_rss_bytes()
     lcpp = merge_llama_runs(lcpp_runs) if lcpp_runs else None
     say("llmrs-bench: ceilings again")

@@ -193,14 +193,14 @@ def time_kernels(plan: Any, backend: str, ceilings: dict[str, float], context: i
     (read_gbs or device_copy_gbps, gemm_gflops)."""
     import json
 
-    from ..runtime.plan import VERIFY
+    from ..runtime.plan import OPENCL_ONLY
 
     kernels = plan_kernels(plan.graphs())
     program = json.loads(bytes(plan.section("opencl")).decode()) if backend == "opencl" else None
     if program is not None:     # the graphs its code holds (a step graph's kernels may be CPU-only)
         kernels = [k for k in kernels if k.phase in program["graphs"]]
-    else:                       # and the CPU's (the verify graph is OpenCL's)
-        kernels = [k for k in kernels if k.phase != VERIFY]
+    else:                       # and the CPU's
+        kernels = [k for k in kernels if k.phase not in OPENCL_ONLY]
     bw = ceilings.get("device_copy_gbps" if backend == "opencl" else "read_gbs")
     gemm = ceilings.get("gemm_gflops") if backend == "cpu" else None
     out = []

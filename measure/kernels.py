@@ -22,7 +22,7 @@ import numpy as np
 from ..compiler import quant
 from ..compiler.interpret import OPS, Interpreter, Step
 from ..compiler.ir import Graph, Op, storage_shape
-from ..runtime.plan import VERIFY, Plan
+from ..runtime.plan import OPENCL_ONLY, Plan
 
 BACKENDS = ("cpu", "opencl")
 
@@ -336,8 +336,8 @@ class CpuRunner:
         self._build, self._target, self._backend, self._native = build_module, host_target(), CpuBackend, NativeCode
 
     def run(self, kernel: Kernel, case: Case) -> dict[str, np.ndarray]:
-        if kernel.phase == VERIFY:
-            raise Unavailable("the verify graph is OpenCL's (the CPU verifies drafts through the step graph)")
+        if kernel.phase in OPENCL_ONLY:
+            raise Unavailable(f"the {kernel.phase} graph is OpenCL's alone")
         g = with_layout(kernel)
         code = self._native(str(self._build([g], self._target)))
         be = self._backend(_OneGraphPlan(g, self.plan), threads=self.threads, code=code)

@@ -133,6 +133,9 @@ def test_llama_bench_records_are_read_and_failures_are_one_line(tmp_path):
                                                       "-o", "json"]
     assert got["prefill_tok_s"] == 123.46 and got["decode_tok_s"] == 45.68 and got["model_bytes"] == 4096
     assert got["prefill_samples"] == [120.0, 126.9] and got["build_commit"] == "abc123"
+    warm = bench.run_llama_bench(str(fake), "m.gguf", 2, 1, 10, 5, dropped=1)   # the first repetition left out
+    assert " -r 2 " in f" {(tmp_path / 'argv').read_text()} " and "first 1 repetition(s) dropped" in warm["command"]
+    assert warm["prefill_samples"] == [126.9] and warm["prefill_tok_s"] == 126.9 and warm["decode_tok_s"] == 46.36
     fake.write_text("#!/bin/sh\necho 'error: no model' >&2\nexit 1\n")
     with pytest.raises(bench.BenchError, match="failed on --gguf m.gguf: error: no model"):
         bench.run_llama_bench(str(fake), "m.gguf", 2, 3, 10, 5)
@@ -144,8 +147,9 @@ def test_llama_bench_records_are_read_and_failures_are_one_line(tmp_path):
 
 
 def test_llama_bench_runs_once_after_each_repeat_and_ratios_are_the_repeats_medians(plan, tmp_path):
-    """Each llmrs repeat is followed by one llama-bench run (-r 1); its figures are the runs'
-    medians and each ratio the median of the per-repeat ratios, pairs that ran back to back."""
+    """Each llmrs repeat is followed by one llama-bench run (-r 2, its cold first repetition
+    dropped); its figures are the runs' medians and each ratio the median of the per-repeat
+    ratios, pairs that ran back to back."""
     count = tmp_path / "count"
     fake = tmp_path / "llama-bench"
     # the n-th run reports 100 * n tok/s for both tests
@@ -155,12 +159,12 @@ count = pathlib.Path({str(count)!r})
 n = len(count.read_text()) + 1 if count.exists() else 1
 count.write_text("x" * n)
 pathlib.Path({str(tmp_path / 'argv')!r}).write_text(" ".join(sys.argv[1:]))
-print(json.dumps([{{"n_prompt": 10, "n_gen": 0, "avg_ts": 100 * n, "samples_ts": [100 * n]}},
-                  {{"n_prompt": 0, "n_gen": 5, "avg_ts": 100 * n, "samples_ts": [100 * n]}}]))
+print(json.dumps([{{"n_prompt": 10, "n_gen": 0, "avg_ts": 50 * n + 1, "samples_ts": [1, 100 * n]}},
+                  {{"n_prompt": 0, "n_gen": 5, "avg_ts": 50 * n + 1, "samples_ts": [2, 100 * n]}}]))
 """)
     fake.chmod(0o755)
     r = _run(plan, tmp_path, "--repeats", "3", "--llama-bench", str(fake), "--gguf", "m.gguf")
-    assert count.read_text().count("x") == 3 and " -r 1 " in f" {(tmp_path / 'argv').read_text()} "
+    assert count.read_text().count("x") == 3 and " -r 2 " in f" {(tmp_path / 'argv').read_text()} "
     lc = r["llama_cpp"]
     assert lc["decode_samples"] == [100, 200, 300] and lc["decode_tok_s"] == 200
     ours = r["decode"]["empty"]["samples_tok_s"]
