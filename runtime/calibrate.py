@@ -80,7 +80,7 @@ def measure(hybrid: HybridBackend, side: str) -> Speeds:
     hybrid.use(side)
     g = be.graphs["prefill"] if "prefill" in be.graphs else be.graphs["decode"]
     vocab = next(g.values[op.inputs[0]].shape[0] for op in g.ops if op.kind == "embedding")
-    n = min(g.T, hybrid.slots - DECODE_STEPS - 1)
+    n = min(g.T, be.prefill_rows or g.T, hybrid.slots - DECODE_STEPS - 1)   # a step as the engine feeds it
     tokens = np.random.default_rng(0).integers(0, vocab, n + DECODE_STEPS + 1).astype(np.int32)
     phase = g.name
     t0 = time.perf_counter()

@@ -66,10 +66,11 @@ def _print_summary(plan: Plan, graphs: dict[str, Graph], out: TextIO) -> None:
             print(f"  {missing}", file=out)
 
     print("kernels per step:", file=out)
+    width = max(8, *map(len, graphs))
     for phase, g in graphs.items():
         kinds = Counter(op.kind for op in g.ops if op.kind != "slice")
         per = ", ".join(f"{k} {n}" for k, n in kinds.most_common())
-        print(f"  {phase:<8} T={g.T:<5} {g.kernel_count():>5} kernels ({per})", file=out)
+        print(f"  {phase:<{width}} T={g.T:<5} {g.kernel_count():>5} kernels ({per})", file=out)
 
 
 def _print_offsets(title: str, table: Any, g: Graph, out: TextIO) -> None:
