@@ -44,8 +44,9 @@ device copy on opencl); prefill as 2 x matmul params x tok/s against numpy's GEM
 
 --kernels times every distinct kernel of the plan alone (measure/bench_kernels.py) with GB/s and
 GFLOP/s against those ceilings. --llama-bench runs llama.cpp's llama-bench on --gguf (the same
-weights) once after each of our repeats (-r 2, its first repetition dropped: on CUDA it still pays
-set-up; so both engines share each stretch of a shared machine's time) and adds its tok/s and the ratios llmrs / llama.cpp (medians of the repeats' ratios).
+weights) once after each of our repeats, so both engines share each stretch of a shared machine's
+time (-r 2, its first repetition dropped: on CUDA it still pays set-up), and adds its tok/s and the
+ratios llmrs / llama.cpp (medians of the repeats' ratios).
 
 examples:
   llmrs-bench plan.bin
@@ -151,8 +152,9 @@ def run_llama_bench(binary: str, gguf: str, threads: int, repeats: int, prompt: 
 
 
 def merge_llama_runs(runs: list[dict]) -> dict:
-    """llama-bench run once after each of our repeats (-r 2, the first dropped): its figures as medians of those runs,
-    so both engines' numbers come from the same stretch of a shared machine's time."""
+    """llama-bench run once after each of our repeats (-r 2, the first dropped): its figures as
+    medians of those runs, so both engines' numbers come from the same stretch of a shared
+    machine's time."""
     first, med = runs[0], statistics.median
     pre = [x for r in runs for x in r["prefill_samples"]]
     dec = [x for r in runs for x in r["decode_samples"]]

@@ -146,9 +146,9 @@ class Backend(ABC):
     # without it a speculative verify step goes through run_step
     verify_graph: bool = False
     # the most prompt tokens one prefill step feeds here (None: the prefill graph's T). Kernels
-    # size their work by the step's tokens, so a graph of T rows runs fewer at the cost of fewer:
-    # a plan carries one prefill graph as large as its fastest back end wants (the GPU's), and a
-    # back end whose steps run faster smaller feeds them so (the CPU: cpu.py PREFILL_ROWS)
+    # size their work by the step's tokens, so a graph of T rows runs a smaller step at a smaller
+    # step's cost: a plan's prefill graph is as large as the GPU wants, and a back end that runs
+    # smaller steps faster feeds those (the CPU: cpu.py PREFILL_ROWS)
     prefill_rows: int | None = None
 
     @abstractmethod

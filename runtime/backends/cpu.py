@@ -23,10 +23,10 @@ from .cpu_native import NativeCode, NativeCodeError, host_triple
 from .options import MAX_THREADS
 
 _STEP_ARGS = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5
-# prompt tokens a CPU prefill step feeds at most (Backend.prefill_rows): a chunk's activations then
-# stay near the cache. On Zen 5, 2 threads, prefill 512 of SmolLM2 fed to its 512-row graph ran 0.96x
-# in 512-token steps and 0.99x in 128-token ones of a 128-row graph's speed; the 1B shape 1.00x
-# either way (BENCHMARKS.md round 21)
+# prompt tokens a CPU prefill step feeds at most (Backend.prefill_rows): a step's activations then
+# stay near the cache. Zen 5, 2 threads, prefill 512 against a 128-row graph's speed: SmolLM2's
+# 512-row graph ran 0.96x fed 512 tokens a step, 0.99x fed 128; the 1B shape 1.00x either way
+# (BENCHMARKS.md round 21)
 PREFILL_ROWS = 128
 
 
