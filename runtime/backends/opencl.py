@@ -309,8 +309,7 @@ class OpenCLBackend(Backend):
             prepared = self._prepared.get(key)
             if prepared is None:
                 prepared = self._prepared[key] = self.direct.prepare(launches)
-            for _ in range(repeat):
-                self.direct.enqueue(prepared)
+            self.direct.enqueue(prepared, repeat)
             return
         cl = _cl()
         queue, launch = self.queue, cl.enqueue_nd_range_kernel

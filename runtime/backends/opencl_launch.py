@@ -8,7 +8,10 @@ Why: a decode step is ~80 small kernels, and on NVIDIA's driver the host's enque
 step's pace. pyopencl asks every enqueue for an event; without one an empty launch costs the
 H200's driver 4.2 us of host time instead of 5.8 (tools/bench_opencl.py measures both), and a
 1B q4_0 decode step 0.74 ms instead of 0.89. Nothing in a step waits on a per-launch event:
-in-order queues order the launches, and a blocking read or finish ends the step.
+in-order queues order the launches, and a blocking read or finish ends the step. A launch list
+goes to the driver from one native loop JIT-compiled at load (_native_loop), not one ctypes call
+a launch: greedy decode on the H200 ran 1.27-1.32x faster for it on the q4_0 / q4_1 plans of
+82-152 launches a step, and the same on the device-bound 1B f16 plan (BENCHMARKS.md round 21).
 """
 from __future__ import annotations
 
@@ -56,11 +59,91 @@ def icd_loader() -> Any:
 Launch = tuple[Any, tuple[int, int], tuple[int, int]]   # (pyopencl Kernel, global size, local size)
 
 
+def _native_loop(enqueue_addr: int) -> tuple[Any, Callable[..., int]] | None:
+    """A native function that calls clEnqueueNDRangeKernel (at enqueue_addr) for every launch of
+    a list, `repeat` times over; (its JIT engine, to keep alive; the function), or None where the
+    JIT cannot run here (then the launches go from Python one by one).
+
+    Why: from Python every launch is a ctypes call, 1.3 us of host time each on a Zen 5 (a
+    decode step of 82-152 launches: 0.1-0.2 ms), which on NVIDIA's driver adds to the host time
+    that paces a decode step. The loop makes a step one ctypes call.
+
+        i64 llmrs_enqueue(fn, queue, n, repeat, kernels[n], sizes[n][4], rc*)
+    returns -1 when every launch went, else the index of the launch that failed (its error in rc)."""
+    try:
+        import llvmlite.binding as llvm
+        from llvmlite import ir
+
+        from .cpu_native import _host_machine
+        i8p, i32, i64 = ir.IntType(8).as_pointer(), ir.IntType(32), ir.IntType(64)
+        enq = ir.FunctionType(i32, [i8p, i8p, i32, i64.as_pointer(), i64.as_pointer(), i64.as_pointer(), i32,
+                                    i8p, i8p])
+        mod = ir.Module("llmrs_launch")
+        fn = ir.Function(mod, ir.FunctionType(i64, [i8p, i8p, i64, i64, i8p.as_pointer(), i64.as_pointer(),
+                                                    i32.as_pointer()]), "llmrs_enqueue")
+        fptr, queue, n, repeat, kernels, sizes, rc_out = fn.args
+        entry, loop, ok, fail, done = (fn.append_basic_block(x) for x in ("entry", "loop", "ok", "fail", "done"))
+        b = ir.IRBuilder(entry)
+        total = b.mul(n, repeat)
+        call = b.bitcast(fptr, enq.as_pointer())
+        b.cbranch(b.icmp_unsigned("==", total, i64(0)), done, loop)
+        b.position_at_end(loop)
+        t = b.phi(i64)
+        t.add_incoming(i64(0), entry)
+        i = b.urem(t, n)
+        kern = b.load(b.gep(kernels, [i]))
+        g = b.gep(sizes, [b.mul(i, i64(4))])
+        loc = b.gep(sizes, [b.add(b.mul(i, i64(4)), i64(2))])
+        null8, null64 = ir.Constant(i8p, None), ir.Constant(i64.as_pointer(), None)
+        rc = b.call(call, [queue, kern, i32(2), null64, g, loc, i32(0), null8, null8])
+        b.cbranch(b.icmp_signed("!=", rc, i32(0)), fail, ok)
+        b.position_at_end(ok)
+        nxt = b.add(t, i64(1))
+        t.add_incoming(nxt, ok)
+        b.cbranch(b.icmp_unsigned("<", nxt, total), loop, done)
+        b.position_at_end(fail)
+        b.store(rc, rc_out)
+        b.ret(i)
+        b.position_at_end(done)
+        b.ret(i64(-1))
+        parsed = llvm.parse_assembly(str(mod))
+        parsed.triple = llvm.get_process_triple()
+        parsed.verify()
+        engine = llvm.create_mcjit_compiler(parsed, _host_machine())
+        engine.finalize_object()
+        addr = engine.get_function_address("llmrs_enqueue")
+    except Exception:   # noqa: BLE001 (no JIT here, e.g. memory that may not be executable): launch from Python
+        return None
+    vp = _c.c_void_p
+    native = _c.CFUNCTYPE(_c.c_int64, vp, vp, _c.c_int64, _c.c_int64, vp, vp, _c.POINTER(_c.c_int32))(addr)
+    return engine, native
+
+
+class Prepared:
+    """A launch list as C arguments: kernel handles and sizes for the native loop, and per launch
+    for Python's; the pyopencl kernels it names must outlive it (it holds them)."""
+
+    def __init__(self, launches: list[Launch]):
+        self.launches = list(launches)
+        self.kernels = [k for k, _, _ in launches]
+        self.handles = np.array([k.int_ptr for k in self.kernels], np.uint64)
+        self.sizes = np.array([[*g, *l] for _, g, l in launches], np.uint64).reshape(-1, 4)
+        self.calls = [(_c.c_void_p(k.int_ptr), (_c.c_size_t * 2)(*g), (_c.c_size_t * 2)(*l))
+                      for k, g, l in launches]
+
+    def __len__(self) -> int:
+        return len(self.kernels)
+
+    def __getitem__(self, part: slice) -> "Prepared":
+        return Prepared(self.launches[part])
+
+
 class DirectLaunches:
     """Launch lists enqueued by clEnqueueNDRangeKernel with no event. A list is converted to
-    C arguments once (prepare) and replayed by enqueue; the kernels must outlive it."""
+    C arguments once (prepare) and replayed by enqueue: by one native loop (_native_loop) where
+    the JIT runs, else launch by launch from Python (native=False: always, for measurements)."""
 
-    def __init__(self, queue: Any):
+    def __init__(self, queue: Any, native: bool = True):
         fn = icd_loader().clEnqueueNDRangeKernel
         vp, sz = _c.c_void_p, _c.POINTER(_c.c_size_t)
         fn.restype = _c.c_int32
@@ -68,19 +151,38 @@ class DirectLaunches:
         self._fn = fn
         self.queue = queue
         self._queue = vp(queue.int_ptr)
+        self._fn_addr = _c.cast(fn, vp).value
+        self._loop = _native_loop(self._fn_addr) if native else None
+        self._rc = _c.c_int32(0)
+
+    @property
+    def native(self) -> bool:
+        """Whether enqueue runs the native loop."""
+        return self._loop is not None
 
     @staticmethod
-    def prepare(launches: list[Launch]) -> list[tuple[Any, Any, Any, Any]]:
-        return [(_c.c_void_p(k.int_ptr), (_c.c_size_t * 2)(*g), (_c.c_size_t * 2)(*l), k)
-                for k, g, l in launches]
+    def prepare(launches: list[Launch]) -> Prepared:
+        return Prepared(launches)
 
-    def enqueue(self, prepared: list[tuple[Any, Any, Any, Any]]) -> None:
+    def enqueue(self, prepared: Prepared, repeat: int = 1) -> None:
+        if not prepared.kernels:
+            return
+        if self._loop is not None:
+            failed = self._loop[1](self._fn_addr, self._queue, len(prepared.kernels), repeat,
+                                   prepared.handles.ctypes.data, prepared.sizes.ctypes.data, _c.byref(self._rc))
+            if failed >= 0:
+                self._failed(prepared.kernels[failed], self._rc.value)
+            return
         fn, queue = self._fn, self._queue
-        for kern, gsize, lsize, k in prepared:
-            rc = fn(queue, kern, 2, None, gsize, lsize, 0, None, None)
-            if rc:
-                raise OpenCLError(f"{self.queue.device.name.strip()}: launching kernel {k.function_name} "
-                                  f"failed ({_ERRORS.get(rc, rc)})")
+        for _ in range(repeat):
+            for (kern, gsize, lsize), k in zip(prepared.calls, prepared.kernels):
+                rc = fn(queue, kern, 2, None, gsize, lsize, 0, None, None)
+                if rc:
+                    self._failed(k, rc)
+
+    def _failed(self, kernel: Any, rc: int) -> None:
+        raise OpenCLError(f"{self.queue.device.name.strip()}: launching kernel {kernel.function_name} "
+                          f"failed ({_ERRORS.get(rc, rc)})")
 
 
 class CommandBuffer:

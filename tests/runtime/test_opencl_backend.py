@@ -19,7 +19,7 @@ from llmrs.compiler import quant  # noqa: E402
 from llmrs.compiler.ir import Graph, LazyTensor  # noqa: E402
 from llmrs.runtime.backends.opencl import (OpenCLBackend, OpenCLError, build_program, device_options,  # noqa: E402
                                            from_split_blocks, pick_device, split_region, to_split_blocks)
-from llmrs.runtime.backends.opencl_launch import icd_loader  # noqa: E402
+from llmrs.runtime.backends.opencl_launch import DirectLaunches, icd_loader  # noqa: E402
 from llmrs.runtime.plan import Plan  # noqa: E402
 
 from ..conftest import DATA  # noqa: E402
@@ -221,14 +221,16 @@ def test_q8_0_kv_cache_runs_end_to_end_with_the_interpreters_greedy_tokens(tmp_p
     assert toks_cl == toks_ref
 
 
-@pytest.mark.parametrize("launch", ["command_buffers", "no_events", "pyopencl"])
+@pytest.mark.parametrize("launch", ["command_buffers", "no_events", "no_events_python_loop", "pyopencl"])
 def test_greedy_steps_enqueued_at_once_give_the_tokens_of_step_by_step_greedy(tmp_path, monkeypatch, launch):
     monkeypatch.setenv("LLMRS_OPENCL_NO_COMMAND_BUFFER", "0" if launch == "command_buffers" else "1")
     be = OpenCLBackend(_plan(tmp_path, "golden-b", "q4_0", "f16"))
     if launch == "command_buffers" and not be.use_command_buffers:
         pytest.skip(f"{be.device_name} has no cl_khr_command_buffer")
     if launch == "no_events":
-        assert be.direct is not None
+        assert be.direct is not None and be.direct.native    # one native loop a launch list
+    if launch == "no_events_python_loop":
+        be.direct = DirectLaunches(be.queue, native=False)
     if launch == "pyopencl":
         be.direct = None
     first = int(be.run("prefill", PROMPT[:8], 0, 0, want="argmax")[-1])
@@ -241,6 +243,24 @@ def test_greedy_steps_enqueued_at_once_give_the_tokens_of_step_by_step_greedy(tm
         assert got.dtype == np.int32 and got.tolist() == want
     # a 13-step batch continues the 12-step one as a plain step after it does
     assert be.run_argmax("decode", got[-1:], 20, 20).tolist() == [int(be.run_greedy_steps(first, 8, 8, 13)[-1])]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_launch_the_driver_refuses_is_a_one_line_error_naming_its_kernel(tmp_path, native):
+    """Both launch loops stop at the refused launch and name it (a group larger than the device
+    takes: CL_INVALID_WORK_GROUP_SIZE), after enqueuing the launches before it."""
+    be = OpenCLBackend(_plan(tmp_path, "golden-b", "q4_0", "f16"))
+    direct = DirectLaunches(be.queue, native=native)
+    assert direct.native == native
+    launches = be._step_launches("decode", 1)
+    k, g, _ = launches[1]
+    too_big = be.device.max_work_group_size * 2
+    bad = [launches[0], (k, (too_big, g[1]), (too_big, 1))]
+    be.enqueue("decode", np.array([3], np.int32), 0, 0, kernels=False)   # the step's scalars and token
+    with pytest.raises(OpenCLError, match=f"launching kernel {k.function_name} failed \\(CL_INVALID_WORK_GROUP_SIZE\\)"):
+        direct.enqueue(direct.prepare(bad), repeat=2)
+    be.queue.finish()
+    direct.enqueue(direct.prepare(launches[:0]))     # an empty list enqueues nothing
 
 
 def test_greedy_steps_past_the_kv_cache_are_refused_in_one_line(tmp_path):
