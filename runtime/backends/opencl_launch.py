@@ -70,6 +70,8 @@ def _native_loop(enqueue_addr: int) -> tuple[Any, Callable[..., int]] | None:
 
         i64 llmrs_enqueue(fn, queue, n, repeat, kernels[n], sizes[n][4], rc*)
     returns -1 when every launch went, else the index of the launch that failed (its error in rc)."""
+    if _c.sizeof(_c.c_size_t) != 8:   # the sizes are passed as 64-bit words
+        return None
     try:
         import llvmlite.binding as llvm
         from llvmlite import ir
