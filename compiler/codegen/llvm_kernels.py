@@ -378,9 +378,13 @@ def _attention(kb: KernelBuilder, graph: Graph, op: Op) -> None:
     kdt, vdt = cache_dtype(graph, op.inputs[1]), cache_dtype(graph, op.inputs[2])
     group, chunks = h // kvh, head_chunks(hd, lanes)
     # E = 3 for groups of 3 (SmolLM2's 9 heads over 3 KV heads): a K/V vector serves the whole
-    # group (8 rows at 700 slots: 11.8 -> 10.7 ms a step); 4 heads' output rows and queries would
-    # not fit the 32 vector registers at head_dim 64
-    E = 2 if group % 2 == 0 else 3 if group % 3 == 0 else 1
+    # group (8 rows at 700 slots: 11.8 -> 10.7 ms a step). E = 4 with AVX-512 at head_dim <= 64
+    # (the 1B's groups of 4): its queries and output rows fill the 32 registers, but each K/V row
+    # then comes from DRAM once, not once for each pair of heads (Zen 5, 2 threads, the 1B's
+    # decode step after 2000 tokens 21.4 -> 17.6 ms; every head's sums are unchanged, so the bits
+    # are; BENCHMARKS.md round 21)
+    E = (4 if group % 4 == 0 and lanes == 16 and hd <= 64 else
+         2 if group % 2 == 0 else 3 if group % 3 == 0 else 1)
     # head rows of whole vectors: the L slots' dot products are summed across lanes together
     # (LaneSums: hsum's additions, 2 (L - 1) shuffles for L slots where L hsums took L log2 L)
     whole = hd % lanes == 0

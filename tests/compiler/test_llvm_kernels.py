@@ -232,9 +232,10 @@ def test_attention_with_an_odd_gqa_group_matches_interpreter():
 
 # (n_heads, n_kv_heads, head_dim, kv dtype): head dims that are no multiple of the vector width
 # (100 on AVX2 / AVX-512, 120 and 80 on AVX-512's 16 lanes, 34 ending in 2 lanes), MHA, MQA and
-# a GQA group of 3
+# a GQA group of 3; groups of 4 and 8 at head_dim <= 64 (four heads a work item on AVX-512)
 ODD_HEADS = [(3, 3, 48, "f16"), (2, 1, 80, "f32"), (9, 3, 96, "q8_0"), (2, 2, 100, "f16"), (8, 1, 100, "f32"),
-             (3, 1, 120, "f16"), (2, 1, 256, "q8_0"), (2, 2, 34, "f32"), (6, 2, 96, "q4_0")]
+             (3, 1, 120, "f16"), (2, 1, 256, "q8_0"), (2, 2, 34, "f32"), (6, 2, 96, "q4_0"), (8, 2, 64, "f16"),
+             (16, 2, 32, "q8_0"), (4, 1, 16, "f32")]
 
 
 @pytest.mark.parametrize("target", sorted(TARGETS))
