@@ -16,6 +16,7 @@ a launch: greedy decode on the H200 ran 1.27-1.32x faster for it on the q4_0 / q
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -59,6 +60,7 @@ def icd_loader() -> Any:
 Launch = tuple[Any, tuple[int, int], tuple[int, int]]   # (pyopencl Kernel, global size, local size)
 
 
+@functools.lru_cache(maxsize=None)   # one JIT a process and driver, however many back ends load
 def _native_loop(enqueue_addr: int) -> tuple[Any, Callable[..., int]] | None:
     """A native function that calls clEnqueueNDRangeKernel (at enqueue_addr) for every launch of
     a list, `repeat` times over; (its JIT engine, to keep alive; the function), or None where the
