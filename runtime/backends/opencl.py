@@ -26,6 +26,7 @@ from .base import Backend, StepRows
 # the parts' public names, importable from here as before the split
 from .opencl_device import INSTALL_OPENCL, OpenCLError, _cl, list_devices, pick_device
 from .opencl_launch import GREEDY_MAX_STEPS, Bound, CommandBuffer, DirectLaunches, bind_program
+from .opencl_chain import ChainedStep, ChainError, ChainProgram
 from .opencl_persistent import PersistentError, PersistentProgram, PersistentStep
 from .opencl_memory import (ALIGN, DeviceMemory, Region, from_split_blocks, naive_layout, pack_weights,
                             split_region, to_split_blocks)
@@ -141,6 +142,13 @@ class OpenCLBackend(Backend):
         # (opencl_persistent.py). Off by default: on the H200 it ran 0.75-0.82x the launches on
         # the default f16 plans (BENCHMARKS.md round 20)
         self.persistent = os.environ.get("LLMRS_OPENCL_PERSISTENT", "") == "1"
+        # chained launches (opencl_chain.py): a layer's matvecs as one launch. On by default on
+        # NVIDIA, where a launch boundary costs the device ~6 us; LLMRS_OPENCL_CHAIN=1 / 0 forces
+        chain = os.environ.get("LLMRS_OPENCL_CHAIN", "")
+        self.chained = chain == "1" or (chain == "" and "NVIDIA" in self.device.platform.vendor.upper())
+        self._chains: dict[tuple[Any, ...], ChainedStep | None] = {}
+        self._chain_program: ChainProgram | None = None
+        self._chain_abort: Any = None
         self.scratch_buf, self.result_buf, self.staging_buf, self.steps_buf = b.scratch, b.result, b.staging, b.steps
 
     # -- the KV cache shared with another back end (runtime/backends/hybrid.py) ---------------
@@ -341,27 +349,69 @@ class OpenCLBackend(Backend):
                 self.build_notes.append(f"{err}; launching kernel by kernel")
         return self._persistent[key]
 
-    def _enqueue_decode(self, key: tuple[Any, ...], launches: list[tuple[Any, tuple[int, int], tuple[int, int]]],
-                        repeat: int = 1) -> PersistentStep | None:
-        """A one-token decode step's launches `repeat` times over, as one persistent kernel each
-        where the back end runs them (then returned: its abort word is read with the step's
-        result, so the caller checks pk.aborted() after its blocking read), else kernel by kernel."""
-        pk = self._persistent_step(key, launches)
-        if pk is None:
-            self._enqueue_launches(key, launches, repeat)
+    def _chained_step(self, key: tuple[Any, ...], launches: list[tuple[Any, tuple[int, int], tuple[int, int]]]
+                      ) -> ChainedStep | None:
+        """The launch list with its runs of matvecs chained (opencl_chain.py), built on first
+        use; None where the back end does not chain (off, or the list cannot be: the reason goes
+        to build_notes once)."""
+        if not self.chained:
             return None
-        self._enqueue_launches(key + ("persistent",), [pk.launch], repeat)
-        pk.read_status()
-        return pk
+        if key not in self._chains:
+            cl = _cl()
+            try:
+                if self._chain_program is None:   # one program for decode's three launch lists
+                    union = list(self._step_launches("decode", 1))
+                    union += [(b.kernel, b.global_size(1), (b.local, 1))
+                              for b in ([self.greedy["decode"]] if "decode" in self.greedy else [])
+                              + ([self.advance] if self.advance else [])]
+                    sizes = [lsize[0] for k, _, lsize in union if k.function_name == "matvec"]
+                    if not sizes:
+                        raise ChainError("chained decode: the decode step has no matvec")
+                    group = max(set(sizes), key=sizes.count)
+                    self._chain_program = ChainProgram(self.ctx, self.device, union, self._bound_of,
+                                                       self.program["sources"], self.build_options, group)
+                    self._chain_abort = cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR,
+                                                  hostbuf=np.zeros(1, np.int32))
+                self._chains[key] = ChainedStep(self._chain_program, self.queue, launches, self._bound_of,
+                                                self._chain_abort)
+            except PersistentError as err:   # ChainError too
+                self._chains[key] = None
+                self.build_notes.append(f"{err}; launching kernel by kernel")
+        return self._chains[key]
 
-    def _persistent_aborted(self, pk: PersistentStep) -> None:
-        """A persistent step gave up waiting at a grid barrier (its groups were not all resident):
-        the caller reruns the step launch by launch, as every later step runs."""
+    def _enqueue_decode(self, key: tuple[Any, ...], launches: list[tuple[Any, tuple[int, int], tuple[int, int]]],
+                        repeat: int = 1) -> PersistentStep | ChainedStep | None:
+        """A one-token decode step's launches `repeat` times over: as one persistent kernel each
+        where the back end runs them, else with its matvec runs chained where it chains (either
+        returned: its abort word is read with the step's result, so the caller checks
+        aborted() after its blocking read), else kernel by kernel."""
+        pk = self._persistent_step(key, launches)
+        if pk is not None:
+            self._enqueue_launches(key + ("persistent",), [pk.launch], repeat)
+            pk.read_status()
+            return pk
+        ch = self._chained_step(key, launches)
+        if ch is not None:
+            self._enqueue_launches(key + ("chained",), ch.launches, repeat)
+            ch.read_status()
+            return ch
+        self._enqueue_launches(key, launches, repeat)
+        return None
+
+    def _persistent_aborted(self, pk: PersistentStep | ChainedStep) -> None:
+        """A persistent step gave up waiting at a grid barrier (its groups were not all resident),
+        or a chain at one of its waits: the caller reruns the step launch by launch, as every
+        later step runs."""
         pk.reset_sync()
         self.queue.finish()
-        self.persistent = False
-        note = (f"{self.device_name}: a persistent decode step timed out at a grid barrier (its groups were not "
-                "all resident); launching kernel by kernel from now on")
+        if isinstance(pk, ChainedStep):
+            self.chained = False
+            note = (f"{self.device_name}: a chained decode step timed out waiting on a launch of its chain; "
+                    "launching kernel by kernel from now on")
+        else:
+            self.persistent = False
+            note = (f"{self.device_name}: a persistent decode step timed out at a grid barrier (its groups were not "
+                    "all resident); launching kernel by kernel from now on")
         warnings.warn(note)
         self.build_notes.append(note)
 

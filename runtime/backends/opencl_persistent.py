@@ -276,6 +276,43 @@ inline int pk_grid_sync(__global volatile int* sync, int target, int spin_limit,
 """
 
 
+def call_args(kinds: list[str], n_buffers: int) -> list[str]:
+    """A variant's call arguments read from its table record r (words from r[3] on, as
+    _arg_words wrote them)."""
+    allb = ", ".join(f"pk_b{i}" for i in range(n_buffers))
+    args, w = [], 3
+    for k in kinds:
+        if k == "b":
+            args.append(f"pk_buf(r[{w}], {allb})")
+            w += 1
+        elif k == "o":
+            args.append(f"((ulong)(uint)r[{w}] | ((ulong)(uint)r[{w + 1}] << 32))")
+            w += 2
+        elif k == "i":
+            args.append(f"r[{w}]")
+            w += 1
+        else:
+            args.append(f"as_float(r[{w}])")
+            w += 1
+    # the kernel's first argument is the step buffer (const int*)
+    args[0] = f"(__global const int*){args[0]}"
+    return args
+
+
+def buffer_switch(n_buffers: int) -> str:
+    """pk_buf(i, buffers...): the dispatcher's i-th buffer."""
+    bufs = ", ".join(f"__global uchar* pk_b{i}" for i in range(n_buffers))
+    pick = "\n".join(f"        case {i}: return pk_b{i};" for i in range(n_buffers))
+    return f"""
+inline __global uchar* pk_buf(int i, {bufs}) {{
+    switch (i) {{
+{pick}
+    }}
+    return pk_b0;
+}}
+"""
+
+
 def build_source(variants: list[Variant], kinds: list[list[str]], group: int, pool: int, n_buffers: int,
                  named_barriers: bool) -> tuple[str, int]:
     """The whole program text: prelude, variants, dispatcher; and the table's record stride."""
@@ -288,34 +325,10 @@ def build_source(variants: list[Variant], kinds: list[list[str]], group: int, po
     words = [sum({"b": 1, "o": 2, "i": 1, "f": 1}[k] for k in ks) for ks in kinds]
     stride = 3 + max(words)
     bufs = ", ".join(f"__global uchar* pk_b{i}" for i in range(n_buffers))
-    pick = "\n".join(f"        case {i}: return pk_b{i};" for i in range(n_buffers))
-    parts.append(f"""
-inline __global uchar* pk_buf(int i, {bufs}) {{
-    switch (i) {{
-{pick}
-    }}
-    return pk_b0;
-}}
-""")
+    parts.append(buffer_switch(n_buffers))
     cases = []
-    allb = ", ".join(f"pk_b{i}" for i in range(n_buffers))
     for i, (v, ks, fn) in enumerate(zip(variants, kinds, fns)):
-        args, w = [], 3
-        for k in ks:
-            if k == "b":
-                args.append(f"pk_buf(r[{w}], {allb})")
-                w += 1
-            elif k == "o":
-                args.append(f"((ulong)(uint)r[{w}] | ((ulong)(uint)r[{w + 1}] << 32))")
-                w += 2
-            elif k == "i":
-                args.append(f"r[{w}]")
-                w += 1
-            else:
-                args.append(f"as_float(r[{w}])")
-                w += 1
-        # the kernel's first argument is the step buffer (const int*)
-        args[0] = f"(__global const int*){args[0]}"
+        args = call_args(ks, n_buffers)
         per = group // v.local
         cases.append(f"""        case {i}: {{
             int sub = (int)get_local_id(0) / {v.local};

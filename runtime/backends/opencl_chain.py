@@ -1,0 +1,257 @@
+"""Chained launches: a run of dependent decode kernels as one launch, its work-groups ordered by
+tickets and synchronised by counters in global memory, so no group waits on one that has not
+started.
+
+Why: on NVIDIA's OpenCL driver every launch boundary costs the device about 6 us even when the
+host is out of the way (tools/profile_decode_gpu.py: 400 empty kernels queued behind a user event,
+then released, ran at 6.1-6.8 us each on the H200), and a decode step is 82 (Llama-3.2-1B) to 142
+(Qwen3-0.6B) launches: the boundaries, not the kernels' bytes, set its pace (a Qwen3-0.6B q4_0
+step took 855 us on the device, 142 x 6.0). A layer's matvecs (o_proj, gate_up, down, then the
+next layer's QKV) are consecutive launches of one work-group size; chained, a layer is two
+launches (that chain and the attention) instead of five.
+
+How. The kernels' variants are pasted into one program as the persistent kernel pastes them
+(opencl_persistent.py variant_source: each a function of its virtual group id). A chain's grid is
+every group of its launches together. A group's first act is to take a ticket (an atomic counter):
+tickets map in order onto the launches' groups, so the groups of launch i hold lower tickets than
+any of launch i + 1. A group of launch i > 0 waits until launch i - 1's done counter reaches its
+group count, runs its virtual group, and adds itself to launch i's counter. A group waits only
+on groups with lower tickets, each of which has started (it took its ticket) and waits in turn
+only on lower ones: every wait ends with no assumption about how many groups are resident at
+once, unlike a grid barrier (the persistent kernel's, which needs them all). Launch i + 1 starts
+after launch i has wholly finished, as in the in-order queue, so what one launch reads or writes
+is ordered against every other as before: the same bits.
+
+The watchdog: a wait is bounded (SPIN_LIMIT reads); a group that gives up sets an abort word
+shared by the step's chains, every later group sees it and returns, and the back end reruns the
+step launch by launch and stops chaining (runtime/backends/opencl.py). The last group out of a
+chain zeroes its counters for the next step.
+
+    LLMRS_OPENCL_CHAIN=1   chain wherever it builds (tests: PoCL)
+    LLMRS_OPENCL_CHAIN=0   never; unset: on NVIDIA devices, where it was measured
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from .opencl_device import _cl
+from .opencl_persistent import (_LOCAL_DECL, _PRELUDE, SPIN_LIMIT, PersistentError, Variant, _arg_words, _items,
+                                _variant_key, buffer_switch, call_args, variant_source)
+
+CHAINABLE = frozenset({"matvec"})     # kernels a chain joins (their bodies end without early returns
+                                      # around barriers, and they read no group-size queries but those
+                                      # variant_source redefines)
+Launch = tuple[Any, tuple[int, int], tuple[int, int]]
+
+
+class ChainError(PersistentError):
+    """The launch list cannot be chained here (the caller keeps launching kernel by kernel)."""
+
+
+def chain_runs(launches: list[Launch], group: int) -> list[tuple[int, int]]:
+    """(start, stop) of each run of two or more consecutive chainable launches of `group`
+    threads a group."""
+    runs, start = [], None
+    for i, (k, _, lsize) in enumerate([*launches, (None, (0, 0), (0, 0))]):
+        ok = k is not None and k.function_name in CHAINABLE and lsize[0] == group
+        if ok and start is None:
+            start = i
+        elif not ok and start is not None:
+            if i - start >= 2:
+                runs.append((start, i))
+            start = None
+    return runs
+
+
+def chain_source(variants: list[Variant], kinds: list[list[str]], group: int, pool: int, n_buffers: int
+                 ) -> tuple[str, int]:
+    """The program text: prelude, variants, the chain dispatcher; and the table's record stride."""
+    parts = [_PRELUDE]
+    fns = []
+    for i, v in enumerate(variants):
+        text, fn = variant_source(v, f"v{i}", group, named_barriers=False)
+        parts.append(text)
+        fns.append(fn)
+    words = [sum({"b": 1, "o": 2, "i": 1, "f": 1}[k] for k in ks) for ks in kinds]
+    stride = 3 + max(words)
+    bufs = ", ".join(f"__global uchar* pk_b{i}" for i in range(n_buffers))
+    parts.append(buffer_switch(n_buffers))
+    # each call in a loop of one trip whose bounds PoCL cannot see through, a barrier closing
+    # it: the form of the persistent dispatcher, which PoCL compiles right (a plain call in a
+    # switch of several variants gave every group but the first wrong results there)
+    cases = "\n".join(f"        case {i}: for (int v = vg; v < n_vg; v += n_vg) {{ {fn}(pk_pool, v % r[1], v / r[1], "
+                      f"r[1], r[2], {', '.join(call_args(ks, n_buffers))}); PK_ITER_BARRIER }} break;"
+                      for i, (ks, fn) in enumerate(zip(kinds, fns)))
+    parts.append(f"""
+// table: [launches, groups in all], then per launch [variant, groups dim 0, groups dim 1, arguments]
+// sync: [tickets, groups out, done[launch]...]; abort: one word shared by a step's chains
+#ifdef USE_NV_PTX
+// the group size fixed: NVIDIA's compiler then keeps the registers to what {group} threads may have
+__kernel __attribute__((reqd_work_group_size({group}, 1, 1)))
+#else
+__kernel
+#endif
+void pk_chain({bufs}, __global const int* pk_table, __global volatile int* pk_sync,
+              __global volatile int* pk_abort, int pk_spin) {{
+    __local uchar pk_pool[{pool}] __attribute__((aligned(16)));
+    __local int pk_at[2];
+    int n_ops = pk_table[0], total = pk_table[1];
+    if (get_local_id(0) == 0) {{
+        int t = atomic_inc(pk_sync), op = 0, first = 0;
+        for (; op < n_ops - 1; op++) {{
+            __global const int* q = pk_table + 2 + op * {stride};
+            if (t < first + q[1] * q[2]) break;
+            first += q[1] * q[2];
+        }}
+        int ok = !pk_abort[0];
+        if (ok && op > 0) {{
+            __global const int* p = pk_table + 2 + (op - 1) * {stride};
+            int need = p[1] * p[2];
+            for (int spins = 0; PK_ARRIVED(pk_sync + 2 + op - 1) < need; spins++) {{
+                if (pk_abort[0] || spins > pk_spin) {{
+                    atomic_xchg(pk_abort, 1);   // every later group returns at once
+                    ok = 0;
+                    break;
+                }}
+            }}
+        }}
+        pk_fence();                     // the previous launch's writes before this group reads them
+        pk_at[0] = ok ? op : -1;
+        pk_at[1] = t - first;
+    }}
+    barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
+    int op = pk_at[0], vg = pk_at[1];
+    // no branch around the switch and barrier (PoCL compiles barriers under a branch it cannot
+    // prove uniform wrongly): an aborted group's switch matches no case
+    __global const int* r = pk_table + 2 + (op < 0 ? 0 : op) * {stride};
+    int n_vg = op < 0 ? 0 : r[1] * r[2];
+    switch (op < 0 ? -1 : r[0]) {{
+{cases}
+    }}
+    barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
+    if (get_local_id(0) == 0) {{
+        pk_fence();                     // this group's writes before its count
+        if (op >= 0) atomic_inc(pk_sync + 2 + op);
+        // the last group out zeroes the counters (every other group has left its wait)
+        if (atomic_inc(pk_sync + 1) == total - 1)
+            for (int i = 0; i < n_ops + 2; i++) pk_sync[i] = 0;
+    }}
+}}
+""")
+    return "\n".join(parts), stride
+
+
+class ChainProgram:
+    """The chain dispatcher for every chainable variant of `launches` (the union of the decode
+    launch lists it will run) whose groups are `group` threads, built once."""
+
+    def __init__(self, ctx: Any, device: Any, launches: list[Launch], bound: dict[int, Any],
+                 sources: dict[str, str], device_opts: list[str], group: int):
+        from .opencl_program import build_program
+        cl = _cl()
+        self.ctx, self.device, self.group = ctx, device, group
+        items = _items([x for x in launches if x[0].function_name in CHAINABLE and x[2][0] == group], bound)
+        if not items:
+            raise ChainError("chained decode: no chainable launches")
+        self.buffers: list[Any] = []
+        self.index: dict[int, int] = {}
+        for b, *_ in items:
+            for a in b.args:
+                if isinstance(a, cl.MemoryObjectHolder) and a.int_ptr not in self.index:
+                    self.index[a.int_ptr] = len(self.buffers)
+                    self.buffers.append(a)
+        self.variants: dict[tuple[Any, ...], int] = {}
+        vlist: list[Variant] = []
+        kinds: list[list[str]] = []
+        pool = 16
+        for b, name, _, _, local in items:
+            key = _variant_key(b, name, local)
+            if key in self.variants:
+                continue
+            self.variants[key] = len(vlist)
+            vlist.append(Variant(sources[b.family], b.options, name, local))
+            kinds.append([kind for kind, _ in _arg_words(list(b.args))])
+            used = int(b.kernel.get_work_group_info(cl.kernel_work_group_info.LOCAL_MEM_SIZE, device))
+            decls = len(_LOCAL_DECL.findall(sources[b.family]))
+            pool = max(pool, -(-(used + 16 * (decls + 1)) // 16) * 16)
+        if pool > device.local_mem_size:
+            raise ChainError(f"chained decode: {pool} B of local memory a group; the device has {device.local_mem_size}")
+        self.spin = int(os.environ.get("LLMRS_OPENCL_PERSISTENT_SPIN", "0") or 0) or (
+            SPIN_LIMIT if device.type & cl.device_type.GPU else SPIN_LIMIT << 6)
+        source, self.stride = chain_source(vlist, kinds, group, pool, len(self.buffers))
+        if os.environ.get("LLMRS_OPENCL_CHAIN_DUMP"):
+            with open(os.environ["LLMRS_OPENCL_CHAIN_DUMP"], "w") as f:
+                f.write(source)
+        try:
+            self.program = build_program(ctx, device, source, list(device_opts), "chained decode")
+        except PersistentError as err:
+            raise ChainError(str(err)) from None
+        except Exception as err:   # OpenCLError from the build
+            raise ChainError(str(err)) from None
+        probe = cl.Kernel(self.program, "pk_chain")
+        wg = int(probe.get_work_group_info(cl.kernel_work_group_info.WORK_GROUP_SIZE, device))
+        if wg < group:
+            raise ChainError(f"chained decode: the kernel takes at most {wg} threads a group here, not {group}")
+        self.private_bytes = int(probe.get_work_group_info(cl.kernel_work_group_info.PRIVATE_MEM_SIZE, device))
+
+
+class ChainedStep:
+    """A decode launch list with each run of chainable launches replaced by one chain launch:
+    `launches` is what a step enqueues; after the step's blocking read, aborted() says whether
+    a chain gave up waiting (read_status enqueued the read)."""
+
+    def __init__(self, program: ChainProgram, queue: Any, launches: list[Launch], bound: dict[int, Any],
+                 abort: Any):
+        cl = _cl()
+        p = program
+        self.queue, self.abort = queue, abort
+        self.syncs: list[Any] = []
+        self.kernels: list[Any] = []
+        out: list[Launch] = []
+        at = 0
+        for start, stop in chain_runs(launches, p.group):
+            out += launches[at:start]
+            items = _items(launches[start:stop], bound)
+            table = np.zeros(2 + p.stride * len(items), np.int32)
+            table[0] = len(items)
+            table[1] = sum(g0 * g1 for _, _, g0, g1, _ in items)
+            for i, (b, name, g0, g1, local) in enumerate(items):
+                key = _variant_key(b, name, local)
+                if key not in p.variants:
+                    raise ChainError(f"chained decode: {name} is not in the built program")
+                words = [w for _, ws in _arg_words(list(b.args), p.index) for w in ws]
+                table[2 + i * p.stride: 2 + i * p.stride + 3 + len(words)] = [p.variants[key], g0, g1, *words]
+            mf = cl.mem_flags
+            tbuf = cl.Buffer(p.ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=table)
+            sync = cl.Buffer(p.ctx, mf.READ_WRITE | mf.COPY_HOST_PTR, hostbuf=np.zeros(2 + len(items), np.int32))
+            k = cl.Kernel(p.program, "pk_chain")
+            k.set_args(*p.buffers, tbuf, sync, abort, np.int32(p.spin))
+            self.syncs.append((sync, 2 + len(items), tbuf))
+            self.kernels.append(k)
+            out.append((k, (int(table[1]) * p.group, 1), (p.group, 1)))
+            at = stop
+        out += launches[at:]
+        if not self.kernels:
+            raise ChainError("chained decode: no run of two or more chainable launches")
+        self.launches = out
+        self.n_chained = len(launches) - len(out) + len(self.kernels)
+        self._status = np.zeros(1, np.int32)
+
+    def read_status(self) -> None:
+        """Enqueue the read of the abort word (the step's own blocking read that follows waits
+        for it)."""
+        _cl().enqueue_copy(self.queue, self._status, self.abort, is_blocking=False)
+
+    def aborted(self) -> bool:
+        return bool(self._status[0])
+
+    def reset_sync(self, abort: bool = False) -> None:
+        """Zero the abort word and every chain's counters (abort=True: set the word instead, so
+        the next step's chains return at once: tests of the fallback)."""
+        cl = _cl()
+        for sync, n, _ in self.syncs:
+            cl.enqueue_copy(self.queue, sync, np.zeros(n, np.int32), is_blocking=True)
+        cl.enqueue_copy(self.queue, self.abort, np.array([int(abort)], np.int32), is_blocking=True)
