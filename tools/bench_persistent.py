@@ -111,7 +111,15 @@ def main() -> None:
             prog = fused._chain_program
             r["group"] = prog.group if prog else 0
             r["private_bytes"] = prog.private_bytes if prog else 0
-            shape = f"{r['fused_launches_per_step']} chained (groups of {r['group']}, {r['private_bytes']} B private)"
+            r["registers"], r["spill_stores"] = (prog.registers, prog.spills) if prog else ([], [])
+            r["kernel_max_wg"] = prog.max_group if prog else 0
+            r["standalone_max_wg"] = sorted({int(k.get_work_group_info(0x11B0, fused.device))
+                                             for k, *_ in fused._step_launches("decode", 1)
+                                             if k.function_name == "matvec"})
+            shape = (f"{r['fused_launches_per_step']} chained (groups of {r['group']}, {r['private_bytes']} B private, "
+                     f"registers {r['registers'][:4]}, spill stores {r['spill_stores'][:4]}; largest group: chain "
+                     f"{r['kernel_max_wg']}, the matvecs alone {r['standalone_max_wg']}; "
+                     f"{os.environ.get('LLMRS_OPENCL_CHAIN_MAX', '')})")
         for greedy in (True, False):
             runs: dict[str, list[float]] = {name: [] for name in bes}
             for name, be in bes.items():   # warm-up: builds, first launches

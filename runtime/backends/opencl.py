@@ -142,10 +142,10 @@ class OpenCLBackend(Backend):
         # (opencl_persistent.py). Off by default: on the H200 it ran 0.75-0.82x the launches on
         # the default f16 plans (BENCHMARKS.md round 20)
         self.persistent = os.environ.get("LLMRS_OPENCL_PERSISTENT", "") == "1"
-        # chained launches (opencl_chain.py): a layer's matvecs as one launch. On by default on
-        # NVIDIA, where a launch boundary costs the device ~6 us; LLMRS_OPENCL_CHAIN=1 / 0 forces
-        chain = os.environ.get("LLMRS_OPENCL_CHAIN", "")
-        self.chained = chain == "1" or (chain == "" and "NVIDIA" in self.device.platform.vendor.upper())
+        # LLMRS_OPENCL_CHAIN=1: a layer's matvecs as one launch (opencl_chain.py). Off by default:
+        # on the H100 the f16 1B ran 0.57x the launches, and q4_0 plans' 512-thread chains cannot
+        # launch there (BENCHMARKS.md round 22)
+        self.chained = os.environ.get("LLMRS_OPENCL_CHAIN", "") == "1"
         self._chains: dict[tuple[Any, ...], ChainedStep | None] = {}
         self._chain_program: ChainProgram | None = None
         self._chain_abort: Any = None

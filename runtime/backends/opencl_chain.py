@@ -4,7 +4,7 @@ started.
 
 Why: on NVIDIA's OpenCL driver every launch boundary costs the device about 6 us even when the
 host is out of the way (tools/profile_decode_gpu.py: 400 empty kernels queued behind a user event,
-then released, ran at 6.1-6.8 us each on the H200), and a decode step is 82 (Llama-3.2-1B) to 142
+then released, ran at 5.4-6.8 us each on the H200), and a decode step is 82 (Llama-3.2-1B) to 142
 (Qwen3-0.6B) launches: the boundaries, not the kernels' bytes, set its pace (a Qwen3-0.6B q4_0
 step took 855 us on the device, 142 x 6.0). A layer's matvecs (o_proj, gate_up, down, then the
 next layer's QKV) are consecutive launches of one work-group size; chained, a layer is two
@@ -24,15 +24,31 @@ is ordered against every other as before: the same bits.
 
 The watchdog: a wait is bounded (SPIN_LIMIT reads); a group that gives up sets an abort word
 shared by the step's chains, every later group sees it and returns, and the back end reruns the
-step launch by launch and stops chaining (runtime/backends/opencl.py). The last group out of a
-chain zeroes its counters for the next step.
+step launch by launch and stops chaining (runtime/backends/opencl.py). A chain's last launch's
+last group zeroes its counters for the next step (every other group has made its last access).
 
-    LLMRS_OPENCL_CHAIN=1   chain wherever it builds (tests: PoCL)
-    LLMRS_OPENCL_CHAIN=0   never; unset: on NVIDIA devices, where it was measured
+Measured (BENCHMARKS.md round 22, H100): the same bits and tokens as the launches everywhere, but
+no gain. The 1B f16 plan's 83 launches a step became 35, yet ran 0.57x their speed; as 83 chains
+of one launch each (LLMRS_OPENCL_CHAIN_MAX=1: the launch count unchanged) 0.56x, so a chain's
+groups themselves are slower, not the chaining: each pays a serial preamble (a ticket's round
+trip to L2, the table's reads, a fence) before its first weight load, where a plain launch's
+group starts loading at once. Register bounds did not help (-cl-nv-maxrregcount=64 / 96: 1476 /
+552 B of spill stores, 0.47x / 0.62x). The q4_0 / q4_1 plans' 512-thread matvecs do not chain: the
+driver reports the chain kernel takes at most 256 threads a group even where ptxas gives it 112-128
+registers, and launched at 512 anyway it faulted (OUT_OF_RESOURCES at the next read), as the
+persistent kernel's 256-thread q4_0 groups did in round 20. So it is off unless asked; what it
+needs before it can win is a preamble hidden behind weight loads (a group taking its next ticket
+while it works on the current one, or the wait moved into the matvec after its first batch).
+
+    LLMRS_OPENCL_CHAIN=1          chain wherever it builds
+    LLMRS_OPENCL_CHAIN_REGS=N     NVIDIA: -cl-nv-maxrregcount=N (default 65536 / group threads)
+    LLMRS_OPENCL_CHAIN_MAX=N      at most N launches a chain (1: each its own, to measure a chain's cost)
+    LLMRS_OPENCL_CHAIN_DUMP=FILE  the generated program's text, to read
 """
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -51,25 +67,38 @@ class ChainError(PersistentError):
     """The launch list cannot be chained here (the caller keeps launching kernel by kernel)."""
 
 
-def chain_runs(launches: list[Launch], group: int) -> list[tuple[int, int]]:
+def chain_runs(launches: list[Launch], group: int, longest: int = 0) -> list[tuple[int, int]]:
     """(start, stop) of each run of two or more consecutive chainable launches of `group`
-    threads a group."""
+    threads a group, cut into runs of at most `longest` launches where it is given (1: every
+    chainable launch a chain of its own, for measuring what a chain's groups cost)."""
     runs, start = [], None
     for i, (k, _, lsize) in enumerate([*launches, (None, (0, 0), (0, 0))]):
         ok = k is not None and k.function_name in CHAINABLE and lsize[0] == group
         if ok and start is None:
             start = i
         elif not ok and start is not None:
-            if i - start >= 2:
-                runs.append((start, i))
+            if i - start >= min(2, longest or 2):
+                step = longest or i - start
+                runs += [(a, min(a + step, i)) for a in range(start, i, step)]
             start = None
     return runs
 
 
-def chain_source(variants: list[Variant], kinds: list[list[str]], group: int, pool: int, n_buffers: int
-                 ) -> tuple[str, int]:
+# between two reads of a counter: fewer reads of one L2 line while its launch's groups count
+_PAUSE = {True: '#define PK_PAUSE() asm volatile("nanosleep.u32 64;")\n', False: "#define PK_PAUSE()\n"}
+# a chain orders one group's writes before its count and another's reads after seeing it:
+# release / acquire at GPU scope, cheaper than membar.gl's sequential consistency
+_FENCE = {True: 'inline void pk_cfence(void) { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }\n',
+          False: "inline void pk_cfence(void) { mem_fence(CLK_GLOBAL_MEM_FENCE); }\n"}
+
+
+def chain_source(variants: list[Variant], kinds: list[list[str]], group: int, pool: int, n_buffers: int,
+                 nvidia: bool) -> tuple[str, int]:
     """The program text: prelude, variants, the chain dispatcher; and the table's record stride."""
-    parts = [_PRELUDE]
+    # inlined variants: the group size is then fixed for all of their code, so NVIDIA's compiler
+    # keeps their registers to what `group` threads may have (as noinline functions, the kernel
+    # took at most 256 threads a group on the H100: q4_0 plans' 512-thread matvecs could not chain)
+    parts = [_PRELUDE, "#undef PK_NOINLINE\n#define PK_NOINLINE\n" + _PAUSE[nvidia] + _FENCE[nvidia]]
     fns = []
     for i, v in enumerate(variants):
         text, fn = variant_source(v, f"v{i}", group, named_barriers=False)
@@ -85,15 +114,15 @@ def chain_source(variants: list[Variant], kinds: list[list[str]], group: int, po
     cases = "\n".join(f"        case {i}: for (int v = vg; v < n_vg; v += n_vg) {{ {fn}(pk_pool, v % r[1], v / r[1], "
                       f"r[1], r[2], {', '.join(call_args(ks, n_buffers))}); PK_ITER_BARRIER }} break;"
                       for i, (ks, fn) in enumerate(zip(kinds, fns)))
+    # (decided here: the variants' texts undefine every option they were built with, USE_NV_PTX too)
+    # no reqd_work_group_size: with it NVIDIA's driver ignored -cl-nv-maxrregcount (the registers
+    # stayed 176 at =64; H100, round 22)
+    head = "__kernel"
     parts.append(f"""
 // table: [launches, groups in all], then per launch [variant, groups dim 0, groups dim 1, arguments]
-// sync: [tickets, groups out, done[launch]...]; abort: one word shared by a step's chains
-#ifdef USE_NV_PTX
-// the group size fixed: NVIDIA's compiler then keeps the registers to what {group} threads may have
-__kernel __attribute__((reqd_work_group_size({group}, 1, 1)))
-#else
-__kernel
-#endif
+// sync: [tickets, done[launch]...]; abort: one word shared by a step's chains (an aborted step
+// leaves its counters for the host to zero: ChainedStep.reset_sync)
+{head}
 void pk_chain({bufs}, __global const int* pk_table, __global volatile int* pk_sync,
               __global volatile int* pk_abort, int pk_spin) {{
     __local uchar pk_pool[{pool}] __attribute__((aligned(16)));
@@ -110,7 +139,8 @@ void pk_chain({bufs}, __global const int* pk_table, __global volatile int* pk_sy
         if (ok && op > 0) {{
             __global const int* p = pk_table + 2 + (op - 1) * {stride};
             int need = p[1] * p[2];
-            for (int spins = 0; PK_ARRIVED(pk_sync + 2 + op - 1) < need; spins++) {{
+            for (int spins = 0; PK_ARRIVED(pk_sync + op) < need; spins++) {{
+                PK_PAUSE();
                 if (pk_abort[0] || spins > pk_spin) {{
                     atomic_xchg(pk_abort, 1);   // every later group returns at once
                     ok = 0;
@@ -118,7 +148,7 @@ void pk_chain({bufs}, __global const int* pk_table, __global volatile int* pk_sy
                 }}
             }}
         }}
-        pk_fence();                     // the previous launch's writes before this group reads them
+        pk_cfence();                    // the previous launch's writes before this group reads them
         pk_at[0] = ok ? op : -1;
         pk_at[1] = t - first;
     }}
@@ -132,12 +162,12 @@ void pk_chain({bufs}, __global const int* pk_table, __global volatile int* pk_sy
 {cases}
     }}
     barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
-    if (get_local_id(0) == 0) {{
-        pk_fence();                     // this group's writes before its count
-        if (op >= 0) atomic_inc(pk_sync + 2 + op);
-        // the last group out zeroes the counters (every other group has left its wait)
-        if (atomic_inc(pk_sync + 1) == total - 1)
-            for (int i = 0; i < n_ops + 2; i++) pk_sync[i] = 0;
+    if (get_local_id(0) == 0 && op >= 0) {{
+        pk_cfence();                    // this group's writes before its count
+        // the last launch's last group zeroes the counters: every other group has made its last
+        // access to them (the last launch's groups waited for all the others' counts)
+        if (atomic_inc(pk_sync + 1 + op) == r[1] * r[2] - 1 && op == n_ops - 1)
+            for (int i = 0; i < n_ops + 1; i++) pk_sync[i] = 0;
     }}
 }}
 """)
@@ -181,21 +211,35 @@ class ChainProgram:
             raise ChainError(f"chained decode: {pool} B of local memory a group; the device has {device.local_mem_size}")
         self.spin = int(os.environ.get("LLMRS_OPENCL_PERSISTENT_SPIN", "0") or 0) or (
             SPIN_LIMIT if device.type & cl.device_type.GPU else SPIN_LIMIT << 6)
-        source, self.stride = chain_source(vlist, kinds, group, pool, len(self.buffers))
+        source, self.stride = chain_source(vlist, kinds, group, pool, len(self.buffers), "-DUSE_NV_PTX" in device_opts)
         if os.environ.get("LLMRS_OPENCL_CHAIN_DUMP"):
             with open(os.environ["LLMRS_OPENCL_CHAIN_DUMP"], "w") as f:
                 f.write(source)
+        opts = list(device_opts)
+        if "-DUSE_NV_PTX" in device_opts:
+            # the registers `group` threads a multiprocessor may have: the dispatcher's union of
+            # variants takes more unbounded, and then fits only smaller groups
+            regs = int(os.environ.get("LLMRS_OPENCL_CHAIN_REGS", "0") or 0) or min(255, 65536 // group)
+            opts += [f"-cl-nv-maxrregcount={regs}", "-cl-nv-verbose"]   # the log tells its registers
         try:
-            self.program = build_program(ctx, device, source, list(device_opts), "chained decode")
+            self.program = build_program(ctx, device, source, opts, "chained decode")
         except PersistentError as err:
             raise ChainError(str(err)) from None
         except Exception as err:   # OpenCLError from the build
             raise ChainError(str(err)) from None
+        # ptxas's report ("Used N registers, M bytes spill stores"), where the build ran now (not
+        # from a cache: ours, pyopencl's or the driver's, CUDA_CACHE_DISABLE=1)
+        log = self.program.get_build_info(device, cl.program_build_info.LOG) or ""
+        self.registers = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
+        self.spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", log)]
         probe = cl.Kernel(self.program, "pk_chain")
-        wg = int(probe.get_work_group_info(cl.kernel_work_group_info.WORK_GROUP_SIZE, device))
-        if wg < group:
-            raise ChainError(f"chained decode: the kernel takes at most {wg} threads a group here, not {group}")
+        self.max_group = int(probe.get_work_group_info(cl.kernel_work_group_info.WORK_GROUP_SIZE, device))
         self.private_bytes = int(probe.get_work_group_info(cl.kernel_work_group_info.PRIVATE_MEM_SIZE, device))
+        # the driver's word, even where ptxas reported 112-128 registers a thread (which 512 threads
+        # may have): launched anyway, those chains faulted at the next read (H100, round 22)
+        if self.max_group < group:
+            raise ChainError(f"chained decode: the kernel takes at most {self.max_group} threads a group here, not "
+                             f"{group} (registers {self.registers[:4]}, spill stores {self.spills[:4]})")
 
 
 class ChainedStep:
@@ -212,7 +256,7 @@ class ChainedStep:
         self.kernels: list[Any] = []
         out: list[Launch] = []
         at = 0
-        for start, stop in chain_runs(launches, p.group):
+        for start, stop in chain_runs(launches, p.group, int(os.environ.get("LLMRS_OPENCL_CHAIN_MAX", "0") or 0)):
             out += launches[at:start]
             items = _items(launches[start:stop], bound)
             table = np.zeros(2 + p.stride * len(items), np.int32)
@@ -226,10 +270,10 @@ class ChainedStep:
                 table[2 + i * p.stride: 2 + i * p.stride + 3 + len(words)] = [p.variants[key], g0, g1, *words]
             mf = cl.mem_flags
             tbuf = cl.Buffer(p.ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=table)
-            sync = cl.Buffer(p.ctx, mf.READ_WRITE | mf.COPY_HOST_PTR, hostbuf=np.zeros(2 + len(items), np.int32))
+            sync = cl.Buffer(p.ctx, mf.READ_WRITE | mf.COPY_HOST_PTR, hostbuf=np.zeros(1 + len(items), np.int32))
             k = cl.Kernel(p.program, "pk_chain")
             k.set_args(*p.buffers, tbuf, sync, abort, np.int32(p.spin))
-            self.syncs.append((sync, 2 + len(items), tbuf))
+            self.syncs.append((sync, 1 + len(items), tbuf))
             self.kernels.append(k)
             out.append((k, (int(table[1]) * p.group, 1), (p.group, 1)))
             at = stop
@@ -239,6 +283,23 @@ class ChainedStep:
         self.launches = out
         self.n_chained = len(launches) - len(out) + len(self.kernels)
         self._status = np.zeros(1, np.int32)
+        self.probe([x for x in out if x[0] in self.kernels])
+
+    def probe(self, chains: list[Launch]) -> None:
+        """Launch every chain once with the abort word set (each group returns after taking its
+        ticket), read the word back, then zero the counters: a launch the device refuses is a
+        ChainError here, not a failed step. (NVIDIA's driver reports a group too large for the
+        kernel's registers only at the next read, and its context may not survive it: the
+        program's largest group is checked before this.)"""
+        cl = _cl()
+        self.reset_sync(abort=True)
+        try:
+            for k, gsize, lsize in chains:
+                cl.enqueue_nd_range_kernel(self.queue, k, gsize, lsize)
+            cl.enqueue_copy(self.queue, self._status, self.abort, is_blocking=True)
+        except cl.Error as err:
+            raise ChainError(f"chained decode: the device refuses the chain's launch ({err})") from None
+        self.reset_sync()
 
     def read_status(self) -> None:
         """Enqueue the read of the abort word (the step's own blocking read that follows waits
