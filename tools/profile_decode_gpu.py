@@ -9,7 +9,7 @@ Per plan, after a P-token prompt:
                   before the next is enqueued)
   enqueued        tok/s of S greedy steps enqueued back to back (run_greedy_steps), one read
   host enqueue    microseconds of host time a step's launches take to enqueue (the native loop),
-                  with the device held back by a user event so the queue only fills
+                  on a second queue held back by a user event so that it only fills
   device          microseconds a step takes on the device once released: the queued steps'
                   time from release to finish, over their count; no host in the way
   kernels         a profiled step (events on a second, profiling queue, held back likewise):
@@ -32,6 +32,7 @@ import numpy as np
 from llmrs.compiler.outputs import write_output
 from llmrs.runtime.backends.opencl import OpenCLBackend
 from llmrs.runtime.backends.opencl_device import _cl
+from llmrs.runtime.backends.opencl_launch import DirectLaunches
 from llmrs.runtime.plan import Plan
 
 
@@ -75,46 +76,64 @@ def release(gate, timer) -> bool:
     return True
 
 
-def host_and_device(be: OpenCLBackend, prompt: np.ndarray, steps: int) -> tuple[float, float, bool]:
+def side_queue(be: OpenCLBackend):
+    """A second in-order queue on the back end's context, with its own native launch loop: the
+    probes hold it behind user events, never the engine's queue (on NVIDIA a queue that has
+    waited on one ran the step-by-step decode that followed 1.7x slower: round 22)."""
+    cl = _cl()
+    q = cl.CommandQueue(be.ctx)
+    return q, (DirectLaunches(q) if be.direct is not None else None)
+
+
+def host_and_device(be: OpenCLBackend, prompt: np.ndarray, steps: int, side) -> tuple[float, float, bool]:
     """(host us a step to enqueue, device us a step, whether the gate held throughout)."""
+    cl = _cl()
+    q, direct = side
     be.reset()
     tok = int(be.run_argmax("prefill", prompt, 0, 0)[-1])
     be.enqueue("decode", np.array([tok], np.int32), len(prompt), len(prompt), kernels=False)
     a = be.advance
     launches = be._step_launches("decode", 1) + [(a.kernel, a.global_size(1), (a.local, 1))]
+    prepared = direct.prepare(launches) if direct is not None else None
     be.queue.finish()
-    gate, timer = held(be.queue)
+    gate, timer = held(q)
     t0 = time.perf_counter()
-    be._enqueue_launches(("greedy", be.scoring), launches, steps)
+    if prepared is not None:
+        direct.enqueue(prepared, steps)
+    else:
+        for _ in range(steps):
+            for k, g, l in launches:
+                cl.enqueue_nd_range_kernel(q, k, g, l)
     t1 = time.perf_counter()
     ok = release(gate, timer)
     t2 = time.perf_counter()
-    be.queue.finish()
+    q.finish()
     t3 = time.perf_counter()
     return (t1 - t0) / steps * 1e6, (t3 - t2) / steps * 1e6, ok
 
 
-def floor_us(be: OpenCLBackend, n: int = 400) -> dict:
+def floor_us(be: OpenCLBackend, side, n: int = 400) -> dict:
     """Device microseconds an empty one-group kernel takes back to back in the in-order queue
     (the price of a launch boundary on the device, with no host in the way)."""
     cl = _cl()
     prg = cl.Program(be.ctx, "__kernel void nop(__global int *p) { if (get_global_id(0) == 1u << 30) p[0] = 1; }").build()
     k = prg.nop
     k.set_arg(0, be.step_buf)
+    q, direct = side
     out = {}
     for groups in (1, 264):
         launches = [(k, (64 * groups, 1), (64, 1))] * n
-        prepared = be.direct.prepare(launches) if be.direct else None
+        prepared = direct.prepare(launches) if direct is not None else None
         be.queue.finish()
-        gate, timer = held(be.queue)
+        gate, timer = held(q)
         if prepared is not None:
-            be.direct.enqueue(prepared)
+            direct.enqueue(prepared)
         else:
             for kk, g, l in launches:
-                cl.enqueue_nd_range_kernel(be.queue, kk, g, l)
+                cl.enqueue_nd_range_kernel(q, kk, g, l)
         release(gate, timer)
         t0 = time.perf_counter()
-        be.queue.finish()
+        q.finish()
         out[f"{groups}_groups"] = round((time.perf_counter() - t0) / n * 1e6, 2)
     return out
 
@@ -166,15 +185,16 @@ def main(argv: list[str] | None = None) -> int:
         be = OpenCLBackend(Plan.open(path))
         vocab = be.graphs["decode"].values[be.graphs["decode"].outputs[0]].shape[-1]
         prompt = np.random.default_rng(0).integers(0, vocab, args.prompt).astype(np.int32)
+        side = side_queue(be)
         s, e, h, d, held_ok = [], [], [], [], True
         for rnd in range(args.rounds + 1):
             r = (step_by_step(be, prompt, args.steps), enqueued(be, prompt, args.steps),
-                 *host_and_device(be, prompt, min(args.steps, 8)))
+                 *host_and_device(be, prompt, min(args.steps, 8), side))
             if rnd:     # round 0 warms
                 s.append(r[0]), e.append(r[1]), h.append(r[2]), d.append(r[3])
                 held_ok &= r[4]
         prof = kernels(be, prompt)
-        floor = floor_us(be)
+        floor = floor_us(be, side)
         row = {"plan": str(path), "device": be.device_name, "native_loop": bool(be.direct and be.direct.native),
                "step_by_step_tok_s": round(statistics.median(s), 1), "enqueued_tok_s": round(statistics.median(e), 1),
                "host_enqueue_us": round(statistics.median(h), 1), "device_step_us": round(statistics.median(d), 1),
