@@ -32,7 +32,7 @@ what it measures (medians of --repeats runs, each from an empty cache):
   prefill N     tok/s of an N-token prompt (random ids), and the time to the first token:
                 prefill plus choosing the token (greedy)
   decode        tok/s of --decode greedy tokens after a 1-token prompt ("empty", as llama-bench's
-                tg128) and after a prompt of the largest --prefill size ("deep")
+                tg128) and after a prompt of the largest --prefill size, or of --depth tokens ("deep")
   peak memory   the process's peak resident memory after the speeds (the probes run apart)
 ceilings, measured before and after the speeds (the best of both counts):
   read GB/s     a generated vectorised read kernel on --threads threads over --read-mib MiB, in a
@@ -53,6 +53,7 @@ examples:
   llmrs-bench plan.bin --backend opencl --json bench.json
   llmrs-bench plan.bin --prefill 64 --decode 32 --repeats 1 --kernels
   llmrs-bench plan.bin --threads 2 --llama-bench build/bin/llama-bench --gguf model.gguf
+  llmrs-bench plan.bin --threads 2 --depth 4096 --llama-bench build/bin/llama-bench --gguf model.gguf
 exit status: 0 measured, 2 bad arguments or a plan this back end cannot run.
 """
 
@@ -73,6 +74,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=3, help="runs of each measurement; medians (default 3)")
     ap.add_argument("--prefill", default="128,512", metavar="N,N", help="prompt sizes in tokens (default 128,512)")
     ap.add_argument("--decode", type=int, default=128, metavar="N", help="decoded tokens per run (default 128)")
+    ap.add_argument("--depth", type=int, default=None, metavar="N",
+                    help="decode also after N tokens of context (default: after the largest --prefill); with "
+                         "--llama-bench, llama.cpp's decode at that depth (-d N) too")
     ap.add_argument("--kernels", action="store_true", help="also time every distinct kernel alone")
     ap.add_argument("--json", type=Path, metavar="FILE", help="write every figure as JSON here")
     ap.add_argument("--llama-bench", metavar="BIN", help="llama.cpp's llama-bench binary, run in the same run")
@@ -120,14 +124,15 @@ def say(msg: str) -> None:
 # -- llama.cpp --------------------------------------------------------------------------------
 
 def run_llama_bench(binary: str, gguf: str, threads: int, repeats: int, prompt: int, decode: int,
-                    dropped: int = 0) -> dict:
+                    dropped: int = 0, depth: int = 0) -> dict:
     """llama.cpp's own benchmark on the same machine and thread count; its JSON has one record per
     test: n_prompt > 0 is prefill, n_gen > 0 decode; samples_ts are per-repetition tok/s. `dropped`
     more repetitions run first and are left out of the samples: on CUDA the first repetition of a
     fresh llama-bench process still pays lazy set-up its own warm-up run does not (H200, 1B q4_0
-    pp512: 17-26k tok/s against 52k for the next ones)."""
+    pp512: 17-26k tok/s against 52k for the next ones). depth > 0: its tests run after that many
+    tokens of context (-d); prompt 0: decode only (the prefill fields are None)."""
     cmd = [binary, "-m", gguf, "-p", str(prompt), "-n", str(decode), "-t", str(threads), "-r", str(repeats + dropped),
-           "-o", "json"]
+           "-o", "json"] + (["-d", str(depth)] if depth else [])
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as e:
@@ -137,17 +142,18 @@ def run_llama_bench(binary: str, gguf: str, threads: int, repeats: int, prompt: 
         raise BenchError(f"--llama-bench {binary} failed on --gguf {gguf}: {last}")
     try:
         records = json.loads(proc.stdout)
-        pp = next(r for r in records if r["n_prompt"] > 0)
+        pp = next(r for r in records if r["n_prompt"] > 0) if prompt else None
         tg = next(r for r in records if r["n_gen"] > 0)
     except (ValueError, StopIteration, KeyError, TypeError):
         raise BenchError(f"--llama-bench {binary} printed no prefill and decode records; is it llama.cpp's llama-bench?")
-    pre, dec = pp["samples_ts"][dropped:], tg["samples_ts"][dropped:]
+    dec = tg["samples_ts"][dropped:]
+    pre = pp["samples_ts"][dropped:] if pp else None
     return {"command": " ".join(cmd) + (f"  (its first {dropped} repetition(s) dropped)" if dropped else ""),
-            "build_commit": str(pp.get("build_commit", "")),
-            "model_bytes": int(pp.get("model_size", 0)), "prefill_tokens": prompt,
-            "prefill_tok_s": round(statistics.mean(pre) if dropped else pp["avg_ts"], 2),
+            "build_commit": str((pp or tg).get("build_commit", "")),
+            "model_bytes": int((pp or tg).get("model_size", 0)), "prefill_tokens": prompt, "depth": depth,
+            "prefill_tok_s": (round(statistics.mean(pre) if dropped else pp["avg_ts"], 2)) if pp else None,
             "decode_tok_s": round(statistics.mean(dec) if dropped else tg["avg_ts"], 2),
-            "prefill_samples": [round(x, 2) for x in pre],
+            "prefill_samples": [round(x, 2) for x in pre] if pre is not None else None,
             "decode_samples": [round(x, 2) for x in dec]}
 
 
@@ -156,10 +162,10 @@ def merge_llama_runs(runs: list[dict]) -> dict:
     medians of those runs, so both engines' numbers come from the same stretch of a shared
     machine's time."""
     first, med = runs[0], statistics.median
-    pre = [x for r in runs for x in r["prefill_samples"]]
+    pre = [x for r in runs for x in r["prefill_samples"]] if first["prefill_samples"] is not None else None
     dec = [x for r in runs for x in r["decode_samples"]]
     return {**first, "command": first["command"] + f"  (once after each of {len(runs)} llmrs repeats)",
-            "prefill_tok_s": round(med(pre), 2), "decode_tok_s": round(med(dec), 2),
+            "prefill_tok_s": round(med(pre), 2) if pre else None, "decode_tok_s": round(med(dec), 2),
             "prefill_samples": pre, "decode_samples": dec}
 
 
@@ -215,10 +221,12 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
     if missing:   # before any measuring: the one line is all the user sees
         raise BenchError(f"{a.plan}: {missing}")
     m = plan.manifest
-    max_seq, deep = int(m["max_seq_len"]), max(prefills)
-    if max_seq < deep + a.decode:
-        raise BenchError(f"{a.plan} holds {max_seq} tokens; --prefill {deep} + --decode {a.decode} need "
-                         f"{deep + a.decode}: recompile with --max-seq-len {deep + a.decode} or give smaller sizes")
+    max_seq, deep = int(m["max_seq_len"]), a.depth or max(prefills)
+    if max_seq < max(prefills) + a.decode or max_seq < deep + a.decode:
+        what = f"--depth {deep}" if a.depth else f"--prefill {deep}"
+        need = max(deep, max(prefills)) + a.decode
+        raise BenchError(f"{a.plan} holds {max_seq} tokens; {what} + --decode {a.decode} need "
+                         f"{need}: recompile with --max-seq-len {need} or give smaller sizes")
     graphs = plan.graphs()
     decode_g = graphs["decode"]
     vocab = next(decode_g.values[op.inputs[0]].shape[0] for op in decode_g.ops if op.kind == "embedding")
@@ -236,6 +244,7 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
     ttft = {n: [] for n in prefills}
     dec_empty, dec_deep = [], []
     lcpp_runs: list[dict] = []
+    lcpp_deep: list[dict] = []
     for r in range(a.repeats):
         say(f"llmrs-bench: repeat {r + 1}/{a.repeats}: prefill {','.join(map(str, prefills))}, decode {a.decode} "
             f"from empty and after {deep}")
@@ -247,9 +256,16 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
         dec_deep.append(time_decode(engine, deep, a.decode, rng, vocab))
         if a.llama_bench:   # interleaved: each engine's repeat beside the other's, not minutes apart
             say(f"llmrs-bench: llama-bench on {a.gguf}, repeat {r + 1}/{a.repeats}")
-            lcpp_runs.append(run_llama_bench(a.llama_bench, a.gguf, threads, 1, deep, a.decode, dropped=1))
+            lcpp_runs.append(run_llama_bench(a.llama_bench, a.gguf, threads, 1, max(prefills), a.decode, dropped=1))
+            if a.depth:
+                lcpp_deep.append(run_llama_bench(a.llama_bench, a.gguf, threads, 1, 0, a.decode, dropped=1,
+                                                 depth=a.depth))
     peak = Stats.peak_rss_bytes()
     lcpp = merge_llama_runs(lcpp_runs) if lcpp_runs else None
+    if lcpp and lcpp_deep:
+        at = merge_llama_runs(lcpp_deep)
+        lcpp["deep"] = {"depth": a.depth, "decode_tok_s": at["decode_tok_s"], "decode_samples": at["decode_samples"],
+                        "command": at["command"]}
     say("llmrs-bench: ceilings again")
     host.append(ceilings.measure_host(threads, read_bytes, a.gemm, str(a.plan)))
     # best of before and after: the machine may be shared, and a low ceiling would flatter us
@@ -263,7 +279,8 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
 
     med = statistics.median
     d_deep, d_empty = med(dec_deep), med(dec_empty)
-    gops = 2 * params * med(pre[deep]) / 1e9
+    widest = max(prefills)
+    gops = 2 * params * med(pre[widest]) / 1e9
     result: dict[str, Any] = {
         "schema": SCHEMA, "plan": str(a.plan), "backend": a.backend, "device": device, "threads": threads,
         "repeats": a.repeats, "machine": ceilings.machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
@@ -292,7 +309,9 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
         ratios = lambda ours, theirs: round(med(o / t for o, t in zip(ours, theirs)), 3)  # noqa: E731
         result["llama_cpp_ratios"] = {"decode_deep": ratios(dec_deep, lcpp["decode_samples"]),
                                       "decode_empty": ratios(dec_empty, lcpp["decode_samples"]),
-                                      "prefill": ratios(pre[deep], lcpp["prefill_samples"])}
+                                      "prefill": ratios(pre[widest], lcpp["prefill_samples"])}
+        if "deep" in lcpp:   # both after the same context
+            result["llama_cpp_ratios"]["decode_at_depth"] = ratios(dec_deep, lcpp["deep"]["decode_samples"])
     if a.kernels:
         from .bench_kernels import time_kernels
         dev = a.device
@@ -300,7 +319,7 @@ def bench(a: argparse.Namespace) -> dict[str, Any]:
             from ..runtime.backends.opencl import list_devices
             dev = [d for _, d in list_devices()].index(backend.device)
         backend.close()
-        rows = time_kernels(plan, a.backend, ceil, deep, threads, dev, max(a.repeats, 3), say)
+        rows = time_kernels(plan, a.backend, ceil, widest, threads, dev, max(a.repeats, 3), say)
         result["kernels"] = [asdict(r) for r in rows]
     return result
 
@@ -430,6 +449,10 @@ def report(r: dict[str, Any]) -> str:
                   f"{d['deep']['context']} tokens)",
                   f"llama.cpp   prefill {lc['prefill_tokens']} {lc['prefill_tok_s']:.2f} tok/s: llmrs / llama.cpp "
                   f"{ratio['prefill']:.2f}  ({lc['command']})"]
+        if "deep" in lc:
+            lines.append(f"llama.cpp   decode {lc['deep']['decode_tok_s']:.2f} tok/s after {lc['deep']['depth']} "
+                         f"tokens: llmrs / llama.cpp {ratio['decode_at_depth']:.2f} at the same depth  "
+                         f"({lc['deep']['command']})")
     if r.get("kernels"):
         from .bench_kernels import KernelTime, format_kernels
         lines += ["", "kernels, each alone (prefill: a whole chunk from an empty cache; decode: one token after "
@@ -444,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.threads is not None and a.threads < 1 or a.repeats < 1 or a.decode < 1:
             raise BenchError("--threads, --repeats and --decode must be at least 1")
+        if a.depth is not None and a.depth < 1:
+            raise BenchError("--depth must be at least 1")
         if a.read_mib < 1 or a.gemm < 1:
             raise BenchError("--read-mib and --gemm must be at least 1")
         if a.speculative is None and any((a.draft, a.llama_lookup, a.llama_speculative, a.gguf_draft,

@@ -79,7 +79,8 @@ def release(gate, timer) -> bool:
 def side_queue(be: OpenCLBackend):
     """A second in-order queue on the back end's context, with its own native launch loop: the
     probes hold it behind user events, never the engine's queue (on NVIDIA a queue that has
-    waited on one ran the step-by-step decode that followed 1.7x slower: round 22)."""
+    waited on one, the step-by-step decode measured after it ran 1.7x below llmrs-bench's in the
+    same call: round 22)."""
     cl = _cl()
     q = cl.CommandQueue(be.ctx)
     return q, (DirectLaunches(q) if be.direct is not None else None)

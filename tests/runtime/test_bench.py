@@ -144,6 +144,11 @@ def test_llama_bench_records_are_read_and_failures_are_one_line(tmp_path):
         bench.run_llama_bench(str(fake), "m.gguf", 2, 3, 10, 5)
     with pytest.raises(bench.BenchError, match="cannot run it"):
         bench.run_llama_bench(str(tmp_path / "absent"), "m.gguf", 2, 3, 10, 5)
+    fake.write_text(f"#!/bin/sh\necho '{json.dumps(records[1:])}'\necho \"$@\" > {tmp_path / 'argv'}\n")
+    deep = bench.run_llama_bench(str(fake), "m.gguf", 2, 1, 0, 5, dropped=1, depth=4096)   # decode alone, at depth
+    assert (tmp_path / "argv").read_text().split()[-2:] == ["-d", "4096"]
+    assert deep["prefill_tok_s"] is None and deep["prefill_samples"] is None and deep["decode_samples"] == [46.36]
+    assert deep["depth"] == 4096
 
 
 def test_llama_bench_runs_once_after_each_repeat_and_ratios_are_the_repeats_medians(plan, tmp_path):
@@ -173,6 +178,41 @@ print(json.dumps([{{"n_prompt": 10, "n_gen": 0, "avg_ts": 50 * n + 1, "samples_t
     pre = next(p for p in r["prefill"] if p["tokens"] == 10)["samples_tok_s"]
     assert r["llama_cpp_ratios"]["prefill"] == pytest.approx(
         float(np.median([o / t for o, t in zip(pre, [100, 200, 300])])), abs=2e-3)
+
+
+def test_depth_decodes_after_that_context_and_runs_llama_bench_at_it(plan, tmp_path):
+    """--depth N: the deep decode after N tokens of context, and llama-bench once more per repeat
+    for its decode alone at -d N (-p 0); the ratio at depth pairs the two, repeat by repeat."""
+    log = tmp_path / "argv"
+    fake = tmp_path / "llama-bench"
+    # prefill and decode at 100 tok/s from empty, decode at 40 tok/s at a depth
+    fake.write_text(f"""#!{sys.executable}
+import json, pathlib, sys
+argv = sys.argv[1:]
+with open({str(log)!r}, "a") as f:
+    f.write(" ".join(argv) + "\\n")
+deep = "-d" in argv
+recs = [] if deep else [{{"n_prompt": 10, "n_gen": 0, "avg_ts": 100, "samples_ts": [1, 100]}}]
+recs.append({{"n_prompt": 0, "n_gen": 5, "avg_ts": 40 if deep else 100, "samples_ts": [2, 40 if deep else 100]}})
+print(json.dumps(recs))
+""")
+    fake.chmod(0o755)
+    r = _run(plan, tmp_path, "--repeats", "2", "--depth", "12", "--llama-bench", str(fake), "--gguf", "m.gguf")
+    assert r["decode"]["deep"]["context"] == 12 and [x["tokens"] for x in r["prefill"]] == [4, 10]
+    calls = log.read_text().splitlines()
+    assert len(calls) == 4 and sum(" -d 12" in c and " -p 0 " in c for c in calls) == 2
+    lc = r["llama_cpp"]
+    assert lc["decode_tok_s"] == 100 and lc["prefill_tok_s"] == 100
+    assert lc["deep"]["depth"] == 12 and lc["deep"]["decode_samples"] == [40, 40] and "-d 12" in lc["deep"]["command"]
+    ours = r["decode"]["deep"]["samples_tok_s"]
+    assert r["llama_cpp_ratios"]["decode_at_depth"] == pytest.approx(float(np.median([o / 40 for o in ours])), abs=2e-3)
+    text = bench.report(r)
+    assert "after 12 tokens: llmrs / llama.cpp" in text
+
+
+def test_depth_beyond_the_cache_is_one_line(plan, tmp_path, capsys):
+    _one_line_error(capsys, [str(plan), *FAST, "--depth", "100000"], "--depth 100000", "--max-seq-len")
+    _one_line_error(capsys, [str(plan), *FAST, "--depth", "0"], "--depth")
 
 
 def test_bench_speculative_json_per_prompt_type(tmp_path):

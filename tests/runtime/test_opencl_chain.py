@@ -37,12 +37,15 @@ def qwen3_gqa(tmp_path_factory):
                       num_attention_heads=4, num_key_value_heads=2)
 
 
+SLOW = pytest.mark.slow   # the sweep's other families run under -m slow (the README's command stays short)
+
+
 @pytest.mark.parametrize("model,weights,kv", [
     ("golden-b", "q4_0", "f16"),
-    ("golden-a", "f32", "f32"),
-    ("golden-c", "f32", "f32"),      # head_dim 100, MQA
     ("qwen3_gqa", "q8_0", "q8_0"),
-    ("qwen2-a", "q4_1", "f32"),      # q/k/v biases
+    pytest.param("golden-a", "f32", "f32", marks=SLOW),
+    pytest.param("golden-c", "f32", "f32", marks=SLOW),      # head_dim 100, MQA
+    pytest.param("qwen2-a", "q4_1", "f32", marks=SLOW),      # q/k/v biases
 ])
 def test_a_chained_decode_step_has_the_bits_and_greedy_tokens_of_the_launches(model, weights, kv, monkeypatch,
                                                                              request):
