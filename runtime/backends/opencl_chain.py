@@ -54,8 +54,8 @@ from typing import Any
 import numpy as np
 
 from .opencl_device import _cl
-from .opencl_persistent import (_LOCAL_DECL, _PRELUDE, SPIN_LIMIT, PersistentError, Variant, _arg_words, _items,
-                                _variant_key, buffer_switch, call_args, variant_source)
+from .opencl_persistent import (_PRELUDE, SPIN_LIMIT, PersistentError, Variant, _arg_words, _items, _variant_key,
+                                call_args, gather, program_parts)
 
 CHAINABLE = frozenset({"matvec"})     # kernels a chain joins (their bodies end without early returns
                                       # around barriers, and they read no group-size queries but those
@@ -98,16 +98,8 @@ def chain_source(variants: list[Variant], kinds: list[list[str]], group: int, po
     # inlined variants: the group size is then fixed for all of their code, so NVIDIA's compiler
     # keeps their registers to what `group` threads may have (as noinline functions, the kernel
     # took at most 256 threads a group on the H100: q4_0 plans' 512-thread matvecs could not chain)
-    parts = [_PRELUDE, "#undef PK_NOINLINE\n#define PK_NOINLINE\n" + _PAUSE[nvidia] + _FENCE[nvidia]]
-    fns = []
-    for i, v in enumerate(variants):
-        text, fn = variant_source(v, f"v{i}", group, named_barriers=False)
-        parts.append(text)
-        fns.append(fn)
-    words = [sum({"b": 1, "o": 2, "i": 1, "f": 1}[k] for k in ks) for ks in kinds]
-    stride = 3 + max(words)
-    bufs = ", ".join(f"__global uchar* pk_b{i}" for i in range(n_buffers))
-    parts.append(buffer_switch(n_buffers))
+    prelude = _PRELUDE + "#undef PK_NOINLINE\n#define PK_NOINLINE\n" + _PAUSE[nvidia] + _FENCE[nvidia]
+    parts, fns, stride, bufs = program_parts(prelude, variants, kinds, group, n_buffers, named_barriers=False)
     # each call in a loop of one trip whose bounds PoCL cannot see through, a barrier closing
     # it: the form of the persistent dispatcher, which PoCL compiles right (a plain call in a
     # switch of several variants gave every group but the first wrong results there)
@@ -186,27 +178,7 @@ class ChainProgram:
         items = _items([x for x in launches if x[0].function_name in CHAINABLE and x[2][0] == group], bound)
         if not items:
             raise ChainError("chained decode: no chainable launches")
-        self.buffers: list[Any] = []
-        self.index: dict[int, int] = {}
-        for b, *_ in items:
-            for a in b.args:
-                if isinstance(a, cl.MemoryObjectHolder) and a.int_ptr not in self.index:
-                    self.index[a.int_ptr] = len(self.buffers)
-                    self.buffers.append(a)
-        self.variants: dict[tuple[Any, ...], int] = {}
-        vlist: list[Variant] = []
-        kinds: list[list[str]] = []
-        pool = 16
-        for b, name, _, _, local in items:
-            key = _variant_key(b, name, local)
-            if key in self.variants:
-                continue
-            self.variants[key] = len(vlist)
-            vlist.append(Variant(sources[b.family], b.options, name, local))
-            kinds.append([kind for kind, _ in _arg_words(list(b.args))])
-            used = int(b.kernel.get_work_group_info(cl.kernel_work_group_info.LOCAL_MEM_SIZE, device))
-            decls = len(_LOCAL_DECL.findall(sources[b.family]))
-            pool = max(pool, -(-(used + 16 * (decls + 1)) // 16) * 16)
+        self.buffers, self.index, self.variants, vlist, kinds, pool = gather(items, sources, device, group)
         if pool > device.local_mem_size:
             raise ChainError(f"chained decode: {pool} B of local memory a group; the device has {device.local_mem_size}")
         self.spin = int(os.environ.get("LLMRS_OPENCL_PERSISTENT_SPIN", "0") or 0) or (

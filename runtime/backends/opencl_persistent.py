@@ -313,19 +313,25 @@ inline __global uchar* pk_buf(int i, {bufs}) {{
 """
 
 
-def build_source(variants: list[Variant], kinds: list[list[str]], group: int, pool: int, n_buffers: int,
-                 named_barriers: bool) -> tuple[str, int]:
-    """The whole program text: prelude, variants, dispatcher; and the table's record stride."""
-    parts = [_PRELUDE]
-    fns = []
+def program_parts(prelude: str, variants: list[Variant], kinds: list[list[str]], group: int, n_buffers: int,
+                  named_barriers: bool) -> tuple[list[str], list[str], int, str]:
+    """A dispatcher program's texts before its kernel: the prelude, each variant as a function,
+    pk_buf; with the variants' function names, the table's record stride (3 words, then the
+    longest argument record) and the kernel's buffer parameters."""
+    parts, fns = [prelude], []
     for i, v in enumerate(variants):
         text, fn = variant_source(v, f"v{i}", group, named_barriers)
         parts.append(text)
         fns.append(fn)
-    words = [sum({"b": 1, "o": 2, "i": 1, "f": 1}[k] for k in ks) for ks in kinds]
-    stride = 3 + max(words)
-    bufs = ", ".join(f"__global uchar* pk_b{i}" for i in range(n_buffers))
+    stride = 3 + max(sum({"b": 1, "o": 2, "i": 1, "f": 1}[k] for k in ks) for ks in kinds)
     parts.append(buffer_switch(n_buffers))
+    return parts, fns, stride, ", ".join(f"__global uchar* pk_b{i}" for i in range(n_buffers))
+
+
+def build_source(variants: list[Variant], kinds: list[list[str]], group: int, pool: int, n_buffers: int,
+                 named_barriers: bool) -> tuple[str, int]:
+    """The whole program text: prelude, variants, dispatcher; and the table's record stride."""
+    parts, fns, stride, bufs = program_parts(_PRELUDE, variants, kinds, group, n_buffers, named_barriers)
     cases = []
     for i, (v, ks, fn) in enumerate(zip(variants, kinds, fns)):
         args = call_args(ks, n_buffers)
@@ -385,6 +391,37 @@ def _variant_key(b: Any, name: str, local: int) -> tuple[Any, ...]:
     return b.family, b.options, name, local
 
 
+def gather(items: list[tuple[Any, str, int, int, int]], sources: dict[str, str], device: Any, group: int
+           ) -> tuple[list[Any], dict[int, int], dict[tuple[Any, ...], int], list[Variant], list[list[str]], int]:
+    """What a dispatcher program of `items` (_items) needs: its buffers (every distinct one the
+    launches name) and their index by handle, its variants (index by _variant_key, the list, each
+    one's argument kinds), and the local memory pool a group of `group` threads takes (each
+    variant's own, times the virtual groups side by side, plus alignment for every declaration)."""
+    cl = _cl()
+    buffers: list[Any] = []
+    index: dict[int, int] = {}
+    for b, *_ in items:
+        for a in b.args:
+            if isinstance(a, cl.MemoryObjectHolder) and a.int_ptr not in index:
+                index[a.int_ptr] = len(buffers)
+                buffers.append(a)
+    variants: dict[tuple[Any, ...], int] = {}
+    vlist: list[Variant] = []
+    kinds: list[list[str]] = []
+    pool = 16
+    for b, name, _, _, local in items:
+        key = _variant_key(b, name, local)
+        if key in variants:
+            continue
+        variants[key] = len(vlist)
+        vlist.append(Variant(sources[b.family], b.options, name, local))
+        kinds.append([kind for kind, _ in _arg_words(list(b.args))])
+        used = int(b.kernel.get_work_group_info(cl.kernel_work_group_info.LOCAL_MEM_SIZE, device))
+        decls = len(_LOCAL_DECL.findall(sources[b.family]))
+        pool = max(pool, (group // local) * (-(-(used + 16 * (decls + 1)) // 16) * 16))
+    return buffers, index, variants, vlist, kinds, pool
+
+
 class PersistentProgram:
     """The dispatcher program for every kernel variant of `launches` (a union of the launch
     lists it will run: decode's, with its argmax, with the step-advancing argmax), built once."""
@@ -409,28 +446,7 @@ class PersistentProgram:
             # refused until that is understood
             raise PersistentError("persistent decode: quantized matvecs are not run persistently on NVIDIA "
                                   "(they faulted on the H200)")
-        # the dispatcher's buffers: every distinct one the launches name
-        self.buffers: list[Any] = []
-        self.index: dict[int, int] = {}
-        for b, *_ in items:
-            for a in b.args:
-                if isinstance(a, cl.MemoryObjectHolder) and a.int_ptr not in self.index:
-                    self.index[a.int_ptr] = len(self.buffers)
-                    self.buffers.append(a)
-        self.variants: dict[tuple[Any, ...], int] = {}
-        vlist: list[Variant] = []
-        kinds: list[list[str]] = []
-        pool = 16
-        for b, name, _, _, local in items:
-            key = _variant_key(b, name, local)
-            if key in self.variants:
-                continue
-            self.variants[key] = len(vlist)
-            vlist.append(Variant(sources[b.family], b.options, name, local))
-            kinds.append([kind for kind, _ in _arg_words(list(b.args))])
-            used = int(b.kernel.get_work_group_info(cl.kernel_work_group_info.LOCAL_MEM_SIZE, device))
-            decls = len(_LOCAL_DECL.findall(sources[b.family]))
-            pool = max(pool, (group // local) * (-(-(used + 16 * (decls + 1)) // 16) * 16))
+        self.buffers, self.index, self.variants, vlist, kinds, pool = gather(items, sources, device, group)
         unit = 16 * max(1, group // 32)   # so that every virtual group's slice stays 16-byte aligned
         pool = -(-pool // unit) * unit
         if pool > device.local_mem_size:
