@@ -22,10 +22,17 @@ once, unlike a grid barrier (the persistent kernel's, which needs them all). Lau
 after launch i has wholly finished, as in the in-order queue, so what one launch reads or writes
 is ordered against every other as before: the same bits.
 
+A group takes ticket after ticket until none is left, the next one taken while it works on the
+current (its round trip off the critical path), and waits for a launch's predecessor once, at its
+first ticket of that launch. So the grid may have any number of groups: one a virtual group (the
+default), or fewer (LLMRS_OPENCL_CHAIN_GROUPS=N), each then paying its preamble once for many
+virtual groups; a group that holds a ticket it has not started still waits only on lower ones,
+so the lowest unfinished ticket can always run.
+
 The watchdog: a wait is bounded (SPIN_LIMIT reads); a group that gives up sets an abort word
 shared by the step's chains, every later group sees it and returns, and the back end reruns the
-step launch by launch and stops chaining (runtime/backends/opencl.py). A chain's last launch's
-last group zeroes its counters for the next step (every other group has made its last access).
+step launch by launch and stops chaining (runtime/backends/opencl.py). A chain's last group out
+zeroes its counters for the next step (every other group has taken its last ticket).
 
 Measured (BENCHMARKS.md round 22, H100): the same bits and tokens as the launches everywhere, but
 no gain. The 1B f16 plan's 83 launches a step became 35, yet ran 0.57x their speed; as 83 chains
@@ -37,12 +44,15 @@ group starts loading at once. Register bounds did not help (-cl-nv-maxrregcount=
 driver reports the chain kernel takes at most 256 threads a group even where ptxas gives it 112-128
 registers, and launched at 512 anyway it faulted (OUT_OF_RESOURCES at the next read), as the
 persistent kernel's 256-thread q4_0 groups did in round 20. So it is off unless asked; what it
-needs before it can win is a preamble hidden behind weight loads (a group taking its next ticket
-while it works on the current one, or the wait moved into the matvec after its first batch).
+needs before it can win is a preamble hidden behind weight loads. The ticket loop above (a group
+takes its next ticket during its current one, and fewer groups than tickets pay the preamble
+once) was written after those measurements and is checked on PoCL only: the next card run
+measures it (`LLMRS_OPENCL_CHAIN_GROUPS=N`, N about the groups the device keeps resident).
 
     LLMRS_OPENCL_CHAIN=1          chain wherever it builds
     LLMRS_OPENCL_CHAIN_REGS=N     NVIDIA: -cl-nv-maxrregcount=N (default 65536 / group threads)
     LLMRS_OPENCL_CHAIN_MAX=N      at most N launches a chain (1: each its own, to measure a chain's cost)
+    LLMRS_OPENCL_CHAIN_GROUPS=N   at most N groups a chain, each taking ticket after ticket
     LLMRS_OPENCL_CHAIN_DUMP=FILE  the generated program's text, to read
 """
 from __future__ import annotations
@@ -111,56 +121,71 @@ def chain_source(variants: list[Variant], kinds: list[list[str]], group: int, po
     # stayed 176 at =64; H100, round 22)
     head = "__kernel"
     parts.append(f"""
-// table: [launches, groups in all], then per launch [variant, groups dim 0, groups dim 1, arguments]
-// sync: [tickets, done[launch]...]; abort: one word shared by a step's chains (an aborted step
-// leaves its counters for the host to zero: ChainedStep.reset_sync)
+// table: [launches, virtual groups in all], then per launch [variant, groups dim 0, groups dim 1,
+// arguments]. sync: [tickets, groups out, done[launch]...]; abort: one word shared by a step's
+// chains (an aborted step leaves its counters for the host to zero: ChainedStep.reset_sync)
 {head}
 void pk_chain({bufs}, __global const int* pk_table, __global volatile int* pk_sync,
               __global volatile int* pk_abort, int pk_spin) {{
     __local uchar pk_pool[{pool}] __attribute__((aligned(16)));
     __local int pk_at[2];
     int n_ops = pk_table[0], total = pk_table[1];
-    if (get_local_id(0) == 0) {{
-        int t = atomic_inc(pk_sync), op = 0, first = 0;
-        for (; op < n_ops - 1; op++) {{
-            __global const int* q = pk_table + 2 + op * {stride};
-            if (t < first + q[1] * q[2]) break;
-            first += q[1] * q[2];
-        }}
-        int ok = !pk_abort[0];
-        if (ok && op > 0) {{
-            __global const int* p = pk_table + 2 + (op - 1) * {stride};
-            int need = p[1] * p[2];
-            for (int spins = 0; PK_ARRIVED(pk_sync + op) < need; spins++) {{
-                PK_PAUSE();
-                if (pk_abort[0] || spins > pk_spin) {{
-                    atomic_xchg(pk_abort, 1);   // every later group returns at once
-                    ok = 0;
-                    break;
+    int lid = get_local_id(0), waited = 0, t = 0, nt = 0;   // lid 0's: the launch waited for, tickets
+    if (lid == 0) t = atomic_inc(pk_sync);
+    for (;;) {{
+        if (lid == 0) {{
+            // ticket t as (launch, virtual group): -2 past the last (this group leaves), -1 aborted
+            int op = -2, first = 0;
+            if (t < total) {{
+                for (op = 0; op < n_ops - 1; op++) {{
+                    __global const int* q = pk_table + 2 + op * {stride};
+                    if (t < first + q[1] * q[2]) break;
+                    first += q[1] * q[2];
+                }}
+                if (pk_abort[0]) op = -1;
+                if (op > 0 && op != waited) {{   // once a launch: the next tickets are later ones
+                    __global const int* p = pk_table + 2 + (op - 1) * {stride};
+                    int need = p[1] * p[2];
+                    for (int spins = 0; PK_ARRIVED(pk_sync + 1 + op) < need; spins++) {{
+                        PK_PAUSE();
+                        if (pk_abort[0] || spins > pk_spin) {{
+                            atomic_xchg(pk_abort, 1);   // every later group skips its tickets
+                            op = -1;
+                            break;
+                        }}
+                    }}
+                    pk_cfence();        // the previous launch's writes before this group reads them
+                    if (op > 0) waited = op;
                 }}
             }}
+            pk_at[0] = op;
+            pk_at[1] = t - first;
         }}
-        pk_cfence();                    // the previous launch's writes before this group reads them
-        pk_at[0] = ok ? op : -1;
-        pk_at[1] = t - first;
-    }}
-    barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
-    int op = pk_at[0], vg = pk_at[1];
-    // no branch around the switch and barrier (PoCL compiles barriers under a branch it cannot
-    // prove uniform wrongly): an aborted group's switch matches no case
-    __global const int* r = pk_table + 2 + (op < 0 ? 0 : op) * {stride};
-    int n_vg = op < 0 ? 0 : r[1] * r[2];
-    switch (op < 0 ? -1 : r[0]) {{
+        barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
+        int op = pk_at[0], vg = pk_at[1];
+        if (op == -2) break;            // the same in every thread: read after the barrier
+        // the next ticket, taken now so that its round trip overlaps this one's work (a group
+        // holding a ticket it has not started waits on none but lower ones: still no deadlock)
+        if (lid == 0) nt = atomic_inc(pk_sync);
+        // no branch around the switch and barrier (PoCL compiles barriers under a branch it cannot
+        // prove uniform wrongly): an aborted ticket's switch matches no case
+        __global const int* r = pk_table + 2 + (op < 0 ? 0 : op) * {stride};
+        int n_vg = op < 0 ? 0 : r[1] * r[2];
+        switch (op < 0 ? -1 : r[0]) {{
 {cases}
+        }}
+        barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
+        if (lid == 0) {{
+            if (op >= 0) {{
+                pk_cfence();            // this group's writes before its count
+                atomic_inc(pk_sync + 2 + op);
+            }}
+            t = nt;
+        }}
     }}
-    barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
-    if (get_local_id(0) == 0 && op >= 0) {{
-        pk_cfence();                    // this group's writes before its count
-        // the last launch's last group zeroes the counters: every other group has made its last
-        // access to them (the last launch's groups waited for all the others' counts)
-        if (atomic_inc(pk_sync + 1 + op) == r[1] * r[2] - 1 && op == n_ops - 1)
-            for (int i = 0; i < n_ops + 1; i++) pk_sync[i] = 0;
-    }}
+    // the last group out zeroes the counters: every other group has taken its last ticket
+    if (lid == 0 && atomic_inc(pk_sync + 1) == (int)get_num_groups(0) - 1)
+        for (int i = 0; i < n_ops + 2; i++) pk_sync[i] = 0;
 }}
 """)
     return "\n".join(parts), stride
@@ -242,12 +267,16 @@ class ChainedStep:
                 table[2 + i * p.stride: 2 + i * p.stride + 3 + len(words)] = [p.variants[key], g0, g1, *words]
             mf = cl.mem_flags
             tbuf = cl.Buffer(p.ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=table)
-            sync = cl.Buffer(p.ctx, mf.READ_WRITE | mf.COPY_HOST_PTR, hostbuf=np.zeros(1 + len(items), np.int32))
+            sync = cl.Buffer(p.ctx, mf.READ_WRITE | mf.COPY_HOST_PTR, hostbuf=np.zeros(2 + len(items), np.int32))
             k = cl.Kernel(p.program, "pk_chain")
             k.set_args(*p.buffers, tbuf, sync, abort, np.int32(p.spin))
-            self.syncs.append((sync, 1 + len(items), tbuf))
+            self.syncs.append((sync, 2 + len(items), tbuf))
             self.kernels.append(k)
-            out.append((k, (int(table[1]) * p.group, 1), (p.group, 1)))
+            # groups: one a virtual group, or at most LLMRS_OPENCL_CHAIN_GROUPS, each then taking
+            # ticket after ticket (any count is deadlock-free: tickets order the waits)
+            cap = int(os.environ.get("LLMRS_OPENCL_CHAIN_GROUPS", "0") or 0)
+            groups = min(int(table[1]), cap) if cap > 0 else int(table[1])
+            out.append((k, (groups * p.group, 1), (p.group, 1)))
             at = stop
         out += launches[at:]
         if not self.kernels:

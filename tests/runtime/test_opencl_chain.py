@@ -70,6 +70,24 @@ def test_a_chained_decode_step_has_the_bits_and_greedy_tokens_of_the_launches(mo
         assert rel_err(got, np.stack(steps)) < 1e-4
 
 
+@pytest.mark.parametrize("groups", [1, 3])
+def test_fewer_groups_than_tickets_take_ticket_after_ticket_with_the_same_bits(groups, monkeypatch):
+    """LLMRS_OPENCL_CHAIN_GROUPS caps a chain's groups: each takes tickets until none is left
+    (one group: every virtual group of every launch in ticket order, its waits all on its own
+    earlier tickets)."""
+    graphs = _graphs("golden-b", "q4_0", "f16")
+    want, want_greedy = _decode(_backend(graphs, monkeypatch, False))
+    monkeypatch.setenv("LLMRS_OPENCL_CHAIN_GROUPS", str(groups))
+    be = _backend(graphs, monkeypatch, True)
+    got, got_greedy = _decode(be)
+    ch = be._chains[("decode", 1, "logits", False)]
+    if ch is None:
+        pytest.skip("this driver does not chain the plan's matvecs")
+    assert all(g[0] == groups * l[0] for k, g, l in ch.launches if k in ch.kernels)
+    np.testing.assert_array_equal(got, want)
+    assert got_greedy == want_greedy
+
+
 def test_a_chain_that_gives_up_waiting_is_rerun_launch_by_launch(monkeypatch):
     graphs = _graphs("golden-b", "q4_0", "f16")
     want, want_greedy = _decode(_backend(graphs, monkeypatch, False))
