@@ -26,6 +26,10 @@ TOKEN_TILE = 4     # tokens per tile in prefill
 TOKEN_CHUNK = 64   # tokens whose quantized rows are walked per pass over a thread's weight rows
 PREFETCH_BYTES = 1024  # weight rows stream from DRAM: ask for them this far ahead
 DECODE_ROWS = 8         # weight rows per tile in decode on the grouped q4_0 path
+DECODE_ROWS_LONG = 4    # the same where a row is at least LONG_ROW bytes: on a Zen 5 (2 threads, one
+LONG_ROW = 1024         # process, 25 interleaved rounds) 4-row tiles ran the Llama-3.2-1B all-Q4_0
+# (rows of 1152 and 4608 bytes) 1.029x the 8-row ones (1.041x, 1.016x in shorter runs) and
+# SmolLM2's Q4_1 (rows of 360 and 960 bytes) 0.960x (BENCHMARKS.md round 22)
 # (measured on Llama-3.2-1B, 1 thread, same run: 4 rows with the prefetch one tile ahead (4.6 KB)
 # 34 tok/s, two tiles ahead 37, 8 rows one tile ahead (9.2 KB) 39, two tiles ahead 36)
 SHARED_PREPARE = True   # prefill in a step: the team quantizes / normalizes x together (MatmulEmitter)
@@ -618,7 +622,9 @@ class MatmulEmitter:
         # decode: more rows in flight per thread hide DRAM latency, and each tile's horizontal
         # sums are spread over more bytes; prefill keeps R x TOKEN_TILE accumulators in registers
         if self.one_row and self.grouped:
-            return DECODE_ROWS if group_isa(self.kb.target) == "vnni512" else AVX2_DECODE_ROWS
+            if group_isa(self.kb.target) != "vnni512":
+                return AVX2_DECODE_ROWS
+            return DECODE_ROWS_LONG if self.s.row_bytes >= LONG_ROW else DECODE_ROWS
         return 1 if self.q8_stream else 4
 
     @property

@@ -327,6 +327,18 @@ def test_grouped_q4_0_matmul_matches_interpreter(target, prologue, epilogue, T, 
     check(case, run_case(case, TARGETS[target], nth=3)[0])
 
 
+@pytest.mark.skipif(not GROUPED, reason=NO_GROUPED)
+@pytest.mark.parametrize("target", GROUPED)
+@pytest.mark.parametrize("wdtype", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("prologue,epilogue", [(True, None), (False, "add"), (True, "silu_mul")])
+def test_grouped_decode_of_long_rows_matches_interpreter(target, wdtype, prologue, epilogue):
+    """K = 2048: rows of 1152 (q4_0) / 1280 (q4_1) bytes, which AVX-512 VNNI decode walks in
+    4-row tiles (llvm_matmul.py DECODE_ROWS_LONG), shorter rows in 8-row ones; 44 rows, so the
+    tiles do not divide them evenly into 8s."""
+    case = matmul_case(wdtype, 1, 1, prologue, epilogue, K=2048, N=88 if epilogue == "silu_mul" else 44, seed=5)
+    check(case, run_case(case, TARGETS[target], nth=3)[0])
+
+
 @pytest.mark.parametrize("wdtype", ["q4_0", "q4_1"])
 @pytest.mark.parametrize("T", [1, 8])
 def test_grouped_q4_code_uses_each_isas_dot_product_instructions(wdtype, T):
