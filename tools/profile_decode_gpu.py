@@ -35,16 +35,11 @@ from llmrs.runtime.backends.opencl_device import _cl
 from llmrs.runtime.backends.opencl_launch import DirectLaunches
 from llmrs.runtime.plan import Plan
 
+from bench_launch_loop import decode   # tools/: greedy steps as the engine runs them
+
 
 def step_by_step(be: OpenCLBackend, prompt: np.ndarray, steps: int) -> float:
-    be.reset()
-    tok = be.run_argmax("prefill", prompt, 0, 0)[-1:]
-    n = len(prompt)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        tok = be.run_argmax("decode", tok, n, n)
-        n += 1
-    return steps / (time.perf_counter() - t0)
+    return decode(be, prompt, steps)[0]
 
 
 def enqueued(be: OpenCLBackend, prompt: np.ndarray, steps: int) -> float:

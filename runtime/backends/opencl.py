@@ -325,6 +325,12 @@ class OpenCLBackend(Backend):
             for kern, gsize, lsize in launches:
                 launch(queue, kern, gsize, lsize)
 
+    def _decode_union(self) -> list[tuple[Any, tuple[int, int], tuple[int, int]]]:
+        """Every launch of decode's three launch lists (the step's, with its argmax, with the
+        step-advancing argmax): what one persistent or chain program is built for."""
+        extra = ([self.greedy["decode"]] if "decode" in self.greedy else []) + ([self.advance] if self.advance else [])
+        return list(self._step_launches("decode", 1)) + [(b.kernel, b.global_size(1), (b.local, 1)) for b in extra]
+
     def _persistent_step(self, key: tuple[Any, ...], launches: list[tuple[Any, tuple[int, int], tuple[int, int]]]
                          ) -> PersistentStep | None:
         """The launch list as one persistent kernel (opencl_persistent.py), built on first use;
@@ -336,10 +342,7 @@ class OpenCLBackend(Backend):
             groups = int(os.environ.get("LLMRS_OPENCL_PERSISTENT_GROUPS", "0") or 0) or None
             try:
                 if self._persistent_program is None:   # one program for decode's three launch lists
-                    union = list(self._step_launches("decode", 1))
-                    union += [(b.kernel, b.global_size(1), (b.local, 1))
-                              for b in ([self.greedy["decode"]] if "decode" in self.greedy else [])
-                              + ([self.advance] if self.advance else [])]
+                    union = self._decode_union()
                     self._persistent_program = PersistentProgram(self.ctx, self.device, union, self._bound_of,
                                                                  self.program["sources"], self.build_options)
                 self._persistent[key] = PersistentStep(self._persistent_program, self.queue, launches,
@@ -360,10 +363,7 @@ class OpenCLBackend(Backend):
             cl = _cl()
             try:
                 if self._chain_program is None:   # one program for decode's three launch lists
-                    union = list(self._step_launches("decode", 1))
-                    union += [(b.kernel, b.global_size(1), (b.local, 1))
-                              for b in ([self.greedy["decode"]] if "decode" in self.greedy else [])
-                              + ([self.advance] if self.advance else [])]
+                    union = self._decode_union()
                     sizes = [lsize[0] for k, _, lsize in union if k.function_name == "matvec"]
                     if not sizes:
                         raise ChainError("chained decode: the decode step has no matvec")

@@ -63,7 +63,7 @@ from typing import Any
 
 import numpy as np
 
-from .opencl_device import _cl
+from .opencl_device import OpenCLError, _cl
 from .opencl_persistent import (_PRELUDE, SPIN_LIMIT, PersistentError, Variant, _arg_words, _items, _variant_key,
                                 call_args, gather, program_parts)
 
@@ -220,9 +220,7 @@ class ChainProgram:
             opts += [f"-cl-nv-maxrregcount={regs}", "-cl-nv-verbose"]   # the log tells its registers
         try:
             self.program = build_program(ctx, device, source, opts, "chained decode")
-        except PersistentError as err:
-            raise ChainError(str(err)) from None
-        except Exception as err:   # OpenCLError from the build
+        except OpenCLError as err:
             raise ChainError(str(err)) from None
         # ptxas's report ("Used N registers, M bytes spill stores"), where the build ran now (not
         # from a cache: ours, pyopencl's or the driver's, CUDA_CACHE_DISABLE=1)
@@ -282,13 +280,12 @@ class ChainedStep:
         if not self.kernels:
             raise ChainError("chained decode: no run of two or more chainable launches")
         self.launches = out
-        self.n_chained = len(launches) - len(out) + len(self.kernels)
         self._status = np.zeros(1, np.int32)
         self.probe([x for x in out if x[0] in self.kernels])
 
     def probe(self, chains: list[Launch]) -> None:
-        """Launch every chain once with the abort word set (each group returns after taking its
-        ticket), read the word back, then zero the counters: a launch the device refuses is a
+        """Launch every chain once with the abort word set (its groups skip every ticket), read
+        the word back, then zero the counters: a launch the device refuses is a
         ChainError here, not a failed step. (NVIDIA's driver reports a group too large for the
         kernel's registers only at the next read, and its context may not survive it: the
         program's largest group is checked before this.)"""
