@@ -27,6 +27,7 @@ from .base import Backend, StepRows
 from .opencl_device import INSTALL_OPENCL, OpenCLError, _cl, list_devices, pick_device
 from .opencl_launch import GREEDY_MAX_STEPS, Bound, CommandBuffer, DirectLaunches, bind_program
 from .opencl_chain import ChainedStep, ChainError, ChainProgram
+from .opencl_cuda import CudaGraphs, CudaLaunchFailed, CudaUnavailable, Replay, open_cuda_graphs
 from .opencl_persistent import PersistentError, PersistentProgram, PersistentStep
 from .opencl_memory import (ALIGN, DeviceMemory, Region, from_split_blocks, naive_layout, pack_weights,
                             split_region, to_split_blocks)
@@ -91,6 +92,7 @@ class OpenCLBackend(Backend):
         if len(self.layouts) != len(graphs):
             self.layouts = naive_layout(graphs)
         self.max_alloc = int(os.environ.get("LLMRS_OPENCL_MAX_ALLOC") or self.device.max_mem_alloc_size)
+        self.build_notes: list[str] = []   # build fallbacks taken, for benchmarks and reports
         try:
             self._alloc(region, tensors, kv_host)
             self._bind(program)
@@ -102,12 +104,24 @@ class OpenCLBackend(Backend):
 
     def _alloc(self, region: np.ndarray, tensors: dict[str, tuple[int, int]], kv_host: np.ndarray | None) -> None:
         cl = _cl()
-        self.memory = DeviceMemory(self.ctx, self.graphs, self.layouts, region, tensors, self.max_alloc, kv_host)
+        # NVIDIA: launch lists replayed as CUDA graphs on memory both APIs share (opencl_cuda.py).
+        # Not with a cache in host memory (the hybrid back end's) or the opt-in persistent and
+        # chained steps, whose programs and buffers are OpenCL's alone
+        self.cuda: CudaGraphs | None = None
+        if kv_host is None and not any(os.environ.get(f"LLMRS_OPENCL_{x}", "") == "1" for x in ("PERSISTENT", "CHAIN")):
+            self.cuda = open_cuda_graphs(self.ctx, self.device, self.build_notes)
+        self._replays: dict[tuple[Any, ...], Replay] = {}
+        self._cuda_pending = False   # the stream has work the host has not waited for
+        self._cuda_live = self.cuda is not None   # False once a launch list could not run there
+        alloc = self.cuda.alloc if self.cuda is not None else None
+        self.memory = DeviceMemory(self.ctx, self.graphs, self.layouts, region, tensors, self.max_alloc, kv_host,
+                                   alloc)
         mem = self.memory
         self.weights, self.kv, self.arena = mem.weights, mem.kv, mem.arena
         self.tensors, self.quantized, self.kv_offsets = mem.tensors, mem.quantized, mem.kv_offsets
         self.locate = mem.locate      # bound once: a step calls it
-        self.step_buf = cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, 16)   # greedy steps advance it
+        # greedy steps advance it
+        self.step_buf = alloc(16) if alloc is not None else cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, 16)
         self._in_flight: list[np.ndarray] = []
         self._limits: dict[str, tuple[int, int, int | None]] = {}
         self._step_shape: StepShape | None = None   # the step graph's bounds, read on its first step
@@ -121,7 +135,6 @@ class OpenCLBackend(Backend):
 
     def _bind(self, program: dict[str, Any]) -> None:
         self.build_options = device_options(self.device)
-        self.build_notes: list[str] = []   # build fallbacks taken, for benchmarks and reports
         try:
             self.direct: DirectLaunches | None = DirectLaunches(self.queue)
         except OpenCLError as err:   # no loader reachable by ctypes: pyopencl enqueues, with events
@@ -131,7 +144,8 @@ class OpenCLBackend(Backend):
         self.program = program
         self.scoring = False    # runtime/kv turns eviction scores on for the steps that want them
         b = bind_program(self.ctx, self.queue, self.device, program, self.graphs, self.locate, self.step_buf,
-                         self.arena.chunks[0][2], self.build_options, self.build_notes)
+                         self.arena.chunks[0][2], self.build_options, self.build_notes,
+                         self.cuda.alloc if self.cuda is not None else None)
         self.launches: dict[str, list[Bound]] = b.launches
         self.greedy, self.advance = b.greedy, b.advance
         self._bound_of = {x.kernel.int_ptr: x for x in [*(x for t in b.launches.values() for x in t),
@@ -160,6 +174,7 @@ class OpenCLBackend(Backend):
     def map_kv(self) -> list[tuple[int, np.ndarray]]:
         """The KV region mapped for the host, once the queue is idle: (region offset, uint8 view)
         per buffer; the device must not run until unmap_kv."""
+        self._cuda_idle()
         return self.kv.map(self.queue)
 
     def unmap_kv(self, maps: list[tuple[int, np.ndarray]]) -> None:
@@ -169,6 +184,7 @@ class OpenCLBackend(Backend):
                 zeros: list[tuple[int, int]] = ()) -> None:
         """(offset, nbytes) spans of the KV region copied from host[offset:offset + nbytes] to the
         device (to_device) or back, and `zeros` spans zeroed on the device; returns when done."""
+        self._cuda_idle()
         self.kv.copy(self.queue, host, spans, to_device, zeros)
 
     def report_lines(self) -> list[str]:
@@ -181,10 +197,58 @@ class OpenCLBackend(Backend):
             kept.release()
         self._command_buffers.clear()
 
+    # -- the launcher's order: CUDA's stream where launch lists replay as graphs --------------
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether launch lists run as CUDA graphs (opencl_cuda.py) rather than on OpenCL's queue."""
+        return self._cuda_live
+
+    def _cuda_idle(self) -> None:
+        """Wait for CUDA's stream: before OpenCL touches memory a replay may still be using."""
+        if self._cuda_pending:
+            self.cuda.sync()
+            self._cuda_pending = False
+
+    def _put(self, buf: Any, off: int, arr: np.ndarray) -> None:
+        """A step's input bytes into buf at off, ordered before the step's launches; returns
+        without waiting (the host array may change afterwards)."""
+        arr = np.ascontiguousarray(arr)
+        if self._cuda_live:
+            self.cuda.write(buf, off, arr)
+            self._cuda_pending = True
+        elif arr.nbytes in (4, 8, 16) and off % arr.nbytes == 0:   # a fill copies its pattern when enqueued
+            _cl().enqueue_fill_buffer(self.queue, buf, arr, off, arr.nbytes)
+        else:
+            self._in_flight.append(arr)   # released by the next blocking read
+            _cl().enqueue_copy(self.queue, buf, arr, dst_offset=off, is_blocking=False)
+
+    def _get(self, out: np.ndarray, buf: Any, off: int = 0) -> np.ndarray:
+        """buf's bytes at off into out once the launches before have run."""
+        if self._cuda_live:
+            self.cuda.read(out, buf, off)
+            self._cuda_pending = False
+        else:
+            _cl().enqueue_copy(self.queue, out, buf, src_offset=off, is_blocking=True)
+        self._in_flight.clear()
+        return out
+
+    def _cuda_fallback(self, err: Exception) -> None:
+        """A launch list has no CUDA form or its replay failed: every launch goes through
+        OpenCL's queue from now on (the memory stays shared, so nothing is lost)."""
+        try:
+            self.cuda.sync()
+        except CudaUnavailable:
+            pass
+        self._cuda_pending = self._cuda_live = False
+        note = f"{self.device_name}: {err}; launching through OpenCL's queue from now on"
+        warnings.warn(note)
+        self.build_notes.append(note)
+
     # -- steps --------------------------------------------------------------------------------
     def reset(self) -> None:
         """Empty the KV cache (zero bytes, so stale slots never hold NaNs)."""
         cl = _cl()
+        self._cuda_idle()
         for s, e, buf in self.kv.chunks:
             cl.enqueue_fill_buffer(self.queue, buf, np.uint8(0), 0, e - s)
         self.queue.finish()
@@ -193,12 +257,14 @@ class OpenCLBackend(Backend):
     def kv_store(self):
         """The caches for eviction (runtime/kv): scores read back, rows moved by kv_compact.cl."""
         from ..kv.opencl import OpenCLKV
+        self._cuda_idle()
         return OpenCLKV(self)
 
     def write_value(self, phase: str, name: str, arr: np.ndarray) -> None:
         """Copy host data into a value's storage (inputs of single-kernel checks, caches);
         quantized weights are given as GGML blocks, as the plan holds them."""
         cl = _cl()
+        self._cuda_idle()
         buf, off = self.locate(phase, name)
         data = np.ascontiguousarray(arr)
         if name in self.quantized:
@@ -208,6 +274,7 @@ class OpenCLBackend(Backend):
     def read_value(self, phase: str, name: str, rows: int | None = None) -> np.ndarray:
         """A value's current contents in its storage dtype; `rows` limits the first axis."""
         cl = _cl()
+        self._cuda_idle()
         v = self.graphs[phase].values[name]
         shape, np_dtype = storage_shape(v.shape, v.dtype)
         if rows is not None:
@@ -253,10 +320,20 @@ class OpenCLBackend(Backend):
     def enqueue(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int, kernels: bool = True,
                 generated: int = 0) -> None:
         """Write the step's tokens and scalars and enqueue every kernel of the phase (none with
-        kernels=False: profiles enqueue their own); returns without waiting (the arena's token
+        kernels=False: profiles enqueue their own, on OpenCL's queue); returns without waiting
+        on OpenCL's queue, and once done where launches replay as CUDA graphs (the arena's token
         slot may be reused within a step, so every step writes its tokens again). generated:
         the step's last rows that a step graph's row-split matmuls run as generated rows."""
-        cl = _cl()
+        self._write_inputs(phase, tokens, n_past, start_pos, generated)
+        if kernels:
+            n_tokens = len(np.asarray(tokens).reshape(-1))
+            lead = n_tokens - generated
+            self._enqueue_launches((phase, n_tokens, "logits", self.scoring, lead),
+                                   self._step_launches(phase, n_tokens, lead=lead))
+        self._cuda_idle()
+
+    def _write_inputs(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int, generated: int = 0) -> None:
+        """A step's tokens and scalars, checked and written ahead of its launches."""
         g = self.graphs[phase]
         tokens = np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)
         n_tokens = len(tokens)
@@ -267,27 +344,35 @@ class OpenCLBackend(Backend):
             raise IRError(f"KV cache of graph {phase} holds {slots} tokens; {n_past} + {n_tokens} do not fit")
         if vocab is not None and (tokens.min() < 0 or tokens.max() >= vocab):
             raise IRError(f"graph {phase}: token id out of range 0..{vocab - 1}")
-        # fills copy their pattern when enqueued, so no host array must outlive the call
-        step = np.array([n_tokens, n_past, start_pos, generated], np.int32)
-        cl.enqueue_fill_buffer(self.queue, self.step_buf, step, 0, step.nbytes)
+        self._put(self.step_buf, 0, np.array([n_tokens, n_past, start_pos, generated], np.int32))
         if g.inputs:
             buf, off = self.locate(phase, g.inputs[0])
-            if n_tokens == 1:
-                cl.enqueue_fill_buffer(self.queue, buf, tokens, off, 4)
-            else:
-                self._in_flight.append(tokens)   # released by the next blocking read
-                cl.enqueue_copy(self.queue, buf, tokens, dst_offset=off, is_blocking=False)
-        if kernels:
-            lead = n_tokens - generated
-            self._enqueue_launches((phase, n_tokens, "logits", self.scoring, lead),
-                                   self._step_launches(phase, n_tokens, lead=lead))
+            self._put(buf, off, tokens)
 
     def _enqueue_launches(self, key: tuple[Any, ...], launches: list[tuple[Any, tuple[int, int], tuple[int, int]]],
                           repeat: int = 1) -> None:
         """Enqueue a launch list `repeat` times over: replayed from a command buffer recorded on
         first use where the driver has cl_khr_command_buffer (LLMRS_OPENCL_NO_COMMAND_BUFFER=1:
         never), else kernel by kernel with no events (opencl_launch.DirectLaunches), else
-        through pyopencl."""
+        through pyopencl. On NVIDIA, first of all: as a CUDA graph (opencl_cuda.py), after
+        OpenCL's queue has finished (its writes and kernels come first); the caller waits on
+        CUDA's stream (_get, _cuda_idle)."""
+        if self._cuda_live:
+            rkey = key + (self.cuda.pdl,)
+            try:
+                replay = self._replays.get(rkey)
+                if replay is None:
+                    replay = self._replays[rkey] = self.cuda.prepare(launches, self._bound_of)
+                self.queue.finish()
+                self.cuda.run(rkey, replay, repeat)
+                self._cuda_pending = True
+                return
+            except CudaUnavailable as err:
+                self._cuda_fallback(err)
+            except CudaLaunchFailed as err:
+                self._cuda_fallback(err)
+                raise OpenCLError(f"{self.device_name}: {err}; the step ran in part, so the KV cache may hold "
+                                  "a broken entry (reset it)") from None
         cb = self._command_buffers.get((key, repeat))
         if cb is None and self.use_command_buffers:
             try:
@@ -429,7 +514,6 @@ class OpenCLBackend(Backend):
         return self._step(rows, argmax=True)
 
     def _step(self, rows: StepRows, argmax: bool) -> np.ndarray:
-        cl = _cl()
         g = self.graphs.get("step")
         if g is None:
             raise OpenCLError("this plan has no step graph (many sequences a step); recompile it with one")
@@ -438,11 +522,10 @@ class OpenCLBackend(Backend):
         inputs = check_step(rows, self._step_shape)
         n = len(inputs["tokens"])
         lead = split_rows(inputs, len(rows.logit_rows))
-        cl.enqueue_fill_buffer(self.queue, self.step_buf, np.array([n, 0, 0, n - lead], np.int32), 0, 16)
+        self._put(self.step_buf, 0, np.array([n, 0, 0, n - lead], np.int32))
         for name, arr in inputs.items():
             buf, off = self.locate("step", name)
-            self._in_flight.append(arr)   # released by the blocking read below
-            cl.enqueue_copy(self.queue, buf, arr, dst_offset=off, is_blocking=False)
+            self._put(buf, off, arr)
         idle = self._idle_paged_kernels(inputs["row_seq"][:n])
         # the scores kernel runs in a step with a scoring row (its rows say so, not the flag)
         scoring = bool(np.any(inputs["ctx_len"] - 1 >= inputs["score_from"]))
@@ -457,8 +540,7 @@ class OpenCLBackend(Backend):
         self._enqueue_launches(("step", n, ("argmax", picked) if argmax else "logits", picked, scoring, idle, lead,
                                 longest), launches)
         if argmax:
-            out = np.empty(picked, np.int32)
-            cl.enqueue_copy(self.queue, out, self.result_buf, is_blocking=True)
+            out = self._get(np.empty(picked, np.int32), self.result_buf)
         else:
             out = self.read_value("step", g.outputs[0], rows=picked).astype(np.float32, copy=False)
         self._in_flight.clear()
@@ -487,7 +569,6 @@ class OpenCLBackend(Backend):
         chosen tokens, as n calls of run_argmax("decode", ...) would give them (a caller
         stopping at an end-of-sequence token drops what follows it; the cache holds those
         steps' keys past the stop, which the next step's n_past overwrites)."""
-        cl = _cl()
         if self.advance is None:
             raise OpenCLError("this plan's decode graph has no one-token device argmax; use run_argmax")
         if not 1 <= n <= GREEDY_MAX_STEPS:
@@ -495,13 +576,11 @@ class OpenCLBackend(Backend):
         _, slots, _ = self._step_limits("decode")
         if n_past + n > slots:
             raise IRError(f"KV cache of graph decode holds {slots} tokens; {n_past} + {n} steps do not fit")
-        self.enqueue("decode", np.array([token], np.int32), n_past, start_pos, kernels=False)
+        self._write_inputs("decode", np.array([token], np.int32), n_past, start_pos)
         a = self.advance
         step = self._step_launches("decode", 1) + [(a.kernel, a.global_size(1), (a.local, 1))]
         pk = self._enqueue_decode(("greedy", self.scoring), step, repeat=n)
-        out = np.empty(n, np.int32)
-        cl.enqueue_copy(self.queue, out, self.steps_buf, is_blocking=True)
-        self._in_flight.clear()
+        out = self._get(np.empty(n, np.int32), self.steps_buf)
         if pk is not None and pk.aborted():
             self._persistent_aborted(pk)
             return self.run_greedy_steps(token, n_past, start_pos, n)
@@ -519,7 +598,6 @@ class OpenCLBackend(Backend):
         """One step. want="logits": float32 [rows, vocab] of the graph's output;
         want="argmax": int32 [rows], each row's argmax (first of equal maxima, as numpy)
         taken on the device, so a greedy step reads back 4 bytes per row."""
-        cl = _cl()
         tokens = np.asarray(tokens).reshape(-1)
         if phase == "prefill" and len(tokens) <= self._short_T:    # tiled for few rows (compiler/pipeline.py)
             phase = PREFILL_SHORT
@@ -528,7 +606,7 @@ class OpenCLBackend(Backend):
             raise ValueError(f"run(want={want!r}): choose 'logits' or 'argmax'")
         if want == "argmax" and phase not in self.greedy:
             raise OpenCLError(f"graph {phase} has no device argmax in this plan; recompile it or use want='logits'")
-        self.enqueue(phase, tokens, n_past, n_past if start_pos is None else start_pos, kernels=False)
+        self._write_inputs(phase, tokens, n_past, n_past if start_pos is None else start_pos)
         launches = self._step_launches(phase, len(tokens))
         if want == "argmax":
             b = self.greedy[phase]
@@ -540,9 +618,7 @@ class OpenCLBackend(Backend):
         else:
             self._enqueue_launches(key, launches)
         if want == "argmax":
-            rows = min(len(tokens), b.rows)
-            out = np.empty(rows, np.int32)
-            cl.enqueue_copy(self.queue, out, self.result_buf, is_blocking=True)
+            out = self._get(np.empty(min(len(tokens), b.rows), np.int32), self.result_buf)
         else:
             out = self.read_value(phase, g.outputs[0], rows=len(tokens)).astype(np.float32, copy=False)
         self._in_flight.clear()

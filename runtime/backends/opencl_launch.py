@@ -301,7 +301,7 @@ class _Binder:
 
     def __init__(self, ctx: Any, queue: Any, device: Any, program: dict[str, Any], graphs: dict[str, Graph],
                  locate: Callable[[str, str], tuple[Any, int]], step_buf: Any, placeholder: Any,
-                 device_opts: list[str], notes: list[str]):
+                 device_opts: list[str], notes: list[str], alloc: Callable[[int], Any] | None = None):
         cl = _cl()
         self.ctx, self.device, self.program, self.graphs, self.locate = ctx, device, program, graphs, locate
         self.step_buf, self.placeholder, self.device_opts, self.notes = step_buf, placeholder, device_opts, notes
@@ -314,12 +314,13 @@ class _Binder:
         # launches run in order on one queue, so one staging buffer serves every producer /
         # consumer pair (stage_x, then its matmul)
         staging = max([a["staging"] for e in entries for a in e["args"] if "staging" in a], default=0)
-        mf = cl.mem_flags
-        self.scratch = cl.Buffer(ctx, mf.READ_WRITE, max(scratch, ALIGN))
+        if alloc is None:
+            alloc = functools.partial(cl.Buffer, ctx, cl.mem_flags.READ_WRITE)
+        self.scratch = alloc(max(scratch, ALIGN))
         cl.enqueue_fill_buffer(queue, self.scratch, np.uint8(0), 0, max(scratch, ALIGN))
-        self.result = cl.Buffer(ctx, mf.READ_WRITE, max(result, ALIGN))
-        self.staging = cl.Buffer(ctx, mf.READ_WRITE, max(staging, ALIGN))
-        self.steps = cl.Buffer(ctx, mf.READ_WRITE, 4 * GREEDY_MAX_STEPS)
+        self.result = alloc(max(result, ALIGN))
+        self.staging = alloc(max(staging, ALIGN))
+        self.steps = alloc(4 * GREEDY_MAX_STEPS)
         self.scratch_next = 0
         self.scratch_at: dict[tuple[str, str], int] = {}   # (phase, kernel) -> its scratch slice
 
@@ -379,12 +380,13 @@ class _Binder:
 
 def bind_program(ctx: Any, queue: Any, device: Any, program: dict[str, Any], graphs: dict[str, Graph],
                  locate: Callable[[str, str], tuple[Any, int]], step_buf: Any, placeholder: Any,
-                 device_opts: list[str], notes: list[str]) -> Binding:
+                 device_opts: list[str], notes: list[str], alloc: Callable[[int], Any] | None = None) -> Binding:
     """Every launch of the program's tables for the phases in `graphs`, bound: value arguments at
     locate(phase, value), every kernel's first argument the step buffer (int32 [4]: n_tokens,
     n_past, start_pos, k), `placeholder` for an argument a variant leaves unused. Build
-    fallbacks taken are appended to `notes`."""
-    b = _Binder(ctx, queue, device, program, graphs, locate, step_buf, placeholder, device_opts, notes)
+    fallbacks taken are appended to `notes`. alloc(size): where the kernels' own buffers come from
+    (default: OpenCL's; memory CUDA shares: opencl_cuda.py)."""
+    b = _Binder(ctx, queue, device, program, graphs, locate, step_buf, placeholder, device_opts, notes, alloc)
     launches = {phase: [b.bind(phase, entry) for entry in table]
                 for phase, table in program["graphs"].items() if phase in graphs}
     greedy = {phase: b.bind(phase, entry) for phase, entry in program.get("greedy", {}).items() if phase in graphs}

@@ -14,7 +14,7 @@ boundaries (kernel arguments are buffer + byte offset, never sub-buffers); no te
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -153,11 +153,19 @@ class DeviceMemory:
     value of a graph lives in them (locate)."""
 
     def __init__(self, ctx: Any, graphs: dict[str, Graph], layouts: dict[str, dict[str, Any]], region: np.ndarray,
-                 tensors: dict[str, tuple[int, int]], max_alloc: int, kv_host: np.ndarray | None = None):
+                 tensors: dict[str, tuple[int, int]], max_alloc: int, kv_host: np.ndarray | None = None,
+                 alloc: Callable[..., Any] | None = None):
         """region: the plan's weights section (GGML bytes), tensors: name -> (offset, nbytes) in
-        it; kv_host: host memory (uint8, at least the plan's KV bytes) to make the KV buffers over."""
+        it; kv_host: host memory (uint8, at least the plan's KV bytes) to make the KV buffers over;
+        alloc(size, hostbuf=None): where the buffers come from when not OpenCL's own (memory
+        CUDA shares: opencl_cuda.py)."""
         cl = _cl()
         mf = cl.mem_flags
+        if alloc is None:
+            def alloc(size: int, hostbuf: np.ndarray | None = None, flags: int = mf.READ_WRITE) -> Any:
+                if hostbuf is not None:
+                    return cl.Buffer(ctx, flags | mf.COPY_HOST_PTR, hostbuf=hostbuf)
+                return cl.Buffer(ctx, flags, size)
         self.graphs, self.layouts, self.tensors = graphs, layouts, tensors
         used = {n for g in graphs.values() for n in g.by_kind("param") + g.by_kind("const")}
         for n in used:
@@ -168,13 +176,13 @@ class DeviceMemory:
         self.quantized = {n: v.dtype for g in graphs.values() for n, v in g.values.items()
                           if n in used and v.dtype in _SPLIT_BYTES}   # name -> dtype, stored split on the device
         self.weights = Region("weights", [
-            (s, e, cl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=self._device_bytes(region, s, e)))
+            (s, e, alloc(e - s, hostbuf=self._device_bytes(region, s, e), flags=mf.READ_ONLY))
             for s, e in w_chunks])
         kv = next(iter(layouts.values()))["kv"]
         kv_sizes = {n: g.values[n].nbytes for g in graphs.values() for n in g.state}
         kv_chunks = split_region([(kv[n], kv[n] + kv_sizes[n]) for n in kv_sizes], max_alloc, "KV cache")
         if kv_host is None:
-            self.kv = Region("kv", [(s, e, cl.Buffer(ctx, mf.READ_WRITE, e - s)) for s, e in kv_chunks])
+            self.kv = Region("kv", [(s, e, alloc(e - s)) for s, e in kv_chunks])
         else:
             self.kv = Region("kv", [(s, e, cl.Buffer(ctx, mf.READ_WRITE | mf.USE_HOST_PTR, hostbuf=kv_host[s:e]))
                                     for s, e in kv_chunks])
@@ -186,7 +194,7 @@ class DeviceMemory:
                 if n in g.values:
                     spans.append((o, o + g.values[n].nbytes))
         a_chunks = split_region(spans, max_alloc, "activation arena")
-        self.arena = Region("arena", [(s, e, cl.Buffer(ctx, mf.READ_WRITE | mf.ALLOC_HOST_PTR, e - s))
+        self.arena = Region("arena", [(s, e, alloc(e - s, flags=mf.READ_WRITE | mf.ALLOC_HOST_PTR))
                                       for s, e in a_chunks])
 
     def _device_bytes(self, region: np.ndarray, start: int, end: int) -> np.ndarray:
