@@ -92,16 +92,22 @@ def pdl_ptx(ptx: str, trigger: bool = True) -> str:
     of plain serialized launches. With `trigger`, before that wait it lets the next kernel launch
     (griddepcontrol.launch_dependents), whose groups then wait on the GPU while this one's last
     groups run; without, the next launches as this one's groups end. Where launched without the
-    attribute both are no-ops. CudaUnavailable for PTX older than ISA 7.8 or a target before sm_90."""
+    attribute both are no-ops. A kernel that already has griddepcontrol instructions (its source
+    places them, common.cl USE_NV_PDL) is left as it is. CudaUnavailable for PTX older than ISA
+    7.8 or a target before sm_90."""
     version = re.search(r"^\.version\s+(\d+)\.(\d+)", ptx, re.M)
     target = re.search(r"^\.target\s+sm_(\d+)", ptx, re.M)
     if not version or (int(version.group(1)), int(version.group(2))) < (7, 8) or not target \
             or int(target.group(1)) < 90:
         raise CudaUnavailable("programmatic dependent launch needs PTX ISA 7.8 for sm_90 or later")
     out, at = [], 0
-    for m in _ENTRY.finditer(ptx):
+    entries = list(_ENTRY.finditer(ptx))
+    for m, after in zip(entries, entries[1:] + [None]):
         out.append(ptx[at:m.end()])
-        body = ptx[m.end():]
+        body = ptx[m.end():after.start() if after else len(ptx)]
+        if "griddepcontrol." in body:   # the kernel's source places its own (common.cl USE_NV_PDL)
+            at = m.end()
+            continue
         lines = body.split("\n")
         i = 0
         while i < len(lines) and (not lines[i].strip() or lines[i].strip().startswith(("//", "."))):

@@ -27,7 +27,12 @@ def device_options(dev: Any) -> list[str]:
     tensor cores, for comparisons; LLMRS_OPENCL_EMULATE_MMA=1 runs the tensor-core bodies on any
     device, their mma.sync emulated in C, for tests). Compute capability 9.x adds Hopper's
     warpgroup MMA to the f16 prefill matmul (-DUSE_NV_WGMMA; build_program assembles it for
-    sm_90a; LLMRS_OPENCL_NO_WGMMA=1 keeps mma.sync; LLMRS_OPENCL_EMULATE_WGMMA=1 emulates it)."""
+    sm_90a; LLMRS_OPENCL_NO_WGMMA=1 keeps mma.sync; LLMRS_OPENCL_EMULATE_WGMMA=1 emulates it).
+    LLMRS_OPENCL_PDL_MATVEC=1 (compute capability 9.0+) places programmatic dependent launch's
+    wait, trigger and an L2 prefetch of the first weights in the decode matvec (-DUSE_NV_PDL,
+    common.cl; no-ops unless a CUDA graph replays the kernels). Off by default: on an H200 it
+    moved decode 1.05-1.07x on the Qwen3-0.6B shape, 1.12x on SmolLM2's, 1.03x on the 1B f16 and
+    0.98x on the 1B q4_0 against the wait at each kernel's entry (BENCHMARKS.md round 23)."""
     cl = _cl()
     opts = ["-w"] if is_pocl(dev) else []   # pip's PoCL prints "N warnings generated." per kernel
     if dev.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT:
@@ -38,6 +43,10 @@ def device_options(dev: Any) -> list[str]:
             opts.append("-DUSE_NV_MMA")   # mma.sync m16n8k32 s8 / m16n8k16 f16 need sm_80
             if _nv_compute_capability(dev)[0] == 9 and os.environ.get("LLMRS_OPENCL_NO_WGMMA", "") in ("", "0"):
                 opts.append("-DUSE_NV_WGMMA")   # wgmma: sm_90a alone (not sm_100)
+        pdl = os.environ.get("LLMRS_OPENCL_PDL_MATVEC", "")
+        if _nv_compute_capability(dev) >= (9, 0) and pdl in ("1", "notrigger", "noprefetch"):
+            opts.append("-DUSE_NV_PDL")   # griddepcontrol, prefetch: where kernels wait in a CUDA graph
+            opts += {"notrigger": ["-DPDL_NO_TRIGGER"], "noprefetch": ["-DPDL_NO_PREFETCH"]}.get(pdl, [])
     emulate = {name: os.environ.get(f"LLMRS_OPENCL_EMULATE_{name}", "") not in ("", "0") for name in ("MMA", "WGMMA")}
     if (emulate["MMA"] or emulate["WGMMA"]) and "-DUSE_NV_MMA" not in opts:
         opts += ["-DUSE_NV_MMA", "-DEMU_MMA"]   # tests: the tensor-core bodies, emulated (common.cl)

@@ -152,12 +152,12 @@ void attention_split(__global const int* step, gin qb, ulong q_off, gin kb, ulon
         mine[0] = m_run;
         mine[1] = l_run;
     }
-    mem_fence(CLK_GLOBAL_MEM_FENCE);   // partials reach memory before the ticket
+    DEVICE_FENCE();   // partials reach memory before the ticket
     barrier(CLK_GLOBAL_MEM_FENCE | CLK_LOCAL_MEM_FENCE);
     if (lid == 0) last = atomic_inc(count) == ATT_SPLITS - 1;
     barrier(CLK_LOCAL_MEM_FENCE);
     if (!last) return;
-    mem_fence(CLK_GLOBAL_MEM_FENCE);
+    DEVICE_FENCE();
     // each split's (m, l) once into local memory, then its weight exp(m_s - m)
     __local float wm[ATT_SPLITS], wl[ATT_SPLITS], lsum;
     __global volatile float* all = parts + ((size_t)t * n_heads + h) * ATT_SPLITS * (HEAD_DIM + 2);

@@ -132,13 +132,13 @@ void attention_decode(__global const int* step, gin qb, ulong q_off, gin kb, ulo
         mine[0] = gm;
         mine[1] = gl;
     }
-    mem_fence(CLK_GLOBAL_MEM_FENCE);            // partials reach memory before the ticket
+    DEVICE_FENCE();            // partials reach memory before the ticket
     barrier(CLK_GLOBAL_MEM_FENCE | CLK_LOCAL_MEM_FENCE);
     __local int last;
     if (lid == 0) last = atomic_inc(count) == active - 1;
     barrier(CLK_LOCAL_MEM_FENCE);
     if (!last) return;
-    mem_fence(CLK_GLOBAL_MEM_FENCE);
+    DEVICE_FENCE();
     if (lid < HEAD_DIM) {                       // online merge of the active splits
         float mm = -INFINITY, ll = 0.0f, acc = 0.0f;
         for (int sp = 0; sp < active; sp++) {

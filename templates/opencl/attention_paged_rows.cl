@@ -133,13 +133,13 @@ void attention_paged_rows(__global const int* step, gin qb, ulong q_off, gin kb,
         }
     }
     if (G == 1) return;
-    mem_fence(CLK_GLOBAL_MEM_FENCE);            // partials reach memory before the ticket
+    DEVICE_FENCE();            // partials reach memory before the ticket
     barrier(CLK_GLOBAL_MEM_FENCE | CLK_LOCAL_MEM_FENCE);
     __local int last;
     if (lid == 0) last = atomic_inc(count) == G - 1;
     barrier(CLK_LOCAL_MEM_FENCE);
     if (!last) return;
-    mem_fence(CLK_GLOBAL_MEM_FENCE);
+    DEVICE_FENCE();
     for (int d = lid; d < HEAD_DIM; d += ATT_WG) {
         float tm = -INFINITY, tl = 0.0f, to = 0.0f;
         for (int gg = 0; gg < G; gg++) {

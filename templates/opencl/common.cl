@@ -16,6 +16,14 @@
 //                  (matmul.cl) for q4_0 / q4_1 / q8_0 / f16 weights, and prefill attention's
 //                  (attention.cl) for f16 KV caches.
 //   -DEMU_MMA      (tests, with USE_NV_MMA) the tensor-core bodies on any device: see below.
+//   -DUSE_NV_PDL   NVIDIA sm_90+ (with USE_NV_PTX; LLMRS_OPENCL_PDL_MATVEC=1, off by default):
+//                  programmatic dependent launch placed by the decode matvec itself when a
+//                  CUDA graph replays the kernels (runtime/backends/opencl_cuda.py). PDL_WAIT():
+//                  nothing before it may touch memory the kernels before write; PDL_TRIGGER():
+//                  the next kernel may launch now (its groups wait at their PDL_WAIT);
+//                  PDL_PREFETCH(p): an L2 prefetch of read-only bytes, allowed before the wait.
+//                  Launched any other way they do nothing. A kernel that has them gets no wait
+//                  of opencl_cuda.pdl_ptx's at its entry; every other kernel does.
 //
 // Quantized WEIGHTS (not KV caches) sit on the device in a split layout the back end makes
 // at upload, same bytes in total: for a tensor of nblk blocks, the blocks' quants first
@@ -161,6 +169,34 @@ inline float wg_max(float v, __local float* red) {
 }
 
 // -- device primitives ------------------------------------------------------------------------
+// A group's global writes made visible to every other group before its next memory operation
+// (the ticket pattern: partials, fence, atomic ticket; the last group fences and reads them).
+// OpenCL 1.2's mem_fence orders a work-item's accesses only as its work-group sees them, and
+// NVIDIA's compiler may take it at that scope: the last group then read a partial not yet in
+// L2 (the Qwen3 shape's q/k norm heads gave other tokens, now and then, under any launcher;
+// BENCHMARKS.md round 23). PTX's fence.acq_rel.gpu orders them for the whole device.
+#ifdef USE_NV_PTX
+#define DEVICE_FENCE() asm volatile("fence.acq_rel.gpu;" ::: "memory")
+#else
+#define DEVICE_FENCE() mem_fence(CLK_GLOBAL_MEM_FENCE)
+#endif
+#ifdef USE_NV_PDL
+#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#ifdef PDL_NO_TRIGGER   // measurements (LLMRS_OPENCL_PDL_MATVEC=notrigger): the next launches as groups end
+#define PDL_TRIGGER()
+#else
+#define PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#endif
+#ifdef PDL_NO_PREFETCH  // (LLMRS_OPENCL_PDL_MATVEC=noprefetch)
+#define PDL_PREFETCH(p)
+#else
+#define PDL_PREFETCH(p) asm volatile("prefetch.global.L2 [%0];" :: "l"((ulong)(p)))
+#endif
+#else
+#define PDL_WAIT()
+#define PDL_TRIGGER()
+#define PDL_PREFETCH(p)
+#endif
 #ifdef USE_NV_PTX
 // v of lane (lane ^ o) of the warp, o < 32; floats go through as their bits
 inline uint shfl_xor_u(uint v, int o) {

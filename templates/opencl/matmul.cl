@@ -208,12 +208,12 @@ inline int split_merge(__local float* out, gout parts_b, __global volatile int* 
     __global float4* mine = (__global float4*)parts_b + (size_t)split * (TM * TN / 4);
     __local float4* o4 = (__local float4*)out;
     for (int e = lid; e < TM * TN / 4; e += 256) mine[e] = o4[e];
-    mem_fence(CLK_GLOBAL_MEM_FENCE);   // the partial reaches memory before the ticket
+    DEVICE_FENCE();   // the partial reaches memory before the ticket
     barrier(CLK_GLOBAL_MEM_FENCE | CLK_LOCAL_MEM_FENCE);
     if (lid == 0) *last = atomic_inc(count) == MM_SPLIT - 1;
     barrier(CLK_LOCAL_MEM_FENCE);
     if (!*last) return 0;
-    mem_fence(CLK_GLOBAL_MEM_FENCE);
+    DEVICE_FENCE();
     __global volatile float* all = (__global volatile float*)parts_b;   // past L1: other SMs wrote it
     for (int e = lid; e < TM * TN / 4; e += 256) {
         float4 total = (float4)(0.0f);

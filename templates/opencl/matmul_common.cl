@@ -491,12 +491,12 @@ inline void qk_split_epilogue(int t, int g, int lid, int nthreads, __local float
     __global volatile float* row = (__global volatile float*)(scratch + 4 * (size_t)M * heads) +
                                    ((size_t)t * heads + h) * hd;
     for (int r = lid; r < RW; r += nthreads) row[j0 + r % half_rw + (r < half_rw ? 0 : hh)] = out[r];
-    mem_fence(CLK_GLOBAL_MEM_FENCE);   // the values reach memory before the ticket
+    DEVICE_FENCE();   // the values reach memory before the ticket
     barrier(CLK_GLOBAL_MEM_FENCE | CLK_LOCAL_MEM_FENCE);
     if (lid == 0) *last = atomic_inc(count) == QK_SPLIT - 1;
     barrier(CLK_LOCAL_MEM_FENCE);
     if (!*last) return;
-    mem_fence(CLK_GLOBAL_MEM_FENCE);
+    DEVICE_FENCE();
     for (int d = lid; d < hd; d += nthreads) head[d] = row[d];   // past L1: other SMs wrote it
     if (lid == 0) *count = 0;
     barrier(CLK_LOCAL_MEM_FENCE);

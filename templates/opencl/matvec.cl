@@ -301,6 +301,15 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
     }
 #endif
 #ifdef W_QUANT
+#ifdef USE_NV_PDL
+    // replayed with programmatic dependent launch: the first batch's blocks toward L2 while the
+    // kernel before finishes (weights are read-only), then the wait before x is read
+    for (int u = 0; u < MV_UNROLL; u++) {
+        int b = min((u * MV_SPLIT + split) * 32 + lane, MV_UNITS - 1);
+        for (int i = 0; i < MV_RPW; i++) PDL_PREFETCH(w + ((size_t)rows[i] * MV_UNITS + b) * W_QBYTES);
+    }
+#endif
+    PDL_WAIT();
     // quantized weights load their first batch after quantize_x: the batch's registers, held
     // across it, cost more than the overlap (H200 1B q4_0 decode 1348 -> 1165 tok/s, round 12)
 #define MV_NEXT_BATCH(p0) MV_LOAD_BATCH(p0)
@@ -309,6 +318,7 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
     // nothing from x, and that preparation would otherwise come before any weight byte is asked
     // for (H200 1B f16 decode 979 -> 998 tok/s, round 12)
     MV_LOAD_BATCH(0)
+    PDL_WAIT();   // replayed with programmatic dependent launch: those loads overlap the kernel before
 #define MV_NEXT_BATCH(p0) if ((p0) > 0) { MV_LOAD_BATCH(p0) }
 #endif
 
@@ -404,6 +414,7 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
     }
 #endif
 
+    PDL_TRIGGER();   // every weight byte is in: the next kernel may launch and wait
     // token by token: its reductions into out, then its epilogue, which only a valid token
     // (tt < nt) runs; every token passes the barriers (none under a condition: PoCL replicates
     // the code after a conditional barrier, exponentially in their number), and the next

@@ -94,12 +94,12 @@ void argmax_split(__global const int* step, gin xb, ulong x_off, gout yb, ulong 
     if (lid == 0) {
         parts[2 * g] = as_int(best[0]);
         parts[2 * g + 1] = where[0];
-        mem_fence(CLK_GLOBAL_MEM_FENCE);   // the partial reaches memory before the ticket
+        DEVICE_FENCE();   // the partial reaches memory before the ticket
         last = atomic_inc(count) == ARG_GROUPS - 1;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
     if (!last || lid != 0) return;
-    mem_fence(CLK_GLOBAL_MEM_FENCE);
+    DEVICE_FENCE();
     float bb = -INFINITY;
     int aa = D;
     for (int p = 0; p < ARG_GROUPS; p++) better(&bb, &aa, as_float(parts[2 * p]), parts[2 * p + 1]);

@@ -1053,3 +1053,25 @@ def test_qk_norm_and_bias_on_the_wgmma_body_match_interpreter(monkeypatch):
     b, got, want = _qkv("f16", "f16", (4, 2, 64), 131, 130, bias=True, d=512, seed=53)
     assert "-DUSE_NV_WGMMA" in b.build_options and "-DQK_HPG=2" in _tiled_launch(b)["options"]
     _close_qkv(got, want, "f16", "f16", 1e-3)
+
+
+def test_every_ticket_kernel_fences_its_partials_for_the_whole_device():
+    """A group that writes a partial and takes a ticket (atomic_inc) must make the partial visible
+    to the group that takes the last ticket, on another SM. OpenCL 1.2's mem_fence only orders
+    within a work-group, and NVIDIA's compiler emits membar.cta for it: the Qwen3 shape's split
+    q/k norms read stale partials now and then on an H200 (BENCHMARKS.md round 23). So ticket
+    kernels use DEVICE_FENCE (common.cl), PTX fence.acq_rel.gpu on NVIDIA."""
+    from importlib import resources
+    folder = resources.files("llmrs.templates").joinpath("opencl")
+    common = folder.joinpath("common.cl").read_text()
+    nv = common[common.index("#ifdef USE_NV_PTX\n#define DEVICE_FENCE"):]
+    assert 'asm volatile("fence.acq_rel.gpu;" ::: "memory")' in nv.split("#else")[0]
+    ticketed = 0
+    for path in sorted((p for p in folder.iterdir() if p.name.endswith(".cl")), key=lambda p: p.name):
+        text = path.read_text()
+        if path.name != "common.cl":
+            assert "mem_fence(CLK_GLOBAL_MEM_FENCE)" not in text, path.name
+        if "atomic_inc(" in text and path.name != "common.cl":
+            ticketed += 1
+            assert text.count("DEVICE_FENCE()") >= 2, path.name   # before the ticket, and after it
+    assert ticketed >= 5

@@ -97,6 +97,9 @@ def test_every_kernel_waits_for_the_kernels_before_it_ahead_of_its_first_instruc
     assert "launch_dependents" not in late and late.replace("\tgriddepcontrol.wait;\n", "") == TWO_KERNELS
     with pytest.raises(CudaUnavailable, match="sm_90"):
         pdl_ptx(TWO_KERNELS.replace("sm_90", "sm_80"))
+    own = TWO_KERNELS.replace("mov.u32 \t%r1, %tid.x;", "griddepcontrol.wait;\n\tmov.u32 \t%r1, %tid.x;")
+    out = pdl_ptx(own)   # b places its own wait: only a gets one
+    assert out.count("griddepcontrol.wait;") == 2 and out.count("launch_dependents") == 1
 
 
 def test_kernel_parameters_are_what_the_kernel_reads(opencl_device):
