@@ -74,9 +74,21 @@ def _usable(plan: Path) -> bool:
         return False
 
 
+def _code_key() -> str:
+    """__version__ and a hash of the kernel templates: a plan carries its OpenCL C, so a template
+    fix (round 23's device-scope fences) must not run from a plan cached before it."""
+    import hashlib
+    from importlib import resources
+    h = hashlib.sha256()
+    folder = resources.files("llmrs.templates").joinpath("opencl")
+    for f in sorted((f for f in folder.iterdir() if f.name.endswith(".cl")), key=lambda f: f.name):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return f"{__version__}-{h.hexdigest()[:8]}"
+
+
 def _tiny_plan() -> Path:
     from .models.tiny import make_model
-    plan = cache_dir() / f"builtin-tiny-{__version__}.plan.bin"
+    plan = cache_dir() / f"builtin-tiny-{_code_key()}.plan.bin"
     if _usable(plan):
         return plan
     model_dir = cache_dir() / "builtin-tiny"
@@ -96,7 +108,7 @@ def default_plan() -> Path:
         return _tiny_plan()
     st = gguf.stat()
     # a new llmrs or another copy of the file gets its own plan: a stale one is never run
-    plan = cache_dir() / f"smollm2-135m-instruct-{__version__}-{st.st_size:x}-{int(st.st_mtime):x}.plan.bin"
+    plan = cache_dir() / f"smollm2-135m-instruct-{_code_key()}-{st.st_size:x}-{int(st.st_mtime):x}.plan.bin"
     if not _usable(plan):
         print(f"llmrs-run: compiling the built-in model {gguf.name} into {plan} (once)", file=sys.stderr)
         _compile(gguf, plan)

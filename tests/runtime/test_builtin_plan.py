@@ -4,7 +4,6 @@ import shutil
 
 import pytest
 
-from llmrs import __version__
 from llmrs.compiler.cli import main as compile_main
 from llmrs import builtin
 from llmrs.runtime.plan import Plan
@@ -20,7 +19,7 @@ def cached(tmp_path, monkeypatch):
     good = tmp_path / "good.plan.bin"
     assert compile_main([str(DATA / "golden-a"), "-o", str(good), "--target", "cpu", "--max-seq-len", "16",
                          "--prefill-chunk", "4", "-q"]) == 0
-    path = tmp_path / "cache" / f"builtin-tiny-{__version__}.plan.bin"
+    path = tmp_path / "cache" / f"builtin-tiny-{builtin._code_key()}.plan.bin"
     path.parent.mkdir()
     shutil.copy(good, path)
     calls = []
@@ -55,3 +54,18 @@ def test_a_damaged_cached_plan_is_compiled_again_with_a_notice(cached, capsys, w
     assert f"notice: the cached built-in plan is damaged ({path}: " in err and "compiling it again" in err
     assert path.read_bytes() == good.read_bytes()
     Plan.open(path, verify="always")
+
+
+def test_the_cache_key_follows_the_kernel_templates(tmp_path, monkeypatch):
+    """A plan carries its OpenCL C: a cached plan from before a template change is not reused."""
+    from importlib import resources
+    from llmrs import __version__
+    key = builtin._code_key()
+    assert key.startswith(__version__ + "-") and len(key) == len(__version__) + 9
+    copy = tmp_path / "templates"
+    shutil.copytree(resources.files("llmrs.templates"), copy)
+    assert builtin._code_key() == key
+    monkeypatch.setattr(resources, "files", lambda pkg: copy)
+    assert builtin._code_key() == key    # the same bytes, the same key
+    (copy / "opencl" / "common.cl").write_text((copy / "opencl" / "common.cl").read_text() + "\n// changed\n")
+    assert builtin._code_key() != key
