@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .opencl_device import _cl
+from .opencl_device import OpenCLError, _cl
 from .opencl_launch import icd_loader
 
 _c = ctypes
@@ -376,19 +376,24 @@ class CudaGraphs:
         except KeyError:
             raise CudaUnavailable("a kernel argument is a buffer CUDA did not allocate") from None
 
+    # every call sets the context first: a back end may be driven from another thread than the
+    # one that opened it (the server's), and a CUDA context is current per thread
     def write(self, buf: Any, offset: int, data: np.ndarray) -> None:
         """data's bytes into buf at offset, in stream order (pageable memory: CUDA copies it
         before returning, so data may change afterwards)."""
         data = np.ascontiguousarray(data)
+        self.cu("cuCtxSetCurrent", self.ctx)
         self.cu("cuMemcpyHtoDAsync_v2", u64(self.pointer(buf) + offset), data.ctypes.data, data.nbytes, self.stream)
 
     def read(self, out: np.ndarray, buf: Any, offset: int = 0) -> np.ndarray:
         """buf's bytes at offset into `out` (C-contiguous), once the stream has run to here."""
+        self.cu("cuCtxSetCurrent", self.ctx)
         self.cu("cuMemcpyDtoHAsync_v2", out.ctypes.data, u64(self.pointer(buf) + offset), out.nbytes, self.stream)
-        self.sync()
+        self.cu("cuStreamSynchronize", self.stream)
         return out
 
     def sync(self) -> None:
+        self.cu("cuCtxSetCurrent", self.ctx)
         self.cu("cuStreamSynchronize", self.stream)
 
     # -- launches ---------------------------------------------------------------------------
@@ -493,10 +498,13 @@ def open_cuda_graphs(ctx: Any, device: Any, notes: list[str]) -> CudaGraphs | No
     if not enabled() or "NVIDIA" not in device.platform.vendor.upper():
         return None
     try:
+        pdl_default()
         return CudaGraphs(ctx, device)
     except CudaUnavailable as err:
         notes.append(f"{err}; launching through OpenCL's queue")
         return None
+    except ValueError as err:   # a bad LLMRS_OPENCL_CUDA_PDL: the one-line error a back end gives
+        raise OpenCLError(str(err)) from None
 
 
 __all__ = ["CudaGraphs", "CudaLaunchFailed", "CudaUnavailable", "ENVREGS", "GRAPHS_KEPT", "Replay", "cuda_ptx",

@@ -114,6 +114,14 @@ def test_kernel_parameters_are_what_the_kernel_reads(opencl_device):
         kernel_params((cl.LocalMemory(16),), lambda b: 0)
 
 
+def test_a_bad_pdl_mode_is_a_one_line_error(monkeypatch):
+    from llmrs.runtime.backends.opencl import OpenCLError
+    nvidia = SimpleNamespace(platform=SimpleNamespace(vendor="NVIDIA Corporation"), extensions="")
+    monkeypatch.setenv("LLMRS_OPENCL_CUDA_PDL", "3")
+    with pytest.raises(OpenCLError, match="LLMRS_OPENCL_CUDA_PDL='3': choose 0, 1 or 2"):
+        open_cuda_graphs(None, nvidia, [])
+
+
 def test_off_unless_an_nvidia_device_can_share_memory(monkeypatch):
     nvidia = SimpleNamespace(platform=SimpleNamespace(vendor="NVIDIA Corporation"), extensions="cl_khr_fp16")
     notes: list[str] = []
@@ -246,3 +254,16 @@ def test_cuda_graphs_give_the_bits_and_greedy_tokens_of_opencls_launches(model, 
             got, greedy = _decode(be)
             assert np.array_equal(got, want) and greedy == want_greedy, f"pdl={pdl}"
     assert be.cuda_graphs and be.cuda.graphs, "no launch list was replayed as a graph"
+
+
+def test_a_back_end_driven_from_another_thread_replays_the_same(nvidia_cuda):
+    """A CUDA context is current per thread; the server drives a back end from its own."""
+    import threading
+    graphs = _graphs("golden-b", "q4_0", "f16")
+    be = OpenCLBackend.from_graphs(graphs, generate(graphs, OpenCLTuning()))
+    want, want_greedy = _decode(be)
+    got = {}
+    t = threading.Thread(target=lambda: got.update(out=_decode(be)))
+    t.start()
+    t.join()
+    assert be.cuda_graphs and np.array_equal(got["out"][0], want) and got["out"][1] == want_greedy
