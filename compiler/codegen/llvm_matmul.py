@@ -26,10 +26,12 @@ TOKEN_TILE = 4     # tokens per tile in prefill
 TOKEN_CHUNK = 64   # tokens whose quantized rows are walked per pass over a thread's weight rows
 PREFETCH_BYTES = 1024  # weight rows stream from DRAM: ask for them this far ahead
 DECODE_ROWS = 8         # weight rows per tile in decode on the grouped q4_0 path
-DECODE_ROWS_LONG = 4    # the same where a row is at least LONG_ROW bytes: on a Zen 5 (2 threads, one
-LONG_ROW = 1024         # process, 25 interleaved rounds) 4-row tiles ran the Llama-3.2-1B all-Q4_0
-# (rows of 1152 and 4608 bytes) 1.029x the 8-row ones (1.041x, 1.016x in shorter runs) and
-# SmolLM2's Q4_1 (rows of 360 and 960 bytes) 0.960x (BENCHMARKS.md round 22)
+DECODE_ROWS_LONG = 1    # the same where a row is at least LONG_ROW bytes: one row a tile, so a
+LONG_ROW = 1024         # thread's rows are one sequential stream, as on AVX2. On a Zen 5 (2 threads,
+# one process, interleaved) the Llama-3.2-1B all-Q4_0 (rows of 1152 and 4608 bytes) ran 1-row tiles
+# 1.077x and 1.081x the 4-row ones (9 and 15 rounds; 2 rows 1.025x; round 22: 4 rows 1.016-1.060x
+# 8); SmolLM2's Q4_1 (rows of 360 and 960 bytes) keeps 8: 1 row 0.997x, 4 rows 0.969x and 0.960x
+# (BENCHMARKS.md rounds 22, 23)
 # (measured on Llama-3.2-1B, 1 thread, same run: 4 rows with the prefetch one tile ahead (4.6 KB)
 # 34 tok/s, two tiles ahead 37, 8 rows one tile ahead (9.2 KB) 39, two tiles ahead 36)
 SHARED_PREPARE = True   # prefill in a step: the team quantizes / normalizes x together (MatmulEmitter)
