@@ -15,7 +15,8 @@ facts let a graph hold our OpenCL kernels unchanged:
 
 OpenCL keeps everything else: the builds, uploads, the KV cache's own kernels and copies, reads
 of any value. Order between the two: a replay waits for OpenCL's queue to finish first, and the
-back end leaves CUDA's stream idle before it returns (its reads go through the stream and wait).
+back end waits for CUDA's stream before any OpenCL operation (a step's own reads go through the
+stream and wait on it).
 LLMRS_OPENCL_CUDA_GRAPHS=0 keeps every launch on OpenCL's queue.
 """
 from __future__ import annotations
@@ -54,7 +55,8 @@ class CudaLaunchFailed(RuntimeError):
 
 
 def enabled() -> bool:
-    return os.environ.get("LLMRS_OPENCL_CUDA_GRAPHS", "1") not in ("0", "")
+    """LLMRS_OPENCL_CUDA_GRAPHS: on unless 0 (unset or empty: on)."""
+    return os.environ.get("LLMRS_OPENCL_CUDA_GRAPHS", "").strip() != "0"
 
 
 def pdl_default() -> int:
