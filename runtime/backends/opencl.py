@@ -113,7 +113,8 @@ class OpenCLBackend(Backend):
         self._replays: dict[tuple[Any, ...], Replay] = {}
         self._cuda_pending = False   # the stream has work the host has not waited for
         self._cuda_live = self.cuda is not None   # False once a launch list could not run there
-        alloc = self.cuda.alloc if self.cuda is not None else None
+        # where every buffer comes from: CUDA's shared memory, or OpenCL's own (None)
+        self._alloc_shared = alloc = self.cuda.alloc if self.cuda is not None else None
         self.memory = DeviceMemory(self.ctx, self.graphs, self.layouts, region, tensors, self.max_alloc, kv_host,
                                    alloc)
         mem = self.memory
@@ -144,8 +145,7 @@ class OpenCLBackend(Backend):
         self.program = program
         self.scoring = False    # runtime/kv turns eviction scores on for the steps that want them
         b = bind_program(self.ctx, self.queue, self.device, program, self.graphs, self.locate, self.step_buf,
-                         self.arena.chunks[0][2], self.build_options, self.build_notes,
-                         self.cuda.alloc if self.cuda is not None else None)
+                         self.arena.chunks[0][2], self.build_options, self.build_notes, self._alloc_shared)
         self.launches: dict[str, list[Bound]] = b.launches
         self.greedy, self.advance = b.greedy, b.advance
         self._bound_of = {x.kernel.int_ptr: x for x in [*(x for t in b.launches.values() for x in t),
