@@ -42,6 +42,10 @@ AVX2_DECODE_ROWS = 1    # the same on AVX2: one row a tile, so a thread's rows a
 # 1 thread: 17.6 -> 20.7. SmolLM2 Q4_1: 2 threads 216 -> 208 (noise), 1 thread 114 -> 123)
 AVX2_PREFILL_ACC8 = True  # AVX2 grouped prefill: a (row, token)'s <16 x f32> sums fold into one
 # <8 x f32> accumulator (8 ymm of 16 for the 4 x 4 tile, not 16 spilled around every FMA)
+AVX2_QUADS = True      # AVX2 q4_0 prefill sums 4 tokens' products per block in i16 (quad_dot),
+QUAD_TILE_ROWS = 4     # in tiles of 4 weight rows x 8 tokens (a multiple of 4). 1 thread, alone,
+QUAD_TOKEN_TILE = 8    # K 2048 and 8192 x 64 tokens took 4 x 4 tiles 1.10x the time, 2 x 8
+# 0.95-1.19x, 2 x 16 1.08-1.32x (BENCHMARKS.md round 24)
 GRAB_BYTES = 64 << 10  # weight bytes a thread takes from the shared work counter at a time
 FLOAT_WEIGHTS = ("f32", "f16", "bf16")
 
@@ -120,7 +124,8 @@ def scratch_layout(spec: MatmulSpec) -> dict[str, int]:
         xd    f32[T, K/32]      their scales, rounded to f16
         xs    f32[T, K/32]      Q8_1's s = f16(d * sum(q))                       (q4_1 only)
         xg    i8[T, Kg]         the codes in q4_group_dot's order, rows padded to whole
-                                groups of 128 (Kg), the padding zero      (q4_0, q4_1, q8_0)
+                                groups of 128 (Kg), the padding zero      (q4_0, q4_1, q8_0;
+                                quad_dot's rows xg_stride apart)
         gaux  [T, Kg/8]         per lane: q4_0's / q8_0's bias (i32), or q4_1's s (f32)
         gdx   f32[T, Kg/8]      per lane: the block's scale
 
@@ -133,7 +138,7 @@ def scratch_layout(spec: MatmulSpec) -> dict[str, int]:
         parts.append(("xs", T * K // QK * 4))
     if spec.wdtype in GROUPED:
         kg = padded_k(K)
-        parts += [("xg", T * kg), ("gaux", T * kg), ("gdx", T * kg)]   # aux, dx need T*kg/2
+        parts += [("xg", T * xg_stride(kg, True)), ("gaux", T * kg), ("gdx", T * kg)]   # aux, dx need T*kg/2
     for name, size in parts:
         at[name] = end
         end += _align(size)
@@ -372,16 +377,40 @@ def q4_group_dot(kb: KernelBuilder, start: ir.Value, lo: ir.Value, hi: ir.Value,
     return b.call(fn, [b.call(fn, [start, lo, xlo]), hi, xhi])
 
 
+def quad_dot(kb: KernelBuilder, lo: ir.Value, hi: ir.Value, xs: list[tuple[ir.Value, ir.Value]]) -> ir.Value:
+    """AVX2, q4_0 prefill: <16 x i32>, lane 4k + t = the exact sum over block k of w * x of token
+    t, for the activations xs = [(xlo, xhi)] of up to 4 tokens (an absent token's lanes 0). Per
+    256-bit half and token, vpmaddubsw of the low and the high nibbles added (4 products an i16),
+    then two rounds of vphaddw across the tokens (16 products an i16, at most 16 * 15 * 127 =
+    30480: no overflow) and one vpmaddwd against ones: a block's sum per token in 3 vphaddw and 1
+    vpmaddwd a half for 4 tokens, where q4_group_dot spends 4 vpmaddwd and leaves 4 lanes a block
+    for the float scaling to go through."""
+    b = kb.b
+    v32, i16x16 = vec(I8, 32), vec(I16, 16)
+    madd = kb.intrinsic("llvm.x86.avx2.pmadd.ub.sw", i16x16, [v32, v32])
+    hadd = kb.intrinsic("llvm.x86.avx2.phadd.w", i16x16, [i16x16, i16x16])
+    wd = kb.intrinsic("llvm.x86.avx2.pmadd.wd", vec(I32, 8), [i16x16, i16x16])
+    zero, ones = ir.Constant(i16x16, None), ir.Constant(i16x16, [1] * 16)
+    halves = []
+    for h, (l_, h_) in enumerate(zip(kb.halves(lo), kb.halves(hi))):
+        pairs = [b.add(b.call(madd, [l_, kb.halves(xlo)[h]]), b.call(madd, [h_, kb.halves(xhi)[h]]))
+                 for xlo, xhi in xs]
+        pairs += [zero] * (4 - len(pairs))
+        quad = b.call(hadd, [b.call(hadd, pairs[:2]), b.call(hadd, pairs[2:])])
+        halves.append(b.call(wd, [quad, ones]))
+    return kb.concat(*halves)
+
+
 def store_q4_group_activation(kb: KernelBuilder, wdtype: str, q: ir.Value, d: ir.Value, s: ir.Value | None,
                               blk: ir.Value, t: ir.Value, Kg: int, xg: ir.Value, aux: ir.Value,
-                              dx: ir.Value) -> None:
+                              dx: ir.Value, quads: bool = False) -> None:
     """Block blk of activation row t (q <32 x i8>, d its f16-rounded scale, s Q8_1's sum term for
     q4_1) in the grouped layout: xg i8[T,Kg] (per group: 4 x 16 low values, then 4 x 16 high
     values), aux [T,Kg/8] (q4_0, q8_0: bias i32; q4_1: s f32), dx f32[T,Kg/8]; per lane, 4 per
-    block."""
+    block. quads (q4_0 only): aux and dx one value a block, in quad_lane's order."""
     b = kb.b
     g, k = b.udiv(blk, kb.i64(4)), b.urem(blk, kb.i64(4))
-    xo = kb.idx((t, Kg), (g, GROUP), (k, 16))
+    xo = kb.idx((t, xg_stride(Kg, quads)), (g, GROUP), (k, 16))
     kb.store(kb.shuffle(q, None, range(16)), xg, xo)
     kb.store(kb.shuffle(q, None, range(16, 32)), xg, b.add(xo, kb.i64(64)))
     offset = {"q4_0": -8, "q8_0": -128}.get(wdtype)   # the codes' offset: 8 below q4_0's, 128 above q8_0's
@@ -391,10 +420,30 @@ def store_q4_group_activation(kb: KernelBuilder, wdtype: str, q: ir.Value, d: ir
         s4 = kb.shuffle(s16, None, range(0, 16, 4))
         for j in (1, 2, 3):
             s4 = b.add(s4, kb.shuffle(s16, None, range(j, 16, 4)))
+    if quads:
+        lane = quad_lane(kb, t, g, Kg, k)
+        kb.store(b.mul(kb.hsum(s4), ir.Constant(I32, offset)), aux, b.mul(lane, kb.i64(4)))
+        kb.store(d, dx, b.mul(lane, kb.i64(4)))
+        return
     lane = kb.idx((t, Kg // 8), (g, 16), (k, 4))
     aux_val = b.mul(s4, ir.Constant(vec(I32, 4), [offset] * 4)) if offset is not None else kb.splat(s, 4)
     kb.store(aux_val, aux, b.mul(lane, kb.i64(4)))
     kb.store(kb.splat(d, 4), dx, b.mul(lane, kb.i64(4)))
+
+
+def xg_stride(Kg: int, quads: bool) -> int:
+    """Bytes from one row of the grouped activations to the next. quad_dot's tiles read 8 rows at
+    a time: a 64-byte gap keeps the rows of a power-of-two K (8 KB apart at K = 8192) from all
+    falling into one L1 set."""
+    return Kg + 64 if quads else Kg
+
+
+def quad_lane(kb: KernelBuilder, t: ir.Value, g: ir.Value, Kg: int, k: ir.Value | int = 0) -> ir.Value:
+    """Index of (token t, block k of group g) in quad_dot's aux / dx layout: per 4 tokens and
+    group, 16 lanes, lane 4k + t % 4 (quad_dot's)."""
+    b = kb.b
+    quad, t4 = b.udiv(t, kb.i64(4)), b.urem(t, kb.i64(4))
+    return kb.idx((quad, Kg // 8), (g, 16), (k, 4), (t4, 1))
 
 
 # -- int8 block dot products ------------------------------------------------------------------
@@ -593,6 +642,9 @@ class MatmulEmitter:
         self.extra = extra
         self.nb = spec.K // QK
         self.grouped = q4_group_ok(kb.target, spec.wdtype)
+        # AVX2 q4_0 prefill: 4 tokens' block sums at a time (quad_dot), aux / dx in quad_lane's order
+        self.quads = AVX2_QUADS and spec.wdtype == "q4_0" and spec.T > 1 and group_isa(kb.target) == "avx2"
+        self.token_tile = QUAD_TOKEN_TILE if self.quads else TOKEN_TILE
         self.kg = padded_k(spec.K)
         # prefill inside a step: the team prepares the rows together into thread 0's scratch
         # (each thread a share of them, then a barrier) instead of every thread all of them
@@ -627,6 +679,8 @@ class MatmulEmitter:
             if group_isa(self.kb.target) != "vnni512":
                 return AVX2_DECODE_ROWS
             return DECODE_ROWS_LONG if self.s.row_bytes >= LONG_ROW else DECODE_ROWS
+        if self.quads:
+            return QUAD_TILE_ROWS
         return 1 if self.q8_stream else 4
 
     @property
@@ -696,15 +750,15 @@ class MatmulEmitter:
             c0 = b.mul(b.udiv(item, kb.i64(units)), kb.i64(TOKEN_CHUNK))
             c_end = b.add(c0, kb.i64(TOKEN_CHUNK))
             c_end = b.select(b.icmp_signed("<", c_end, n), c_end, n)
-            rem = b.urem(b.sub(c_end, c0), kb.i64(TOKEN_TILE))
+            rem = b.urem(b.sub(c_end, c0), kb.i64(self.token_tile))
             full_end = b.sub(c_end, rem)
-            with kb.loop(c0, full_end, TOKEN_TILE) as t0:
-                self.unit(u, t0, TOKEN_TILE)
+            with kb.loop(c0, full_end, self.token_tile) as t0:
+                self.unit(u, t0, self.token_tile)
             # the chunk's last 1..3 rows in one tile: a speculative verify step is 2-9 rows, and
             # a row apiece unpacks each weight group once per row (SmolLM2, 2 threads, interleaved
             # in one process: 2 rows 4.87 -> 4.31 ms, 3 rows 5.78 -> 4.58, a decode step 2.9). A
             # row sums in the same order in any tile width
-            for n in range(1, TOKEN_TILE):
+            for n in range(1, self.token_tile):
                 with kb.if_(b.icmp_unsigned("==", rem, kb.i64(n))):
                     self.unit(u, full_end, n)
 
@@ -756,17 +810,19 @@ class MatmulEmitter:
                         kb.store(sq, self.xs, b.mul(i, kb.i64(4)))
                     if self.grouped:
                         store_q4_group_activation(kb, s.wdtype, q, d16, sq, blk, t, self.kg, self.xg,
-                                                  self.gaux, self.gdx)
+                                                  self.gaux, self.gdx, self.quads)
                 if self.grouped:  # a partial last group reads these blocks: zeros add nothing
                     for blk in range(self.nb, self.kg // QK):
                         store_q4_group_activation(kb, s.wdtype, ir.Constant(vec(I8, 32), None), kb.f32(0.0),
                                                   kb.f32(0.0), kb.i64(blk), t, self.kg, self.xg, self.gaux,
-                                                  self.gdx)
+                                                  self.gdx, self.quads)
 
     def tile(self, rows: list[ir.Value], t0: ir.Value, tt: int, run: int) -> list[list[ir.Value]]:
         """y[t0+t, rows[r]] for r < R, t < tt, as f32 scalars; rows come in runs of `run`
         consecutive rows, and the next unit's rows are `run` rows on."""
         s, kb = self.s, self.kb
+        if self.quads:
+            return self.tile_q4_quads(rows, t0, tt, run)
         if self.grouped:
             return self.tile_q4_groups(rows, t0, tt, run)
         b, vw = kb.b, kb.vw
@@ -861,15 +917,7 @@ class MatmulEmitter:
                     b.store(kb.fma(m, sx, b.load(maccs[i][t])), maccs[i][t])
 
         def step(g: ir.Value, blocks: int) -> None:
-            ws = []
-            for r in rows:
-                off = kb.idx((r, s.row_bytes), (g, gb))
-                # the same group of the row `run` rows on: the next unit's, so rows stream without
-                # a stall where a unit starts (a unit's rows are short: 1152 bytes at K=2048)
-                ahead = b.add(off, kb.i64(run * s.row_bytes))
-                prefetch(kb, self.w, ahead)
-                prefetch(kb, self.w, b.add(ahead, kb.i64(blocks * BLOCK_BYTES[s.wdtype] - 1)))
-                ws.append(load_q4_group(kb, self.w, off, s.wdtype, blocks))
+            ws = self.weight_groups(rows, g, blocks, run)
             for t in range(tt):
                 row = b.add(t0, kb.i64(t))
                 xo = kb.idx((row, self.kg), (g, GROUP))
@@ -909,6 +957,65 @@ class MatmulEmitter:
                 macc = b.load(maccs[i][t])
                 for j, r in enumerate(quad):
                     ys[r][t] = b.fadd(ys[r][t], kb.hsum(kb.shuffle(macc, None, range(j, 16, 4))))
+        return ys
+
+    def weight_groups(self, rows: list[ir.Value], g: ir.Value, blocks: int, run: int) -> list[tuple]:
+        """load_q4_group of group g of each row, prefetching the same group `run` rows on."""
+        s, kb = self.s, self.kb
+        b = kb.b
+        ws = []
+        for r in rows:
+            off = kb.idx((r, s.row_bytes), (g, group_bytes(s.wdtype)))
+            # the same group of the row `run` rows on: the next unit's, so rows stream without
+            # a stall where a unit starts (a unit's rows are short: 1152 bytes at K=2048)
+            ahead = b.add(off, kb.i64(run * s.row_bytes))
+            prefetch(kb, self.w, ahead)
+            prefetch(kb, self.w, b.add(ahead, kb.i64(blocks * BLOCK_BYTES[s.wdtype] - 1)))
+            ws.append(load_q4_group(kb, self.w, off, s.wdtype, blocks))
+        return ws
+
+    def tile_q4_quads(self, rows: list[ir.Value], t0: ir.Value, tt: int, run: int) -> list[list[ir.Value]]:
+        """tile() for q4_0 prefill on AVX2: quad_dot's block sums of 4 tokens at a time, scaled
+        and summed into an <8 x f32> per (row, 4 tokens), lane 4 * (k % 2) + t for block k (so
+        blocks 0 and 2 of a group meet in a lane, 1 and 3 in another). t0 is a multiple of 4; a
+        token's lanes take the same steps in any tile, so a row sums alike whatever the step's
+        token count."""
+        kb = self.kb
+        b = kb.b
+        nq = -(-tt // 4)
+        zero = ir.Constant(vec(F32, 8), [0.0] * 8)
+        accs = [[kb.var(zero.type, zero) for _ in range(nq)] for _ in rows]
+
+        def step(g: ir.Value, blocks: int) -> None:
+            for r, row in enumerate(rows):
+                # a compiler-only fence: LLVM may not share one row's activation loads with the
+                # next row's, so they stay memory operands of vpmaddubsw instead of 32 registers
+                # spilled to the stack (1 thread, alone, K = 2048 x 64 tokens: 4.35 -> 3.22 ms)
+                b.asm(ir.FunctionType(ir.VoidType(), []), "", "~{memory}", [], True)
+                (lo, hi, d, _), = self.weight_groups([row], g, blocks, run)
+                for q in range(nq):
+                    xs = []
+                    for t in range(4 * q, min(tt, 4 * q + 4)):
+                        xo = kb.idx((b.add(t0, kb.i64(t)), xg_stride(self.kg, True)), (g, GROUP))
+                        xs.append((kb.load(vec(I8, 64), self.xg, xo), kb.load(vec(I8, 64), self.xg, b.add(xo, kb.i64(64)))))
+                    lane = b.mul(quad_lane(kb, b.add(t0, kb.i64(4 * q)), g, self.kg), kb.i64(4))
+                    bias = kb.load(vec(I32, 16), self.gaux, lane)
+                    dx = kb.load(vec(F32, 16), self.gdx, lane)
+                    isum = b.sitofp(b.add(quad_dot(kb, lo, hi, xs), bias), vec(F32, 16))
+                    (i0, i1), (s0, s1) = kb.halves(isum), kb.halves(b.fmul(d, dx))
+                    b.store(kb.fma(i1, s1, kb.fma(i0, s0, b.load(accs[r][q]))), accs[r][q])
+
+        with kb.loop(0, self.s.K // GROUP) as g:
+            step(g, 4)
+        if self.s.K % GROUP:
+            step(kb.i64(self.s.K // GROUP), self.s.K % GROUP // QK)
+        ys = [[None] * tt for _ in rows]
+        for r in range(len(rows)):
+            for q in range(nq):
+                v = b.load(accs[r][q])
+                for t in range(4 * q, min(tt, 4 * q + 4)):
+                    lane = lambda i: b.extract_element(v, ir.Constant(I32, i))  # noqa: E731
+                    ys[r][t] = b.fadd(lane(t % 4), lane(4 + t % 4))
         return ys
 
     def biased(self, ys: list[list[ir.Value]], rows: list[ir.Value]) -> list[list[ir.Value]]:
@@ -1129,7 +1236,43 @@ def emit_q4_group_probe(kb: KernelBuilder, K: int, N: int, wdtype: str = "q4_0")
     kb.finish()
 
 
+def emit_q4_quad_probe(kb: KernelBuilder, K: int, N: int, tokens: int) -> None:
+    """Diagnostic kernel (w q4_0[N,K], xq i8[tokens,K] -> isum i32[tokens, N, K/32], tokens <= 4):
+    each block's integer dot product through AVX2 prefill's quad_dot (the quad layout, q4_0's bias,
+    a partial last group), so tests can check them exactly."""
+    w, xq, out = kb.bufs
+    b, nb, kg = kb.b, K // QK, padded_k(K)
+    xg = kb.var(I8, count=tokens * xg_stride(kg, True))   # i8[tokens, Kg] grouped order
+    aux = kb.var(I32, count=kg // 8)               # one quad's biases, quad_lane's order
+    dx = kb.var(F32, count=kg // 8)                # (unused here)
+    for t in range(tokens):
+        with kb.loop(0, nb) as blk:
+            q = kb.load(vec(I8, 32), xq, kb.idx((t, K), (blk, QK)))
+            store_q4_group_activation(kb, "q4_0", q, kb.f32(1.0), None, blk, kb.i64(t), kg, xg, aux, dx, True)
+        for blk in range(nb, kg // QK):
+            store_q4_group_activation(kb, "q4_0", ir.Constant(vec(I8, 32), None), kb.f32(0.0), None,
+                                      kb.i64(blk), kb.i64(t), kg, xg, aux, dx, True)
+    lo_n, hi_n = kb.split(N)
+    with kb.loop(lo_n, hi_n) as n:
+        def step(g: ir.Value, blocks: int) -> None:
+            lo, hi, _, _ = load_q4_group(kb, w, kb.idx((n, nb * BLOCK_BYTES["q4_0"]), (g, group_bytes("q4_0"))),
+                                         "q4_0", blocks)
+            xo = [kb.idx((t, xg_stride(kg, True)), (g, GROUP)) for t in range(tokens)]
+            xs = [(kb.load(vec(I8, 64), xg, o), kb.load(vec(I8, 64), xg, b.add(o, kb.i64(64)))) for o in xo]
+            bias = kb.load(vec(I32, 16), aux, b.mul(quad_lane(kb, kb.i64(0), g, kg), kb.i64(4)))
+            lanes = b.add(quad_dot(kb, lo, hi, xs), bias)
+            for t in range(tokens):
+                for k in range(blocks):
+                    kb.store(b.extract_element(lanes, ir.Constant(I32, 4 * k + t)), out,
+                             b.mul(kb.idx((t, N * nb), (n, nb), (g, 4), (k, 1)), kb.i64(4)))
+        with kb.loop(0, K // GROUP) as g:
+            step(g, 4)
+        if K % GROUP:
+            step(kb.i64(K // GROUP), K % GROUP // QK)
+    kb.finish()
+
+
 __all__ = ["MatmulSpec", "emit_matmul", "check_matmul", "dot_i8x32", "load_weight_block", "load_block_min",
            "q8_1_sum", "quantize_block", "quantize_block_q4_0", "rope_row", "store_cache_row", "cache_row_bytes", "emit_block_dot_probe",
            "q4_group_ok", "load_q4_group", "q4_group_dot", "store_q4_group_activation", "masked_load",
-           "emit_q4_group_probe", "scratch_layout", "padded_k", "group_bytes", "KV_DTYPES"]
+           "emit_q4_group_probe", "emit_q4_quad_probe", "quad_dot", "scratch_layout", "padded_k", "group_bytes", "KV_DTYPES"]

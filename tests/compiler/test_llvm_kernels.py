@@ -15,7 +15,8 @@ from llmrs.compiler.ir import Graph
 from llmrs.compiler.codegen.llvm_builder import F32, KernelBuilder, LaneSums, vec
 from llmrs.compiler.codegen.llvm_kernels import emit_op, op_scratch_bytes
 from llmrs.compiler.codegen.llvm_matmul import (_align, emit_block_dot_probe, emit_q4_group_probe,
-                                                 q4_group_ok, scratch_layout, MatmulSpec)
+                                                 emit_q4_quad_probe, group_isa, q4_group_ok, scratch_layout,
+                                                 MatmulSpec)
 from llmrs.compiler.codegen.llvm_target import Target, TargetError, emit, host_target
 from llmrs.runtime.backends.cpu_native import NativeCode
 
@@ -129,16 +130,17 @@ def test_activation_quantization_is_ggml_reference_bit_for_bit(wdtype):
 
 def _block_sums(emit, target, w: np.ndarray, wdtype: str, x: np.ndarray, n: int, k: int) -> None:
     """Run a generated probe that writes each block's int32 dot product of w's rows (q4_1: its
-    codes 0..15) with x's Q8_0 codes, and compare with numpy's exact integer sums (GGML's)."""
+    codes 0..15) with the Q8_0 codes of each row of x, and compare with numpy's exact integer sums
+    (GGML's)."""
     _, xq = quant.quantize_rows_q8_0(x)
     _, wq = quant.split_blocks(w, wdtype)
-    want = np.einsum("nbk,bk->nb", wq.astype(np.int32), xq[0].astype(np.int32))
+    want = np.einsum("nbk,tbk->tnb", wq.astype(np.int32), xq.astype(np.int32))   # a row of x a token
     module = ir.Module("t")
     module.triple = target.triple
     emit(KernelBuilder(module, target, "probe", 3))
     code = NativeCode(str(module))
-    got = np.zeros((n, k // 32), np.int32)
-    xq_flat = np.ascontiguousarray(xq[0].reshape(-1))
+    got = np.zeros(want.shape, np.int32)
+    xq_flat = np.ascontiguousarray(xq.reshape(-1))
     fn = ctypes.CFUNCTYPE(None, *([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_void_p]))(
         code.address("probe"))
     fn(w.ctypes.data, xq_flat.ctypes.data, got.ctypes.data, 1, 0, 0, 0, 1, None)
@@ -416,6 +418,27 @@ def test_grouped_q4_block_sums_with_a_partial_group_are_ggml_integer_sums_exactl
     x[0, -32:] = -127.0 / np.arange(1, 33)         # the last block (a tail's) uses the full int8 range
     w[0, -16:] = 0xFF                               # and meets 15s: the largest u8 x s8 products
     _block_sums(lambda kb: emit_q4_group_probe(kb, K, n, wdtype), TARGETS[target], w, wdtype, x, n, K)
+
+
+# AVX2's q4_0 prefill sums 4 tokens' products per block in i16 (quad_dot)
+QUADS = [name for name in GROUPED if group_isa(TARGETS[name]) == "avx2"]
+
+
+@pytest.mark.skipif(not QUADS, reason="host CPU lacks AVX2")
+@pytest.mark.parametrize("target", QUADS)
+@pytest.mark.parametrize("tokens", [1, 3, 4])
+@pytest.mark.parametrize("K", [k for k, _ in ODD_K] + [512], ids=[why for _, why in ODD_K] + ["whole groups"])
+def test_avx2_quad_block_sums_are_ggml_integer_sums_exactly(target, tokens, K):
+    """Blocks of 15s against blocks of +-127 (16 of the largest products in one i16 before
+    vpmaddwd: 30480, no overflow), a partial last group, 1..4 tokens."""
+    rng = np.random.default_rng(K + tokens)
+    n = 5
+    w = quant.quantize(rng.standard_normal((n, K)).astype(np.float32), "q4_0")
+    x = rng.standard_normal((tokens, K)).astype(np.float32) * 3
+    x[:, :32] = 127.0                               # every token's first block all 127 ...
+    x[-1, -32:] = -127.0                            # ... and the last token's last block all -127
+    w[:2].reshape(2, -1, 18)[:, :, 2:] = 0xFF       # two rows of 15s: the largest u8 x s8 products
+    _block_sums(lambda kb: emit_q4_quad_probe(kb, K, n, tokens), TARGETS[target], w, "q4_0", x, n, K)
 
 
 @pytest.mark.skipif("host" not in GROUPED or not q4_group_ok(TARGETS["host"], "q8_0"),
