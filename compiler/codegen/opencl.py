@@ -185,6 +185,29 @@ def matvec_shape(tuning: OpenCLTuning, k: int, n: int, quantized: bool, epilogue
     return wg, warps * rpw, 1
 
 
+MMA_TOKENS = 16   # token rows a group of the generated rows' tensor-core matvec (the MMA's m16)
+
+
+def matvec_mma_shape(tuning: OpenCLTuning, epilogue: str | None, kv_blocks: bool) -> tuple[int, int, int]:
+    """(threads, weight rows, K slices) of a group of the generated rows' tensor-core matvec
+    (matvec.cl MV_MMA): mv_mma_wg threads, mv_mma_split warps on each 8-row MMA column's K (a
+    group's rows are few, so a launch has many groups, and each group reads its 16 rows' x once
+    from stage_x's output); q8_0 / q4_0 KV stores whole 32-value blocks of a head: 64 rows."""
+    warps = tuning.mv_mma_wg // 32
+    split = min(tuning.mv_mma_split, warps)
+    rpw = 8
+    if epilogue == "rope_kv_store" and kv_blocks:
+        rpw = max(8, 64 // (warps // split))
+    return tuning.mv_mma_wg, warps // split * rpw, split
+
+
+def mma_chunk(k: int, most: int = 2048) -> int:
+    """K values of a chunk of the generated rows' tensor-core matvec (matvec.cl MV_MMA_KC): the
+    largest multiple of 32 dividing K up to `most`, whose 16 token rows of Q8_0 codes (33 KB at
+    2048) and scales fit NVIDIA's 48 KB of local memory."""
+    return next(c for c in range(min(k, most) // 32 * 32, 0, -32) if k % c == 0)
+
+
 def matvec_tokens(tuning: OpenCLTuning, m: int, k: int, quantized: bool, one_token: bool) -> int:
     """Token rows a group of a step graph's generated-row matvec takes (matvec.cl MV_TOKS): as many
     as fit, each weight batch then read once for all of them. Quantized weights keep one Q8_0 copy
@@ -370,7 +393,8 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     # a step graph's row matmuls run each row by its kind (ROW_SPLIT): prompt rows through the
     # tiled kernels, generated rows through the matvec, so no row's bits depend on what else is
     # in its step, and a decode row pays a matvec, not a 64-row tile
-    if ctx.graph.name == STEP and m == ctx.graph.T and m > 1 and k % 8 == 0 and not rope_heads and not wide_heads:
+    if (ctx.graph.name == STEP and m == ctx.graph.T and m > 1 and k % 8 == 0 and not rope_heads and not wide_heads
+            and tuning.mv_generated_rows):
         _matmul_variant(ctx, op, True, "lead", **_variant_inputs(locals()))
         _matmul_variant(ctx, op, False, "rest", **_variant_inputs(locals()))
         return
@@ -402,7 +426,11 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
     options = options + (["-DROW_SPLIT"] if part in ("lead", "rest") else [])
     mv_wg = tuning.mv_wg_quant if quantized else tuning.mv_wg
     qk_split = 0
-    if rope_heads:
+    # a step graph's generated rows on tensor cores, 16 a group (matvec.cl MV_MMA)
+    mma = part == "rest" and quantized and tuning.mv_mma and not qk_norm and not rope_heads
+    if mma:
+        mv_wg, mv_rows, mv_split = matvec_mma_shape(tuning, epi, "-DKV_BLOCKS" in options)
+    elif rope_heads:
         mv_rows, mv_split = heads[2], 1
         options.append("-DROPE_HEADS")
     elif qk_norm and not tiled and (split_rows := qk_split_rows(mv_wg, heads[2], "-DKV_BLOCKS" in options)):
@@ -441,6 +469,9 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
             options.append("-DMV_RMS_LATE")   # matvec.cl applies it to float weights' RMS prologue
     # the generated rows of a step graph, T a group; decode, verify and a step's head keep a token a group
     toks = matvec_tokens(tuning, m, k, quantized, bool(qk_split or rope_heads)) if part == "rest" else 1
+    if mma:
+        toks = MMA_TOKENS
+        options += ["-DMV_MMA", f"-DMV_MMA_KC={mma_chunk(k, tuning.mv_mma_chunk)}"]
     if toks > 1:
         options.append(f"-DMV_TOKS={toks}")
     if not tiled and m > toks and tuning.mv_tokens_inner:
@@ -459,6 +490,12 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
                 *([eps] if rms else []), *(ints if kv else []), *late]
         if qk_split:   # the heads' tickets, then their rows
             args.append({"scratch": 4 * m * (heads[0] + heads[1]) * (1 + heads[2])})
+        if mma:   # x as stage_x leaves it for the step's rows from the split on
+            staged = {"staging": staging_bytes(m, k, wt)}
+            ctx.launches.append(Launch(op.name, "matmul", "stage_x", options + ["-DX_STAGED", "-DSTAGE_REST"],
+                                       [_v(x), nw, staged, {"int": m}, {"int": k}, eps],
+                                       local=STAGE_WG, groups=1, rows=m, row_tile=1, part=part))
+            args.append(staged)
         args += step_rows
     if tiled:
         staged = _NONE

@@ -40,6 +40,22 @@ class OpenCLTuning:
                                      # 749 / 3393, T 4 503 / 2994, T 16 379 / 2884 (round 17)
     mv_toks_float: int = 4           # and float weights (x read per token; acc[T][MV_RPW] registers):
                                      # 1B f16, T 1 504 / 1475, T 4 417 / 1884, T 8 373 / 1847
+    mv_generated_rows: bool = True   # a step graph's generated rows through the decode matvec
+                                     # (ROW_SPLIT), so each reads every weight once per row; False:
+                                     # through the tiled kernels with the prompt rows, each weight
+                                     # tile read once per 64 rows. H100 1B, aggregate tok/s at 1 /
+                                     # 16 rows, one run: q4_0 781 / 3346 -> 235 / 2715, f16 511 /
+                                     # 2406 -> 240 / 3063 (round 24: a tile's groups are few)
+    mv_mma: bool = False             # a step graph's generated rows with quantized weights: 16 a
+                                     # group on tensor cores (matvec.cl MV_MMA), each weight block
+                                     # read once for them all; x prepared once by stage_x. Off: H200
+                                     # 1B q4_0 aggregate tok/s at 1 / 4 / 8 / 16 rows a step, one
+                                     # run, 1085 / 2494 / 3187 / 3668 without, 649 / 2123 / 3455 /
+                                     # 5093 with it (round 24): a lone stream pays 0.6x
+    mv_mma_wg: int = 256             # its threads per group (H200 1B q4_0, 16 rows a step: 4950
+                                     # tok/s; 512: 4760, and OUT_OF_RESOURCES on OpenCL's queue)
+    mv_mma_split: int = 4            # its warps on one 8-row column's K
+    mv_mma_chunk: int = 2048         # its K values of x a group holds at once at most (local memory)
     mv_tokens_inner: bool = True     # a matvec over several token rows (a step's generated rows, a
                                      # verify step) walks its groups token-fastest (matvec.cl
                                      # MV_TOKS_INNER): the groups of one weight batch for every row

@@ -275,7 +275,11 @@ inline float seg_reduce(float v, __local float* scr, bool is_max) {
 //   m16n8k16 f16: the same with 2 halves per register: k = 2 tq .. and 8 + 2 tq ..
 //   C / D:        c0, c1 = row gq, columns 2 tq, 2 tq + 1; c2, c3 = row gq + 8
 #ifdef EMU_MMA
+#if defined(MV_WG) && MV_WG > 256
+#define EMU_SC_WORDS (MV_WG * 6)                    // a matvec's groups are larger
+#else
 #define EMU_SC_WORDS (((256 + 31) / 32) * 32 * 6)
+#endif
 // f16 <-> f32 by bit arithmetic, not vload_half / vstore_half through a cast pointer to a
 // private scalar: these run in loops that hold barriers, and pip's generic PoCL 3.0 build
 // (LLVM 14) gives such an address-taken private (its address passed to the vstore_half
@@ -354,6 +358,31 @@ inline uint emu_shfl_xor_u(uint v, int o, __local uint* sc) {
 }
 inline float emu_shfl_xor(float v, int o, __local uint* sc) { return as_float(emu_shfl_xor_u(as_uint(v), o, sc)); }
 #endif
+
+// mma.sync, real or emulated (emu_sc: the caller's EMU_SC_WORDS of local memory, by that name)
+#ifdef USE_NV_MMA
+#ifdef EMU_MMA
+#define MMA_S8(d, a, b0, b1) emu_mma_s8(d, a, b0, b1, emu_sc)
+#define MMA_F16(c, a, b0, b1) emu_mma_f16(c, a, b0, b1, emu_sc)
+#else
+// d[0..3] = A (16x32 s8, row) * B (32x8 s8, col), fragments as the PTX ISA lays them out
+#define MMA_S8(d, a, b0, b1)                                                                   \
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, " \
+        "{%10,%10,%10,%10};"                                                                   \
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])                                       \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0))
+// c[0..3] += A (16x16 f16, row) * B (16x8 f16, col)
+#define MMA_F16(c, a, b0, b1)                                                                  \
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "      \
+        "{%8,%9}, {%0,%1,%2,%3};"                                                              \
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                       \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+#endif
+#endif
+
+// |s| < 2^22 (a block's sum is at most 32 * 127 * 128): the float through the mantissa, which
+// issues at full rate where int-to-float conversion runs at a quarter
+inline float small_int_to_float(int s) { return as_float(s + 0x4B400000) - 12582912.0f; }
 
 // -- 4 consecutive float elements, index counted in 4s --------------------------------------
 // Every tensor starts 64-byte aligned (plan.py, galloc), so these are whole-vector loads:

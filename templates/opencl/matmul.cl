@@ -107,8 +107,13 @@ __kernel __attribute__((reqd_work_group_size(STAGE_WG, 1, 1)))
 void stage_x(__global const int* step, gin xb, ulong x_off, gin nwb, ulong nw_off, gout sb, ulong s_off,
              int M, int K, float eps) {
 #if defined(X_STAGED_Q) || defined(X_STAGED_H)
+#ifdef STAGE_REST   // for the generated rows' matvec (matvec.cl MV_MMA): rows from the split on
+    int lid = get_local_id(0), t = MV_ROW0(step) + get_group_id(1), n4 = K / 4;
+    if (t >= min(M, STEP_N_TOKENS(step))) return;   // the whole group: no barrier below is skipped by half
+#else
     int lid = get_local_id(0), t = get_group_id(1), n4 = K / 4;
     if (t >= min(M, MM_ROWS(step))) return;   // the whole group: no barrier below is skipped by half
+#endif
     __global const float4* x = (__global const float4*)(xb + x_off) + (size_t)t * n4;
     gout s = sb + s_off;
     __local float red[STAGE_WG];
@@ -289,23 +294,7 @@ void matmul_tiled(__global const int* step, gin xb, ulong x_off, gin wb, ulong w
 #define MMA_WN (TN / MMA_WARPS_N)
 #define MMA_NT (MMA_WN / 8)                  // 8-slot MMA columns per warp
 
-#ifdef EMU_MMA
-#define MMA_S8(d, a, b0, b1) emu_mma_s8(d, a, b0, b1, emu_sc)
-#define MMA_F16(c, a, b0, b1) emu_mma_f16(c, a, b0, b1, emu_sc)
-#else
-// d[0..3] = A (16x32 s8, row) * B (32x8 s8, col), fragments as the PTX ISA lays them out
-#define MMA_S8(d, a, b0, b1)                                                                   \
-    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, " \
-        "{%10,%10,%10,%10};"                                                                   \
-        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])                                       \
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0))
-// c[0..3] += A (16x16 f16, row) * B (16x8 f16, col)
-#define MMA_F16(c, a, b0, b1)                                                                  \
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "      \
-        "{%8,%9}, {%0,%1,%2,%3};"                                                              \
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                       \
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
-#endif
+// MMA_S8 / MMA_F16: common.cl
 
 // Both tensor-core bodies end alike: the warps' accumulators into out [TM][TN] over the stages'
 // local memory (C fragment: rows gq, gq + 8, columns 2 tq, 2 tq + 1), then the tile's epilogue;

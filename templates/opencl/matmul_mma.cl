@@ -53,9 +53,6 @@ inline void put_chunk(__local uint* dst, uint4 lo, uint4 hi, int rot) {
 #define SHFL_XOR_U(v, o) shfl_xor_u(v, o)
 #endif
 
-// |s| < 2^22 (a block's sum is at most 32 * 127 * 128): the float through the mantissa, which
-// issues at full rate where int-to-float conversion runs at a quarter
-inline float small_int_to_float(int s) { return as_float(s + 0x4B400000) - 12582912.0f; }
 
 // A stage is fetched into registers (fetch_x, fetch_w) and written to local memory (put_x,
 // put_w). f16 weights fetch both operands one stage ahead, during the previous stage's MMAs, so

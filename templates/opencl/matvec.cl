@@ -28,6 +28,16 @@
 // bits do not depend on the rows sharing its group. Slots past the step's last row read row t0
 // and write nothing.
 // Grid: (groups * MV_WG, ceil(rows of x / MV_TOKS)); -DMV_TOKS_INNER walks it token-fastest.
+// -DMV_MMA (a step graph's generated rows, quantized weights; MV_TOKS = 16): each weight block is
+// read once for the group's 16 token rows and multiplied on tensor cores, an m16n8k32 s8 MMA per
+// block and 8 rows (the exact int32 block sums scaled by d_x * d_w, as the T = 1 path scales
+// each block's dot product). x comes as Q8_0 codes from stage_x (matmul.cl, -DSTAGE_REST), which
+// prepared it once for the launch, so no group repeats the RMS prologue or the quantization.
+// Warp w takes the MV_RPW rows of row set w / MV_SPLIT over K slice w % MV_SPLIT (blocks s,
+// s + MV_SPLIT, ...); the slices meet in local memory in slice order. A (token, row)'s sum thus
+// runs in one fixed order whatever the other rows of its group: its bits do not depend on them.
+// Without tensor cores (or with their emulation) each lane computes its four int32 sums
+// directly: the same integers, so the same bits.
 
 #ifndef MV_WG
 #define MV_WG 256
@@ -50,6 +60,9 @@
 #endif
 #if MV_TOKS > 1 && (defined(QK_SPLIT) || defined(ROPE_HEADS))
 #error "MV_TOKS > 1: QK_SPLIT and ROPE_HEADS take one token a group"
+#endif
+#if defined(MV_MMA) && (MV_TOKS != 16 || !defined(W_QUANT) || (MV_ROWS * MV_SPLIT / (MV_WG / 32)) % 8)
+#error "MV_MMA: 16 token rows a group, quantized weights, rows a warp a multiple of 8"
 #endif
 #define MV_WARPS (MV_WG / 32)
 #define MV_RPW (MV_ROWS * MV_SPLIT / MV_WARPS)      // rows per warp
@@ -160,6 +173,187 @@ inline void quantize_x_lanes(__global const float4* x4, __local int* xq, __local
 #endif
 #endif
 
+#ifdef MV_MMA
+#define MV_NT (MV_RPW / 8)                          // 8-row MMA columns a warp
+#ifndef MV_MMA_KC
+#define MV_MMA_KC MV_K                              // K values a chunk (codegen: a divisor of K)
+#endif
+#define MV_KCB (MV_MMA_KC / 32)                     // blocks a chunk
+#define MV_BPW ((MV_KCB + MV_SPLIT - 1) / MV_SPLIT) // a warp's blocks of a chunk, consecutive
+#define MV_XW (MV_MMA_KC / 4 + 4)                   // a staged token's words: the chunk's codes, then
+                                                    // 4 more, so the A loads of 8 tokens x 4 lanes
+                                                    // fall on 32 different banks
+#ifdef W_Q4_1
+#define MV_XHDR 2                                   // d, and Q8_1's s
+#else
+#define MV_XHDR 1
+#endif
+// local words: the chunk's x for 16 tokens, or after the K loop the slices' sums and out_all
+#define MV_STAGE_WORDS (16 * MV_XW + 16 * MV_KCB * MV_XHDR)
+#define MV_SUM_WORDS ((MV_SPLIT + 1) * MV_TOKS * MV_ROWS)
+#define MV_MMA_LDS MV_MAX(MV_STAGE_WORDS, MV_SUM_WORDS)
+#ifdef W_Q8_0
+#define MV_W_WORDS 2                                // a lane's words of a row's block
+#else
+#define MV_W_WORDS 1
+#endif
+#ifdef EMU_MMA
+#define MV_EMU_PARAM , __local uint* emu_sc
+#define MV_EMU_ARG , emu_sc
+#else
+#define MV_EMU_PARAM
+#define MV_EMU_ARG
+#endif
+
+// A block's B fragment (k = 4 tq .. and 16 + 4 tq ..) from a lane's words of it: q4_0's byte j
+// holds value j (low nibble) and j + 16 (high), so word tq gives both halves; codes as s8
+inline void mv_b_frag(const uint* wv, uint* b0, uint* b1) {
+#if defined(W_Q8_0)
+    *b0 = wv[0];
+    *b1 = wv[1];
+#elif defined(W_Q4_0)
+    *b0 = ((wv[0] & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u;          // code - 8, byte by byte
+    *b1 = (((wv[0] >> 4) & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u;
+#else                                                                       // q4_1: 0..15, no offset
+    *b0 = wv[0] & 0x0F0F0F0Fu;
+    *b1 = (wv[0] >> 4) & 0x0F0F0F0Fu;
+#endif
+}
+
+#ifndef USE_NV_MMA
+// without tensor cores: the int32 sum of one token's block codes xw[8] and one row's block ww
+// (the MMA's element, exact in any order)
+inline int mv_block_isum(__local const uint* xw, __global const uint* ww) {
+    int s = 0;
+    for (int q = 0; q < 4; q++) {
+        uint wv[2] = {ww[q], MV_W_WORDS > 1 ? ww[4 + q] : 0u}, b0, b1;
+        mv_b_frag(wv, &b0, &b1);
+        s = dot4_ss((int)b0, (int)xw[q], s);
+        s = dot4_ss((int)b1, (int)xw[4 + q], s);
+    }
+    return s;
+}
+#endif
+
+// The group's 16 token rows (from t0; nt valid) times its weight rows, into out_all [16][MV_ROWS]
+// = lds + MV_SPLIT * 16 * MV_ROWS. sx: stage_x's output for the step's M rows: codes int8 [M][K],
+// then d f32 [M][K / 32] (then q4_1's s f32 [M][K / 32]). K in chunks of MV_MMA_KC: each warp
+// first asks for its weights of the chunk (all of them in flight at once), then the group copies
+// the chunk of x into local memory (16-byte loads), then the warp's MMAs read A from there.
+inline void mv_mma_sums(gin sx, gin w, int M, int N, int g, int t0, int nt, int lid, int rset, int split,
+                        int n_heads, int n_kv_heads, int hd, __local uint* lds MV_EMU_PARAM) {
+    int lane = lid & 31, gq = lane >> 2, tq = lane & 3;
+    size_t nblk = (size_t)N * MV_UNITS;
+    __local uint* xc = lds;                                   // [16][MV_XW] codes
+    __local float* xd = (__local float*)(lds + 16 * MV_XW);   // [16][MV_KCB] scales (q4_1: then s)
+    __global const float* sd = (__global const float*)(sx + (size_t)M * MV_K);
+    int ra = gq < nt ? gq : 0, rb = gq + 8 < nt ? gq + 8 : 0;   // A rows; past nt the first (never stored)
+    // B's column gq is slot 8 j + gq; C's columns 2 tq, 2 tq + 1 (padding slots read row 0)
+    int wrow[MV_NT], crow[MV_NT][2];
+    float acc[MV_NT][4];
+#pragma unroll
+    for (int j = 0; j < MV_NT; j++) {
+        int s0 = rset * MV_RPW + 8 * j;
+        wrow[j] = max(slot_row(g, s0 + gq, MV_ROWS, N, n_heads, n_kv_heads, hd), 0);
+        crow[j][0] = max(slot_row(g, s0 + 2 * tq, MV_ROWS, N, n_heads, n_kv_heads, hd), 0);
+        crow[j][1] = max(slot_row(g, s0 + 2 * tq + 1, MV_ROWS, N, n_heads, n_kv_heads, hd), 0);
+        for (int i = 0; i < 4; i++) acc[j][i] = 0.0f;
+    }
+    for (int c0 = 0; c0 < MV_UNITS; c0 += MV_KCB) {
+        uint wv[MV_BPW][MV_NT][MV_W_WORDS];
+        WS_T dw[MV_BPW][MV_NT][2];
+#pragma unroll
+        for (int i = 0; i < MV_BPW; i++) {
+            int b = min(c0 + split * MV_BPW + i, MV_UNITS - 1);
+#pragma unroll
+            for (int j = 0; j < MV_NT; j++) {
+                __global const uint* ww = (__global const uint*)w + ((size_t)wrow[j] * MV_UNITS + b) * (W_QBYTES / 4);
+                wv[i][j][0] = ww[tq];
+#if MV_W_WORDS > 1
+                wv[i][j][1] = ww[4 + tq];
+#endif
+                dw[i][j][0] = wheader(w, (size_t)crow[j][0] * MV_UNITS + b, nblk);
+                dw[i][j][1] = wheader(w, (size_t)crow[j][1] * MV_UNITS + b, nblk);
+            }
+        }
+        if (c0 == 0) PDL_WAIT();   // x is the kernel before's (stage_x); the weights are not
+        barrier(CLK_LOCAL_MEM_FENCE);   // the last chunk's A loads are done
+        for (int e = lid; e < nt * (MV_MMA_KC / 16); e += MV_WG) {
+            int tt = e / (MV_MMA_KC / 16), u = e % (MV_MMA_KC / 16);
+            *(__local uint4*)(xc + tt * MV_XW + 4 * u) =
+                ((__global const uint4*)(sx + (size_t)(t0 + tt) * MV_K + (size_t)c0 * 32))[u];
+        }
+        for (int e = lid; e < nt * MV_KCB; e += MV_WG) {
+            int tt = e / MV_KCB, b = e % MV_KCB;
+            xd[tt * MV_KCB + b] = sd[(size_t)(t0 + tt) * MV_UNITS + c0 + b];
+#ifdef W_Q4_1
+            xd[16 * MV_KCB + tt * MV_KCB + b] = sd[(size_t)M * MV_UNITS + (size_t)(t0 + tt) * MV_UNITS + c0 + b];
+#endif
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+#pragma unroll
+        for (int i = 0; i < MV_BPW; i++) {
+            int bl = split * MV_BPW + i, bc = min(bl, MV_KCB - 1);   // the block within the chunk
+            bool live = bl < MV_KCB;        // every warp runs every MMA (the emulation's barriers)
+            float dxa = xd[ra * MV_KCB + bc], dxb = xd[rb * MV_KCB + bc];
+#ifdef W_Q4_1
+            float sxa = xd[16 * MV_KCB + ra * MV_KCB + bc], sxb = xd[16 * MV_KCB + rb * MV_KCB + bc];
+#endif
+            __local const uint* pa = xc + ra * MV_XW + 8 * bc;
+            __local const uint* pb = xc + rb * MV_XW + 8 * bc;
+#ifdef USE_NV_MMA
+            uint a[4] = {pa[tq], pb[tq], pa[4 + tq], pb[4 + tq]};
+#endif
+#pragma unroll
+            for (int j = 0; j < MV_NT; j++) {
+                int c[4];
+#ifdef USE_NV_MMA
+                uint b0, b1;
+                mv_b_frag(wv[i][j], &b0, &b1);
+                MMA_S8(c, a, b0, b1);
+#else
+                int b = min(c0 + bl, MV_UNITS - 1);
+                for (int q = 0; q < 4; q++)
+                    c[q] = mv_block_isum(q < 2 ? pa : pb,
+                                         (__global const uint*)w + ((size_t)crow[j][q & 1] * MV_UNITS + b) * (W_QBYTES / 4));
+#endif
+                if (live) {
+#ifdef W_Q4_1
+                    acc[j][0] += small_int_to_float(c[0]) * (dxa * dw[i][j][0].x) + dw[i][j][0].y * sxa;
+                    acc[j][1] += small_int_to_float(c[1]) * (dxa * dw[i][j][1].x) + dw[i][j][1].y * sxa;
+                    acc[j][2] += small_int_to_float(c[2]) * (dxb * dw[i][j][0].x) + dw[i][j][0].y * sxb;
+                    acc[j][3] += small_int_to_float(c[3]) * (dxb * dw[i][j][1].x) + dw[i][j][1].y * sxb;
+#else
+                    acc[j][0] += small_int_to_float(c[0]) * (dxa * dw[i][j][0]);
+                    acc[j][1] += small_int_to_float(c[1]) * (dxa * dw[i][j][1]);
+                    acc[j][2] += small_int_to_float(c[2]) * (dxb * dw[i][j][0]);
+                    acc[j][3] += small_int_to_float(c[3]) * (dxb * dw[i][j][1]);
+#endif
+                }
+            }
+        }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);   // the stage's last reads, before the sums take its words
+    __local float* part = (__local float*)lds;                 // [MV_SPLIT][16][MV_ROWS]
+    __local float* out_all = part + MV_SPLIT * MV_TOKS * MV_ROWS;
+#pragma unroll
+    for (int j = 0; j < MV_NT; j++) {
+        int s0 = rset * MV_RPW + 8 * j + 2 * tq;
+        __local float* p = part + split * MV_TOKS * MV_ROWS;
+        p[gq * MV_ROWS + s0] = acc[j][0];
+        p[gq * MV_ROWS + s0 + 1] = acc[j][1];
+        p[(gq + 8) * MV_ROWS + s0] = acc[j][2];
+        p[(gq + 8) * MV_ROWS + s0 + 1] = acc[j][3];
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int e = lid; e < MV_TOKS * MV_ROWS; e += MV_WG) {   // the K slices in order
+        float s = part[e];
+        for (int k = 1; k < MV_SPLIT; k++) s += part[k * MV_TOKS * MV_ROWS + e];
+        out_all[e] = s;
+    }
+}
+#endif
+
 // Only the arguments the variant reads (codegen binds the same list): on NVIDIA's driver a
 // launch's host time grows with its argument count, and a decode step is launch-bound there.
 #ifdef PROLOGUE_RMS
@@ -198,6 +392,9 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #endif
 #ifdef QK_SPLIT
             , gout qscb, ulong qsc_off
+#endif
+#ifdef MV_MMA
+            , gin sxb, ulong sx_off
 #endif
             KERNEL_ROWS_ARGS) {
 #ifndef MV_HAS_NW
@@ -256,7 +453,14 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #pragma unroll
     for (int tt = 0; tt < MV_TOKS; tt++) ssq[tt] = 0.0f;
 #endif
+#ifdef MV_MMA
+    // x's chunks, then the sums; uint4-typed: the chunk copy's 16-byte stores need that alignment
+    __local uint4 mma_lds4[(MV_MMA_LDS + 3) / 4];
+    __local uint* mma_lds = (__local uint*)mma_lds4;
+    __local float* out_all = (__local float*)mma_lds + MV_SPLIT * MV_TOKS * MV_ROWS;   // [16][rows] dot products
+#else
     __local float out[MV_ROWS];               // the group's finished dot products, by slot
+#endif
 #ifdef QK_NORM
     __local float qk_part[QK_HPG * QK_PARTS]; // pre_epilogue's sums of squares of the heads, in parts
 #endif
@@ -265,6 +469,13 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
     __local int qk_last;
 #endif
 
+#ifdef MV_MMA
+#ifdef EMU_MMA
+    __local uint emu_sc[EMU_SC_WORDS];
+#endif
+    mv_mma_sums(sxb + sx_off, wb + w_off, M, N, g, t0, nt, lid, rset, split, n_heads, n_kv_heads, hd,
+                mma_lds MV_EMU_ARG);
+#else
 #ifdef PROLOGUE_RMS
     gin nw = nwb + nw_off;
 #endif
@@ -414,6 +625,7 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
     }
 #endif
 
+#endif   // MV_MMA
     PDL_TRIGGER();   // every weight byte is in: the next kernel may launch and wait
     // token by token: its reductions into out, then its epilogue, which only a valid token
     // (tt < nt) runs; every token passes the barriers (none under a condition: PoCL replicates
@@ -425,7 +637,9 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #if MV_TOKS > 1
         barrier(CLK_LOCAL_MEM_FENCE);
 #endif
-#ifdef USE_NV_PTX
+#ifdef MV_MMA
+        __local float* out = out_all + tt * MV_ROWS;
+#elif defined(USE_NV_PTX)
 #if MV_LATE
         float ssq_t = warp_sum(ssq[tt]);
 #endif
@@ -482,7 +696,7 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #endif
             out[r] = s;
         }
-#endif
+#endif   // MV_MMA / USE_NV_PTX
         barrier(CLK_LOCAL_MEM_FENCE);
 #ifdef PRE_EPILOGUE
 #ifndef BIAS

@@ -68,3 +68,19 @@ def test_a_measurement_overrides_tuning_fields_through_the_environment(monkeypat
         monkeypatch.setenv("LLMRS_OPENCL_TUNING", spec)
         with pytest.raises(ValueError, match=message):
             tuning_from_env(base)
+
+
+def test_the_tensor_core_matvecs_chunks_divide_k_and_fit_local_memory():
+    """MV_MMA's chunk of x (matvec.cl MV_MMA_KC): a multiple of 32 dividing K, at most 2048 values
+    (16 rows of Q8_0 codes and scales under NVIDIA's 48 KB); its groups' rows are whole 8-row MMA
+    columns, 64 where a q8_0 / q4_0 KV store takes whole blocks of a head."""
+    from llmrs.compiler.codegen.opencl import matvec_mma_shape, mma_chunk
+    for k, want in [(2048, 2048), (8192, 2048), (3072, 1536), (96, 96), (5632, 1408), (160, 160)]:
+        assert mma_chunk(k) == want
+        assert k % want == 0 and want % 32 == 0
+        assert 16 * (want + 16) + 16 * 4 * (want // 32) <= 48 << 10
+    assert mma_chunk(2048, 64) == 64
+    tuning = OpenCLTuning()
+    wg, rows, split = matvec_mma_shape(tuning, None, False)
+    assert (wg, rows, split) == (256, 16, 4) and rows * split // (wg // 32) % 8 == 0
+    assert matvec_mma_shape(tuning, "rope_kv_store", True)[1] == 64

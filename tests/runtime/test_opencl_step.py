@@ -40,8 +40,8 @@ def _compiled(model: str, weights: str, kv: str, T: int, seqs: int, with_prefill
     return graphs
 
 
-def _backend(graphs: dict[str, Any]) -> OpenCLBackend:
-    return OpenCLBackend.from_graphs(graphs, generate(graphs))
+def _backend(graphs: dict[str, Any], **tuning: Any) -> OpenCLBackend:
+    return OpenCLBackend.from_graphs(graphs, generate(graphs, replace(OpenCLTuning(), **tuning)))
 
 
 class Pool:
@@ -89,15 +89,17 @@ def _interpret(ip: Interpreter, state: dict, rows: StepRows) -> np.ndarray:
 
 # (model, weights, KV type): head_dim 16 with GQA; q4_0 weights (their activations quantized per
 # row) with an f16 cache; head_dim 100 with MQA
-MODELS = [("golden-a", "f32", "f32"), ("golden-b", "q4_0", "f16"), ("golden-c", "f32", "f32")]
+# and the generated rows on tensor cores (MV_MMA) for q4_0 and q8_0 weights
+MODELS = [("golden-a", "f32", "f32", False), ("golden-b", "q4_0", "f16", False), ("golden-c", "f32", "f32", False),
+          ("golden-b", "q4_0", "f16", True), ("golden-a", "q8_0", "f32", True)]
 
 
-@pytest.mark.parametrize("model,weights,kv", MODELS)
-def test_interleaved_sequences_match_the_interpreter_and_their_greedy_tokens_a_run_alone(model, weights, kv):
+@pytest.mark.parametrize("model,weights,kv,mma", MODELS)
+def test_interleaved_sequences_match_the_interpreter_and_their_greedy_tokens_a_run_alone(model, weights, kv, mma):
     """Three prompts of 7, 3 and 10 tokens: the second joins in the first's step, the third
     mid-run; prompt chunks beside decode rows, rows in another order than the tables."""
     graphs = _compiled(model, weights, kv, T=16, seqs=4)
-    be, ip = _backend(graphs), Interpreter(graphs["step"])
+    be, ip = _backend(graphs, mv_mma=mma), Interpreter(graphs["step"])
     state = ip.new_state()
     rng = np.random.default_rng(41)
     vocab = graphs["step"].values[graphs["step"].outputs[0]].shape[1]
@@ -131,15 +133,22 @@ def test_interleaved_sequences_match_the_interpreter_and_their_greedy_tokens_a_r
         assert tokens == want, f"sequence {s}"
 
 
-@pytest.mark.parametrize("split", [True, False], ids=["generated-rows-in-matvec", "every-row-tiled"])
-def test_a_sequences_logits_are_bit_identical_alone_and_in_a_batch_of_8(split):
+@pytest.mark.parametrize("split,matvec,mma", [(True, True, False), (True, True, True), (False, True, False),
+                                             (True, False, False)],
+                         ids=["generated-rows-in-matvec", "generated-rows-on-tensor-cores", "every-row-tiled",
+                              "generated-rows-tiled-by-the-plan"])
+def test_a_sequences_logits_are_bit_identical_alone_and_in_a_batch_of_8(split, matvec, mma):
     """8 sequences (prompts of 1 to 5 tokens) decode 3 tokens in steps of all of them; each
     again alone: the same bits every step, whether its prompt runs in one step (as in the
     batch) or a token a step (its rows then in the rows kernel, not the tiles kernel, and a
     lone prompt row still in the tiled matmul). Split: sampled tokens are generated rows (the
-    decode matvec); else every row runs tiled."""
+    decode matvec, unless the plan's tuning sends them through the tiles: matvec False, or 16 a
+    group on tensor cores: mma); else every row runs tiled."""
     graphs = _compiled("golden-b", "q4_0", "f16", T=32, seqs=8)
-    be = _backend(graphs)
+    plan = generate(graphs, replace(OpenCLTuning(), mv_generated_rows=matvec, mv_mma=mma))
+    parts = {launch["part"] for launch in plan["graphs"]["step"]}
+    assert ("rest" in parts) == matvec   # without the split no launch runs the generated rows apart
+    be = OpenCLBackend.from_graphs(graphs, plan)
     rng = np.random.default_rng(42)
     vocab = graphs["step"].values["logits"].shape[1]
     prompts = [rng.integers(0, vocab, n).tolist() for n in (3, 1, 5, 2, 4, 5, 1, 3)]
@@ -165,17 +174,20 @@ def test_a_sequences_logits_are_bit_identical_alone_and_in_a_batch_of_8(split):
             np.testing.assert_array_equal(logits, batch[k][s], err_msg=f"sequence {s}, step {k}")
 
 
-@pytest.mark.parametrize("model,weights,kv", [("golden-b", "q4_0", "f16"), ("golden-a", "f32", "f32")])
-def test_a_generated_row_has_the_same_bits_at_any_place_in_a_matvec_group_of_any_size(model, weights, kv):
+@pytest.mark.parametrize("model,weights,kv,mma", [("golden-b", "q4_0", "f16", False), ("golden-a", "f32", "f32", False),
+                                                  ("golden-b", "q4_0", "f16", True), ("golden-c", "q8_0", "f32", True)])
+def test_a_generated_row_has_the_same_bits_at_any_place_in_a_matvec_group_of_any_size(model, weights, kv, mma):
     """The generated rows' matvec takes T rows a group (MV_TOKS): S sequences of one prompt and
     the same tokens (S = 1..T + 1, so groups of 1 to T valid rows and a row alone in a second
-    group) give every row, at every place in its group, the bits one sequence alone gets."""
+    group) give every row, at every place in its group, the bits one sequence alone gets. mma:
+    the tensor-core matvec (MV_MMA; emulated or summed directly here), K in chunks of 64."""
     graphs = _compiled(model, weights, kv, T=40, seqs=20, max_seq_len=128)
     # as many rows a group as local memory allows (the default tuning measured 1 best for
     # quantized weights on an H100, opencl_tuning.py), so groups of many rows are what is tested
-    plan = generate(graphs, replace(OpenCLTuning(), mv_toks_quant=16, mv_toks_float=8))
+    plan = generate(graphs, replace(OpenCLTuning(), mv_toks_quant=16, mv_toks_float=8, mv_mma=mma, mv_mma_chunk=64))
     T = max(launch["row_tile"] for launch in plan["graphs"]["step"] if launch.get("part") == "rest")
     assert T > 1
+    assert any("-DMV_MMA" in launch["options"] for launch in plan["graphs"]["step"]) == mma
     be = OpenCLBackend.from_graphs(graphs, plan)
     rng = np.random.default_rng(43)
     vocab = graphs["step"].values["logits"].shape[1]
