@@ -40,6 +40,10 @@ AVX2_DECODE_ROWS = 1    # the same on AVX2: one row a tile, so a thread's rows a
 # stream, as llama.cpp's gemv reads them (AMD EPYC Zen 3, Llama-3.2-1B all-Q4_0, interleaved in one
 # process, 2 threads: 4 rows 32.4 tok/s, 2 rows 33.0, 1 row 39.3 (38.5 without the prefetch);
 # 1 thread: 17.6 -> 20.7. SmolLM2 Q4_1: 2 threads 216 -> 208 (noise), 1 thread 114 -> 123)
+AVX2_DECODE_PREFETCH = 3072  # ... prefetching this many bytes ahead where rows are long (LONG_ROW),
+# not one row (1152 bytes at K = 2048, likely too close to hide DRAM's latency). Zen 5, 2 threads,
+# Llama-3.2-1B all-Q4_0, decode interleaved in one process (11-21 rounds) against one row ahead:
+# 2048 bytes 1.07x and 1.08x, 3072 1.09x, 4096 1.05x, 8192 1.00x (BENCHMARKS.md round 24)
 AVX2_PREFILL_ACC8 = True  # AVX2 grouped prefill: a (row, token)'s <16 x f32> sums fold into one
 # <8 x f32> accumulator (8 ymm of 16 for the 4 x 4 tile, not 16 spilled around every FMA)
 AVX2_QUADS = True      # AVX2 q4_0 prefill sums 4 tokens' products per block in i16 (quad_dot),
@@ -968,11 +972,20 @@ class MatmulEmitter:
             off = kb.idx((r, s.row_bytes), (g, group_bytes(s.wdtype)))
             # the same group of the row `run` rows on: the next unit's, so rows stream without
             # a stall where a unit starts (a unit's rows are short: 1152 bytes at K=2048)
-            ahead = b.add(off, kb.i64(run * s.row_bytes))
+            ahead = b.add(off, kb.i64(self.prefetch_distance(run)))
             prefetch(kb, self.w, ahead)
             prefetch(kb, self.w, b.add(ahead, kb.i64(blocks * BLOCK_BYTES[s.wdtype] - 1)))
             ws.append(load_q4_group(kb, self.w, off, s.wdtype, blocks))
         return ws
+
+    def prefetch_distance(self, run: int) -> int:
+        """Bytes from a weight group to the one weight_groups prefetches: `run` rows, or on AVX2
+        decode's one-row tiles of long rows a fixed AVX2_DECODE_PREFETCH (its row's stream,
+        then the next rows in memory)."""
+        s = self.s
+        if self.one_row and group_isa(self.kb.target) == "avx2" and s.row_bytes >= LONG_ROW:
+            return AVX2_DECODE_PREFETCH
+        return run * s.row_bytes
 
     def tile_q4_quads(self, rows: list[ir.Value], t0: ir.Value, tt: int, run: int) -> list[list[ir.Value]]:
         """tile() for q4_0 prefill on AVX2: quad_dot's block sums of 4 tokens at a time, scaled
