@@ -37,12 +37,7 @@ inline uint att_pack_emu(float lo, float hi) {
 #define ATT_XOR(v, o) emu_shfl_xor(v, o, emu)
 #define ATT_PACK(lo, hi) att_pack_emu(lo, hi)
 #else
-// c[0..3] += A (16x16 f16, row) * B (16x8 f16, col)
-#define ATT_MMA(c, a, b0, b1)                                                                  \
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "      \
-        "{%8,%9}, {%0,%1,%2,%3};"                                                              \
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                       \
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+#define ATT_MMA(c, a, b0, b1) MMA_F16(c, a, b0, b1)   // common.cl's mma.sync m16n8k16
 // two floats -> f16 (nearest even) in one word, lo in the lower half
 inline uint att_pack(float lo, float hi) {
     uint u;
