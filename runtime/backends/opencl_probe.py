@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 PROBE_TIMEOUT_S = 120
+PROBE_VERSION = 2   # in the cache key: 2 builds with the back end's options, and one of its programs
 FIX = ("pip's PoCL has an LLVM older than this CPU; apt-get install pocl-opencl-icd (Debian's PoCL), "
        "or a GPU driver's OpenCL ICD")
 
@@ -37,7 +38,7 @@ def is_pocl(dev: Any) -> bool:
 def _key(dev: Any) -> str:
     import llvmlite
 
-    return "|".join([dev.platform.name, dev.platform.version, dev.name, dev.driver_version,
+    return "|".join([f"probe {PROBE_VERSION}", dev.platform.name, dev.platform.version, dev.name, dev.driver_version,
                      f"llvmlite {llvmlite.__version__}", sys.executable])
 
 
@@ -107,10 +108,14 @@ def why_unusable(dev: Any) -> str:
 
 def child(platform: str, device: str) -> None:
     """The probe itself (in the child): an llvmlite JIT, as the CPU back end makes, then OpenCL
-    on the named device twice over, each time built, run, checked and released."""
+    on the named device three times over, each time built (the probe kernel and one of the back
+    end's programs), run, checked and released."""
     import numpy as np
     import llvmlite.binding as llvm
     import pyopencl as cl
+
+    from ...compiler.codegen.opencl import template_source
+    from .opencl_program import device_options
 
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
@@ -121,14 +126,27 @@ def child(platform: str, device: str) -> None:
     dev = next(d for p in cl.get_platforms() if p.name == platform for d in p.get_devices() if d.name == device)
     y = (np.arange(64 * 4, dtype=np.float32) % 7 + 1).reshape(64, 4)
     want = (y * y).sum(1) + np.sqrt(np.arange(64, dtype=np.float32))
-    for _ in range(2):
+    for _ in range(3):
         ctx = cl.Context([dev])
         queue = cl.CommandQueue(ctx)
         try:
-            prg = cl.Program(ctx, _SOURCE).build(options="-w")
+            # the back end's own options: pip's PoCL 3.0 on a Zen 4 builds a program with
+            # -cl-fp32-correctly-rounded-divide-sqrt (which it advertises) without its kernels
+            prg = cl.Program(ctx, _SOURCE).build(options=" ".join(device_options(dev)))
         except cl.Error as e:
             print(f"build failed: {' '.join(str(e).split())[:200]}", file=sys.stderr)
             sys.exit(3)
+        if prg.get_info(cl.program_info.NUM_KERNELS) == 0:
+            print("build failed: the built program has no kernels", file=sys.stderr)
+            sys.exit(3)
+        # and a program of the back end's, which pip's PoCL 3.0 on a Zen 4 builds without its
+        # kernel now and then (then aborts at exit): a few tries
+        real = cl.Program(ctx, template_source("embedding")).build(
+            options=" ".join(["-DTABLE_T=f32", "-DTABLE_F32"] + device_options(dev)))
+        if real.get_info(cl.program_info.NUM_KERNELS) == 0:
+            print("build failed: a program of the back end's built without its kernels", file=sys.stderr)
+            sys.exit(3)
+        del real
         mf = cl.mem_flags
         x = cl.Buffer(ctx, mf.WRITE_ONLY, 64 * 4)
         yb = cl.Buffer(ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=y)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .opencl_device import OpenCLError, _build, _cl
-from .opencl_probe import is_pocl
+from .opencl_probe import FIX, is_pocl
 
 
 def cache_dir() -> Path:
@@ -110,6 +110,9 @@ def build_program(ctx: Any, dev: Any, source: str, options: list[str], label: st
     except cl.Error as e:
         log = " ".join(str(e).split())
         raise OpenCLError(f"OpenCL build of {label} ({opts}) failed on {dev.name.strip()}: {log[:400]}") from None
+    if prg.get_info(cl.program_info.NUM_KERNELS) == 0:   # seen with pip's PoCL 3.0 on a Zen 4, now and then
+        raise OpenCLError(f"OpenCL build of {label} on {dev.name.strip()} gave a program without its kernels; "
+                          f"{FIX}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

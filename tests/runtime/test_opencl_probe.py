@@ -86,3 +86,22 @@ def test_the_child_probe_runs_on_a_working_pocl(fresh_cache, opencl_device):
         pytest.skip("the OpenCL device here is not PoCL: nothing to probe")
     done = opencl_probe._run_child(opencl_device.platform.name, opencl_device.name)
     assert done.returncode == 0 and "probe ok" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_build_that_loses_its_kernels_is_a_one_line_error_naming_the_fix(fresh_cache, monkeypatch, opencl_device):
+    """pip's PoCL 3.0 on a Zen 4 builds a program without its kernels now and then; build_program
+    says so and how to fix it, instead of an INVALID_KERNEL_NAME at the first launch."""
+    import pyopencl as cl
+
+    from llmrs.runtime.backends import opencl_program
+    from llmrs.runtime.backends.opencl_device import OpenCLError
+
+    class NoKernels:
+        def get_info(self, what):
+            return 0
+
+    monkeypatch.setattr(opencl_program, "_build", lambda prg, **kw: NoKernels())
+    ctx = cl.Context([opencl_device])
+    with pytest.raises(OpenCLError, match=r"gave a program without its kernels; .*pocl-opencl-icd"):
+        opencl_program.build_program(ctx, opencl_device, "__kernel void k(__global int* x) { x[0] = 1; }",
+                                     ["-w"], "a test program")
