@@ -35,6 +35,50 @@ def is_pocl(dev: Any) -> bool:
     return "portable computing language" in dev.platform.name.lower()
 
 
+def device_options(dev: Any) -> list[str]:
+    """Build options chosen for the device at bind time. NVIDIA's driver reports no subgroup
+    extension but compiles inline PTX: warp shuffles and dp4a come from there, and on compute
+    capability 8.0+ the tensor-core bodies of the prefill matmul and attention (-DUSE_NV_MMA)
+    (LLMRS_OPENCL_PORTABLE=1 keeps the portable C path, LLMRS_OPENCL_NO_MMA=1 only drops the
+    tensor cores, for comparisons; LLMRS_OPENCL_EMULATE_MMA=1 runs the tensor-core bodies on any
+    device, their mma.sync emulated in C, for tests). Compute capability 9.x adds Hopper's
+    warpgroup MMA to the f16 prefill matmul (-DUSE_NV_WGMMA; build_program assembles it for
+    sm_90a; LLMRS_OPENCL_NO_WGMMA=1 keeps mma.sync; LLMRS_OPENCL_EMULATE_WGMMA=1 emulates it).
+    LLMRS_OPENCL_PDL_MATVEC=1 (compute capability 9.0+) places programmatic dependent launch's
+    wait, trigger and an L2 prefetch of the first weights in the decode matvec (-DUSE_NV_PDL,
+    common.cl; no-ops unless a CUDA graph replays the kernels). Off by default: on an H200 it
+    moved decode 1.05-1.07x on the Qwen3-0.6B shape, 1.12x on SmolLM2's, 1.03x on the 1B f16 and
+    0.98x on the 1B q4_0 against the wait at each kernel's entry (BENCHMARKS.md round 23)."""
+    import pyopencl as cl   # the caller has it (a device in hand)
+    opts = ["-w"] if is_pocl(dev) else []   # pip's PoCL prints "N warnings generated." per kernel
+    if dev.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT:
+        opts.append("-cl-fp32-correctly-rounded-divide-sqrt")  # Q8_0 scales round as numpy's
+    if "NVIDIA" in dev.platform.vendor.upper() and os.environ.get("LLMRS_OPENCL_PORTABLE", "") in ("", "0"):
+        opts.append("-DUSE_NV_PTX")
+        if _nv_compute_capability(dev) >= (8, 0) and os.environ.get("LLMRS_OPENCL_NO_MMA", "") in ("", "0"):
+            opts.append("-DUSE_NV_MMA")   # mma.sync m16n8k32 s8 / m16n8k16 f16 need sm_80
+            if _nv_compute_capability(dev)[0] == 9 and os.environ.get("LLMRS_OPENCL_NO_WGMMA", "") in ("", "0"):
+                opts.append("-DUSE_NV_WGMMA")   # wgmma: sm_90a alone (not sm_100)
+        pdl = os.environ.get("LLMRS_OPENCL_PDL_MATVEC", "")
+        if _nv_compute_capability(dev) >= (9, 0) and pdl in ("1", "notrigger", "noprefetch"):
+            opts.append("-DUSE_NV_PDL")   # griddepcontrol, prefetch: where kernels wait in a CUDA graph
+            opts += {"notrigger": ["-DPDL_NO_TRIGGER"], "noprefetch": ["-DPDL_NO_PREFETCH"]}.get(pdl, [])
+    emulate = {name: os.environ.get(f"LLMRS_OPENCL_EMULATE_{name}", "") not in ("", "0") for name in ("MMA", "WGMMA")}
+    if (emulate["MMA"] or emulate["WGMMA"]) and "-DUSE_NV_MMA" not in opts:
+        opts += ["-DUSE_NV_MMA", "-DEMU_MMA"]   # tests: the tensor-core bodies, emulated (common.cl)
+        if emulate["WGMMA"]:
+            opts.append("-DUSE_NV_WGMMA")
+    return opts
+
+
+def _nv_compute_capability(dev: Any) -> tuple[int, int]:
+    """(major, minor) from cl_nv_device_attribute_query; (0, 0) where the driver lacks it."""
+    try:
+        return int(dev.compute_capability_major_nv), int(dev.compute_capability_minor_nv)
+    except Exception:   # pyopencl raises its own error types, or AttributeError, for a missing query
+        return 0, 0
+
+
 def _key(dev: Any) -> str:
     import llvmlite
 
@@ -106,6 +150,13 @@ def why_unusable(dev: Any) -> str:
     return verdict
 
 
+def _backend_source() -> str:
+    """One of the back end's programs as codegen assembles it: common.cl, then embedding.cl."""
+    from importlib import resources
+    folder = resources.files("llmrs.templates").joinpath("opencl")
+    return "\n".join(folder.joinpath(f"{name}.cl").read_text() for name in ("common", "embedding"))
+
+
 def child(platform: str, device: str) -> None:
     """The probe itself (in the child): an llvmlite JIT, as the CPU back end makes, then OpenCL
     on the named device three times over, each time built (the probe kernel and one of the back
@@ -114,8 +165,6 @@ def child(platform: str, device: str) -> None:
     import llvmlite.binding as llvm
     import pyopencl as cl
 
-    from ...compiler.codegen.opencl import template_source
-    from .opencl_program import device_options
 
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
@@ -141,7 +190,7 @@ def child(platform: str, device: str) -> None:
             sys.exit(3)
         # and a program of the back end's, which pip's PoCL 3.0 on a Zen 4 builds without its
         # kernel now and then (then aborts at exit): a few tries
-        real = cl.Program(ctx, template_source("embedding")).build(
+        real = cl.Program(ctx, _backend_source()).build(
             options=" ".join(["-DTABLE_T=f32", "-DTABLE_F32"] + device_options(dev)))
         if real.get_info(cl.program_info.NUM_KERNELS) == 0:
             print("build failed: a program of the back end's built without its kernels", file=sys.stderr)
@@ -162,4 +211,4 @@ def child(platform: str, device: str) -> None:
     print("probe ok", flush=True)
 
 
-__all__ = ["FIX", "is_pocl", "why_unusable"]
+__all__ = ["FIX", "device_options", "is_pocl", "why_unusable"]

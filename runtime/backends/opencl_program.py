@@ -12,55 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from .opencl_device import OpenCLError, _build, _cl
-from .opencl_probe import FIX, is_pocl
+from .opencl_probe import FIX, device_options
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("LLMRS_CACHE_DIR") or Path.home() / ".cache" / "llmrs") / "opencl"
-
-
-def device_options(dev: Any) -> list[str]:
-    """Build options chosen for the device at bind time. NVIDIA's driver reports no subgroup
-    extension but compiles inline PTX: warp shuffles and dp4a come from there, and on compute
-    capability 8.0+ the tensor-core bodies of the prefill matmul and attention (-DUSE_NV_MMA)
-    (LLMRS_OPENCL_PORTABLE=1 keeps the portable C path, LLMRS_OPENCL_NO_MMA=1 only drops the
-    tensor cores, for comparisons; LLMRS_OPENCL_EMULATE_MMA=1 runs the tensor-core bodies on any
-    device, their mma.sync emulated in C, for tests). Compute capability 9.x adds Hopper's
-    warpgroup MMA to the f16 prefill matmul (-DUSE_NV_WGMMA; build_program assembles it for
-    sm_90a; LLMRS_OPENCL_NO_WGMMA=1 keeps mma.sync; LLMRS_OPENCL_EMULATE_WGMMA=1 emulates it).
-    LLMRS_OPENCL_PDL_MATVEC=1 (compute capability 9.0+) places programmatic dependent launch's
-    wait, trigger and an L2 prefetch of the first weights in the decode matvec (-DUSE_NV_PDL,
-    common.cl; no-ops unless a CUDA graph replays the kernels). Off by default: on an H200 it
-    moved decode 1.05-1.07x on the Qwen3-0.6B shape, 1.12x on SmolLM2's, 1.03x on the 1B f16 and
-    0.98x on the 1B q4_0 against the wait at each kernel's entry (BENCHMARKS.md round 23)."""
-    cl = _cl()
-    opts = ["-w"] if is_pocl(dev) else []   # pip's PoCL prints "N warnings generated." per kernel
-    if dev.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT:
-        opts.append("-cl-fp32-correctly-rounded-divide-sqrt")  # Q8_0 scales round as numpy's
-    if "NVIDIA" in dev.platform.vendor.upper() and os.environ.get("LLMRS_OPENCL_PORTABLE", "") in ("", "0"):
-        opts.append("-DUSE_NV_PTX")
-        if _nv_compute_capability(dev) >= (8, 0) and os.environ.get("LLMRS_OPENCL_NO_MMA", "") in ("", "0"):
-            opts.append("-DUSE_NV_MMA")   # mma.sync m16n8k32 s8 / m16n8k16 f16 need sm_80
-            if _nv_compute_capability(dev)[0] == 9 and os.environ.get("LLMRS_OPENCL_NO_WGMMA", "") in ("", "0"):
-                opts.append("-DUSE_NV_WGMMA")   # wgmma: sm_90a alone (not sm_100)
-        pdl = os.environ.get("LLMRS_OPENCL_PDL_MATVEC", "")
-        if _nv_compute_capability(dev) >= (9, 0) and pdl in ("1", "notrigger", "noprefetch"):
-            opts.append("-DUSE_NV_PDL")   # griddepcontrol, prefetch: where kernels wait in a CUDA graph
-            opts += {"notrigger": ["-DPDL_NO_TRIGGER"], "noprefetch": ["-DPDL_NO_PREFETCH"]}.get(pdl, [])
-    emulate = {name: os.environ.get(f"LLMRS_OPENCL_EMULATE_{name}", "") not in ("", "0") for name in ("MMA", "WGMMA")}
-    if (emulate["MMA"] or emulate["WGMMA"]) and "-DUSE_NV_MMA" not in opts:
-        opts += ["-DUSE_NV_MMA", "-DEMU_MMA"]   # tests: the tensor-core bodies, emulated (common.cl)
-        if emulate["WGMMA"]:
-            opts.append("-DUSE_NV_WGMMA")
-    return opts
-
-
-def _nv_compute_capability(dev: Any) -> tuple[int, int]:
-    """(major, minor) from cl_nv_device_attribute_query; (0, 0) where the driver lacks it."""
-    try:
-        return int(dev.compute_capability_major_nv), int(dev.compute_capability_minor_nv)
-    except Exception:   # pyopencl raises its own error types, or AttributeError, for a missing query
-        return 0, 0
 
 
 def _device_key(dev: Any) -> str:
