@@ -468,10 +468,11 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
         if _rms_late(mv_split, bool(a.get("norm_folded"))):
             options.append("-DMV_RMS_LATE")   # matvec.cl applies it to float weights' RMS prologue
     # the generated rows of a step graph, T a group; decode, verify and a step's head keep a token a group
-    toks = matvec_tokens(tuning, m, k, quantized, bool(qk_split or rope_heads)) if part == "rest" else 1
     if mma:
         toks = MMA_TOKENS
         options += ["-DMV_MMA", f"-DMV_MMA_KC={mma_chunk(k, tuning.mv_mma_chunk)}"]
+    else:
+        toks = matvec_tokens(tuning, m, k, quantized, bool(qk_split or rope_heads)) if part == "rest" else 1
     if toks > 1:
         options.append(f"-DMV_TOKS={toks}")
     if not tiled and m > toks and tuning.mv_tokens_inner:

@@ -165,7 +165,6 @@ def child(platform: str, device: str) -> None:
     import llvmlite.binding as llvm
     import pyopencl as cl
 
-
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
     module = llvm.parse_assembly("define i32 @inc(i32 %x) {\n %y = add i32 %x, 1\n ret i32 %y\n}")

@@ -76,6 +76,13 @@ inline float welem(gin w, size_t blk, int k, size_t nblk) {
 }
 #define WQ_T uint4
 #define WQ_LOAD(w, blk) (((__global const uint4*)(w))[blk])
+// nibbles (n & 0x0F0F0F0F, of a uint or a vector of them) as the int8 codes the tensor cores take:
+// q4_0's n - 8 (n + 120 never carries, ^ 0x80 then subtracts 128), q4_1's as they are
+#ifdef W_Q4_0
+#define Q4_S8(n) (((n) + 0x78787878u) ^ 0x80808080u)
+#else
+#define Q4_S8(n) (n)
+#endif
 inline int wq_idot(uint4 q, const int* xq, int xs) {   // byte j: value j (low nibble), j + 16 (high)
     int s = -W_CODE_OFFSET * xs;
     s = dot4_us(q.s0 & 0x0F0F0F0Fu, xq[0], s);

@@ -133,17 +133,11 @@ inline void put_w(const w_stage* r, int lid, __local uint* wq, __local float* wd
         int e = lid + 256 * i;
 #ifdef W_QUANT
         int n = e >> 2, part = e & 3;
-#ifdef W_Q4_0
+#if defined(W_Q4_0) || defined(W_Q4_1)
         uint4 p = r->q[i];                   // byte j: value j (low nibble), j + 16 (high)
-        // nibble n -> n - 8 as int8 in each byte: n + 120 never carries, ^ 0x80 subtracts 128
         uint8 q;
-        q.lo = ((p & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u;
-        q.hi = (((p >> 4) & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u;
-#elif defined(W_Q4_1)
-        uint4 p = r->q[i];                   // codes 0..15 are already int8
-        uint8 q;
-        q.lo = p & 0x0F0F0F0Fu;
-        q.hi = (p >> 4) & 0x0F0F0F0Fu;
+        q.lo = Q4_S8(p & 0x0F0F0F0Fu);
+        q.hi = Q4_S8((p >> 4) & 0x0F0F0F0Fu);
 #else
         uint8 q = as_uint8(r->q[i]);
 #endif

@@ -211,12 +211,9 @@ inline void mv_b_frag(const uint* wv, uint* b0, uint* b1) {
 #if defined(W_Q8_0)
     *b0 = wv[0];
     *b1 = wv[1];
-#elif defined(W_Q4_0)
-    *b0 = ((wv[0] & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u;          // code - 8, byte by byte
-    *b1 = (((wv[0] >> 4) & 0x0F0F0F0Fu) + 0x78787878u) ^ 0x80808080u;
-#else                                                                       // q4_1: 0..15, no offset
-    *b0 = wv[0] & 0x0F0F0F0Fu;
-    *b1 = (wv[0] >> 4) & 0x0F0F0F0Fu;
+#else
+    *b0 = Q4_S8(wv[0] & 0x0F0F0F0Fu);
+    *b1 = Q4_S8((wv[0] >> 4) & 0x0F0F0F0Fu);
 #endif
 }
 
