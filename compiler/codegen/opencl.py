@@ -27,7 +27,7 @@ generate(graphs) returns a JSON-able dict, stored as the plan's "opencl" section
         | {"scratch": nbytes}            # nbytes of the back end's scratch buffer, a slice of
                                          # its own per launch, zero-filled at load; kernels
                                          # leave their ticket counters at 0: buffer + offset
-        | {"staging": nbytes}            # the back end's staging buffer (offset 0, shared by all
+        | {"staging": nbytes[, "at": b]} # the back end's staging buffer (offset b or 0, shared by all
                                          # launches): a launch writes it for the next to read
                                          # (stage_x, then its matmul; a split-K matmul also keeps
                                          # its partials there, past stage_x's output)
@@ -103,6 +103,9 @@ class _Ctx:
     graph: Graph
     tuning: OpenCLTuning
     launches: list[Launch] = field(default_factory=list)
+    # q values whose per-head norms and RoPE the attention kernel finishes (QK_DEFER): q -> its
+    # qkv op's (inv_freq, q norm, k norm, eps, norm dtype, kraw staging bytes)
+    deferred: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def dtype(self, name: str) -> str:
         v = self.graph.values[name]
@@ -318,6 +321,16 @@ def qk_split_rows(wg: int, hd: int, kv_blocks: bool) -> int | None:
     return next((rw for rw in range(step, hd, step) if hd % rw == 0), None)
 
 
+def _qk_defer(ctx: _Ctx, op: Op, m: int, k: int, hd: int, options: list[str]) -> bool:
+    """Whether a qkv matvec with per-head norms leaves them, with RoPE and the key's cache store,
+    to the decode attention kernel that reads its q (attention_decode.cl QK_DEFER): a decode
+    graph's single row into an f32 / f16 cache, whose attention takes that kernel."""
+    if not ctx.tuning.qk_defer or ctx.graph.name in (STEP, VERIFY) or m != 1 or k % 8 or "-DKV_BLOCKS" in options:
+        return False
+    return hd % 32 == 0 and hd <= ctx.tuning.att_dec_wg and any(
+        o.kind == "attention" and o.inputs[0] == op.outputs[0] and "block_size" not in o.attrs for o in ctx.graph.ops)
+
+
 def qk_norm_parts(threads: int, tokens: int, hpg: int, hd: int) -> int:
     """Threads summing one head's squares in matmul_common.cl's pre_epilogue (QK_PARTS): the
     group's threads over its tokens' heads, each summing at least 8 values."""
@@ -378,6 +391,16 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
         options.append("-DSTEP_ROWS")
         step_rows = [_v(extra[-2]), _v(extra[-1]), {"int": ctx.shape(extra[1])[0]}]
     qk_norm = _qk_norm(epi, a)
+    if qk_norm and _qk_defer(ctx, op, m, k, heads[2], options):
+        qkn = _float_type(ctx, op, extra[3], "q norm weight")
+        _need(ctx.dtype(extra[4]) == qkn, op, "the q and k norm weights must share one dtype")
+        # raw k [m, KVH * hd], then the attention's finished q [m, H * hd] for the eviction scores
+        kraw = {"staging": 4 * m * (heads[1] + heads[0]) * heads[2]}
+        ctx.deferred[op.outputs[0]] = {"freq": extra[0], "qn": extra[3], "kn": extra[4], "eps": float(a["qk_eps"]),
+                                       "qkn_t": qkn, "kraw": kraw}
+        options.append("-DQK_DEFER")
+        e[0] = kraw                              # the epilogue writes raw k there, not RoPE's inv_freq
+        a, qk_norm = {**a, "qk_norm": False}, False
     if qk_norm:   # Qwen3's q_norm / k_norm weights, after the caches
         qkn = _float_type(ctx, op, extra[3], "q norm weight")
         _need(ctx.dtype(extra[4]) == qkn, op, "the q and k norm weights must share one dtype")
@@ -433,13 +456,13 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
     elif rope_heads:
         mv_rows, mv_split = heads[2], 1
         options.append("-DROPE_HEADS")
-    elif qk_norm and not tiled and (split_rows := qk_split_rows(mv_wg, heads[2], "-DKV_BLOCKS" in options)):
+    elif qk_norm and not tiled and not tuning.mv_qk_wg and (split_rows := qk_split_rows(mv_wg, heads[2], "-DKV_BLOCKS" in options)):
         mv_rows, mv_split = split_rows, 1       # a head over hd / rows groups, merged by tickets
         qk_split = heads[2] // split_rows
         options.append(f"-DQK_SPLIT={qk_split}")
     elif qk_norm:   # whole heads a group: float weights too take the larger groups of quantized
         # ones, more warps (fewer rows each) on a head (H100 f16 Qwen3-0.6B qkv 12.5 -> 11.9 us)
-        mv_wg = max(mv_wg, tuning.mv_wg_quant)
+        mv_wg = tuning.mv_qk_wg or max(mv_wg, tuning.mv_wg_quant)
         mv_rows, mv_split = qk_norm_rows(mv_wg, heads[2], "-DKV_BLOCKS" in options), 1
     else:
         mv_wg, mv_rows, mv_split = matvec_shape(tuning, k, n, quantized, epi, "-DKV_BLOCKS" in options)
@@ -533,10 +556,13 @@ def _attention(ctx: _Ctx, op: Op) -> None:
           f"multiple of 4 (they read K/V rows 4 values at a time) of at most {4 * tuning.att_wg}")
     kvh = a["n_kv_heads"]
     _need(h % kvh == 0, op, f"n_heads {h} is not a multiple of n_kv_heads {kvh}")
+    _need(q not in ctx.deferred or (m == 1 and hd % 32 == 0 and hd <= tuning.att_dec_wg), op,
+          "internal: a deferred q/k norm needs the decode attention kernel")
     if "block_size" in a:
         _paged_attention(ctx, op, kv)
         return
-    if len(op.inputs) == 5:
+    # the scores read q and the new key, which a deferred q/k norm leaves to the attention kernel
+    if len(op.inputs) == 5 and q not in ctx.deferred:
         _attention_scores(ctx, op, kv)
     options = [f"-DHEAD_DIM={hd}", *_kv_options(kv), f"-DATT_WG={tuning.att_wg}"]
     args = [_v(q), _v(k), _v(v), _v(op.outputs[0])]
@@ -550,11 +576,17 @@ def _attention(ctx: _Ctx, op: Op) -> None:
     elif hd % 32 == 0 and hd <= tuning.att_dec_wg:   # a key per lane (H200 170 -> 157 us a step, round 8)
         splits = max(1, min(tuning.att_dec_max_splits, math.ceil(ctx.shape(k)[0] / tuning.att_dec_wg)))
         scratch = 4 * m * h + 4 * m * h * splits * (hd + 2)   # counters, then partials
+        qk, late = [], []
+        if (d := ctx.deferred.get(q)) is not None:   # the qkv matvec left q / k norms and RoPE here
+            qk = ["-DQK_DEFER", f"-DQKN_T={d['qkn_t']}", f"-DQK_PARTS={qk_norm_parts(tuning.att_dec_wg, 1, 1, hd)}"]
+            late = [d["kraw"], _v(d["freq"]), _v(d["qn"]), _v(d["kn"]), {"float": d["eps"]}]
         ctx.launches.append(Launch(op.name, "attention", "attention_decode",
                                    [f"-DHEAD_DIM={hd}", *_kv_options(kv), f"-DATT_WG={tuning.att_dec_wg}",
-                                    f"-DATT_SPLITS={splits}", "-DATT_DECODE_WARP"],
-                                   args + [{"scratch": scratch}] + scalars,
+                                    f"-DATT_SPLITS={splits}", "-DATT_DECODE_WARP", *qk],
+                                   args + [{"scratch": scratch}] + scalars + late,
                                    local=tuning.att_dec_wg, groups=h * splits, rows=m))
+        if qk and len(op.inputs) == 5:   # q as the attention finished it (attention_decode.cl)
+            _attention_scores(ctx, op, kv, q_arg={**d["kraw"], "at": 4 * m * kvh * hd})
     else:
         splits = max(1, min(tuning.att_max_splits, ctx.shape(k)[0] // tuning.att_keys_per_split))
         scratch = 4 * m * h + 4 * m * h * splits * (hd + 2)   # counters, then partials
@@ -614,16 +646,17 @@ def _paged_attention(ctx: _Ctx, op: Op, kv: str) -> None:
         _paged_attention_scores(ctx, op, kv)
 
 
-def _attention_scores(ctx: _Ctx, op: Op, kv: str) -> None:
+def _attention_scores(ctx: _Ctx, op: Op, kv: str, q_arg: dict[str, Any] | None = None) -> None:
     """The op's eviction scores (attention_scores.cl), a launch of their own that the back end
-    leaves out of a step unless a policy wants scores: the attention kernels stay as they are."""
+    leaves out of a step unless a policy wants scores: the attention kernels stay as they are.
+    q_arg: where q is, if not the op's input (a deferred q/k norm's, finished by the attention)."""
     a = op.attrs
     q, k, _, scores, ctl = op.inputs
     m = ctx.shape(q)[0]
     ctx.launches.append(Launch(op.name, "attention_scores", "attention_scores",
                                [f"-DHEAD_DIM={a['head_dim']}", *_kv_options(kv), f"-DSC_WG={ctx.tuning.sc_wg}",
                                 f"-DSC_GROUP={a['n_heads'] // a['n_kv_heads']}"],
-                               [_v(q), _v(k), _v(scores), _v(ctl), {"int": a["n_heads"]},
+                               [q_arg or _v(q), _v(k), _v(scores), _v(ctl), {"int": a["n_heads"]},
                                 {"int": a["n_kv_heads"]}, {"float": float(a["scale"])},
                                 {"int": ctx.shape(scores)[1]}],
                                local=ctx.tuning.sc_wg, groups=a["n_kv_heads"], rows=m, row_tile=m, scores=True))

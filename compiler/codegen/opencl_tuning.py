@@ -62,6 +62,11 @@ class OpenCLTuning:
                                      # run together, so the batch comes from DRAM once and from L2
                                      # for the other rows, not once a row as each row's sweep of
                                      # the whole matrix evicted it
+    qk_defer: bool = True            # decode: per-head q / k norms, RoPE and the key's store in the
+                                     # attention kernel, not the qkv matvec's tail (QK_DEFER)
+    mv_qk_wg: int = 0                # a decode qkv matvec with per-head norms (Qwen3): 0 splits a
+                                     # head's rows over groups that meet by tickets (matvec.cl
+                                     # QK_SPLIT); > 0: whole heads a group of this many threads
     # -- prefill matmul (matmul*.cl) ----------------------------------------------------------
     tile_n_min_groups: int = 256     # 128-row weight tiles where they give this many groups
                                      # (about two per SM of an H100 / H200), else 64-row tiles or

@@ -313,7 +313,7 @@ class _Binder:
         result = max([a["result"] for e in entries for a in e["args"] if "result" in a], default=0)
         # launches run in order on one queue, so one staging buffer serves every producer /
         # consumer pair (stage_x, then its matmul)
-        staging = max([a["staging"] for e in entries for a in e["args"] if "staging" in a], default=0)
+        staging = max([a["staging"] + a.get("at", 0) for e in entries for a in e["args"] if "staging" in a], default=0)
         if alloc is None:
             alloc = functools.partial(cl.Buffer, ctx, cl.mem_flags.READ_WRITE)
         self.scratch = alloc(max(scratch, ALIGN))
@@ -366,7 +366,7 @@ class _Binder:
                 args += [self.scratch, np.uint64(self.scratch_next)]
                 self.scratch_next += -(-a["scratch"] // ALIGN) * ALIGN
             elif "staging" in a:
-                args += [self.staging, np.uint64(0)]
+                args += [self.staging, np.uint64(a.get("at", 0))]
             elif "result" in a and advance is not None:
                 args += [self.steps, np.uint64(0)]
             elif "result" in a:

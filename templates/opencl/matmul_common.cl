@@ -18,6 +18,10 @@
 //                                                  pairs as without norms: each writes its dot
 //                                                  products to scratch, the last to take the
 //                                                  head's ticket finishes the head (qk_split_epilogue)
+//   -DQK_DEFER                                     (EPI_ROPE_KV, matvec, no QK_NORM) q and k
+//                                                  rows written raw (q into y, k into e0, the
+//                                                  staging buffer), v stored: the attention
+//                                                  kernel normalises, ropes and stores them
 //   -DROPE_HD=<hd>                                 (EPI_ROPE_KV with BIAS or QK_NORM) head_dim
 //                                                  known at build time: the slot arithmetic
 //                                                  of pre_epilogue() divides by no variable
@@ -252,6 +256,15 @@ inline void epilogue(int t, int g, int r, int RW, __local const float* vals, int
         if (r >= half_rw || p >= pairs) return;
         int head = p / hh, j = p % hh;
         float x1 = vals[r * stride], x2 = vals[(r + half_rw) * stride];
+#ifdef QK_DEFER
+        // the attention kernel normalises and ropes both (attention_decode.cl): q as it is into
+        // y, k into e0 (the staging buffer, f32 [M, KVH * hd]); it stores k in the cache itself
+        __global float* raw = head < n_heads ? (__global float*)y + (size_t)t * n_heads * hd + head * hd
+                                             : (__global float*)e0 + ((size_t)t * n_kv_heads + head - n_heads) * hd;
+        raw[j] = x1;
+        raw[j + hh] = x2;
+        return;
+#endif
         float ang = (float)ROW_POS(t) * ((__global const float*)e0)[j];
         float c, s = sincos(ang, &c);   // one range reduction for both
         float o1 = x1 * c - x2 * s, o2 = x2 * c + x1 * s;

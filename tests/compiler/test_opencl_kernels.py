@@ -26,6 +26,7 @@ from llmrs.compiler.rope import rope_inv_freq
 
 cl = pytest.importorskip("pyopencl")
 from llmrs.runtime.backends.opencl import OpenCLBackend, device_options, pick_device  # noqa: E402
+from llmrs.runtime.backends.opencl_device import _cl  # noqa: E402
 
 # skipped, naming Debian's PoCL, where no OpenCL device can build kernels (pip's PoCL on a Zen 5)
 pytestmark = pytest.mark.usefixtures("opencl_device")
@@ -993,6 +994,75 @@ def test_qk_norm_rope_kv_store_matches_interpreter(wdt, kv, heads, rows, n_token
     splits = rows == 1 and not (kv in BLOCK_KV_TOL and hd % 64) and hd > (16 if wdt in QUANT_DTYPES else 8)
     assert any(o.startswith("-DQK_SPLIT=") for o in launch["options"]) == splits
     _close_qkv(got, want, wdt, kv)
+
+
+def _qkv_then_attention(wdt: str, kv: str, heads: tuple[int, int, int], n_past: int, start_pos: int,
+                        defer: bool, bias: bool = False, seed: int = 47):
+    """Decode's QKV (RMS prologue, per-head norms, rope_kv_store) and the attention on its q and
+    caches, one graph: (launches, opencl [o, k cache, v cache, q], interpreter's)."""
+    rng = np.random.default_rng(seed)
+    h, kvh, hd = heads
+    d, s = 64, n_past + 6
+    b = OneOp(1)
+    g = b.g
+    ins = [b.act("x", _rand(rng, 1, d)), b.param("w", _rand(rng, (h + 2 * kvh) * hd, d), wdt),
+           b.param("nw", _rand(rng, d), "f32"),
+           b.param("inv_freq", rope_inv_freq(hd, 1000000.0, None), "f32", kind="const"),
+           b.state("kc", _rand(rng, s, kvh, hd), kv), b.state("vc", _rand(rng, s, kvh, hd), kv),
+           b.param("qn", 1.0 + 0.3 * _rand(rng, hd), "bf16"), b.param("kn", 1.0 + 0.3 * _rand(rng, hd), "bf16")]
+    attrs = dict(prologue="rms_norm", epilogue="rope_kv_store", eps=1e-5, n_heads=h, n_kv_heads=kvh, head_dim=hd,
+                 theta=1000000.0, scaling=None, qk_norm=True, qk_eps=1e-6)
+    if bias:
+        ins.append(b.param("bias", _rand(rng, (h + 2 * kvh) * hd), "f32"))
+        attrs["bias"] = True
+    qkv_out = [b.out("q", (1, h * hd)), b.out("kc2", (s, kvh, hd), kv, alias="kc"),
+               b.out("vc2", (s, kvh, hd), kv, alias="vc")]
+    qkv = g.add_op("fused_matmul", ins, qkv_out, **attrs)
+    o = b.out("o", (1, h * hd))
+    att_attrs = dict(n_heads=h, n_kv_heads=kvh, head_dim=hd, scale=1.0 / math.sqrt(hd))
+    att = g.add_op("attention", qkv_out, [o], **att_attrs)
+    g.inputs, g.outputs = [], [o, "q"]
+    g.verify()
+    program = generate({g.name: g}, replace(TUNING, qk_defer=defer))
+    be = OpenCLBackend.from_graphs({g.name: g}, program)
+    for name, arr in b.data.items():
+        be.write_value(g.name, name, arr)
+    be.enqueue(g.name, np.zeros(1, np.int32), n_past, start_pos)
+    be.queue.finish()
+    got = [be.read_value(g.name, name) for name in (o, "kc2", "vc2")]
+    # the finished q, for the eviction scores: after the raw k in the staging buffer (deferred)
+    if defer:
+        staged = np.empty(4 * (h + kvh) * hd, np.uint8)
+        _cl().enqueue_copy(be.queue, staged, be.staging_buf)
+        got.append(staged.view(np.float32)[kvh * hd:].reshape(1, h * hd))
+    else:
+        got.append(be.read_value(g.name, "q"))
+    it, st = Interpreter(g), Step(1, n_past, start_pos)
+    args = [b.data["x"]] + [it.raw(n) for n in ins[1:4]] + [b.data["kc"].copy(), b.data["vc"].copy()] + \
+        [it.raw(n) for n in ins[6:]]
+    q, kc, vc = OPS["fused_matmul"](it, qkv, st, *args)
+    want = OPS["attention"](it, att, st, q, kc, vc) + [kc, vc, q]
+    return program["graphs"][g.name], got, want
+
+
+# head_dim 128 (Qwen3-0.6B, GQA), 64 (MQA), 32; contexts of one split of the decode attention and
+# of several (n_past 300: the row's own key in the third), the key of a bias-free f32 cache and f16
+@pytest.mark.parametrize("wdt,kv,heads,bias", [("q4_0", "f16", (4, 2, 128), False), ("f16", "f32", (6, 1, 64), False),
+                                               ("q8_0", "f16", (4, 1, 32), True)])
+@pytest.mark.parametrize("n_past,start_pos", [(3, 11), (300, 300)])
+def test_qk_norms_finished_by_the_decode_attention_match_interpreter(wdt, kv, heads, bias, n_past, start_pos):
+    launches, got, want = _qkv_then_attention(wdt, kv, heads, n_past, start_pos, defer=True, bias=bias)
+    assert ["-DQK_DEFER" in launch["options"] for launch in launches] == [True, True]
+    assert not any("-DQK_NORM" in o or "QK_SPLIT" in o for o in launches[0]["options"])
+    tol = max(_tol(wdt), 1e-3 if kv == "f16" else 0)
+    _close(got[0], want[0][:1], tol)                    # o
+    for gt, wt in zip(got[1:3], want[1:3]):             # the caches: the new key and value rows too
+        _close(gt.astype(np.float32), wt.astype(np.float32), tol)
+    _close(got[3], want[3], tol)                        # q as the attention finished it, for the scores
+    # the same within rounding as the matvec finishing them (QK_SPLIT), which it replaces
+    launches_off, off, _ = _qkv_then_attention(wdt, kv, heads, n_past, start_pos, defer=False, bias=bias)
+    assert not any("-DQK_DEFER" in launch["options"] for launch in launches_off)
+    _close(got[0], off[0], 1e-5)
 
 
 @pytest.mark.parametrize("norm_dtype", ["f32", "f16"])
