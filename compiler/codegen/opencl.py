@@ -391,9 +391,10 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
         options.append("-DSTEP_ROWS")
         step_rows = [_v(extra[-2]), _v(extra[-1]), {"int": ctx.shape(extra[1])[0]}]
     qk_norm = _qk_norm(epi, a)
-    if qk_norm and _qk_defer(ctx, op, m, k, heads[2], options):
+    if qk_norm:   # Qwen3's q_norm / k_norm weights, after the caches
         qkn = _float_type(ctx, op, extra[3], "q norm weight")
         _need(ctx.dtype(extra[4]) == qkn, op, "the q and k norm weights must share one dtype")
+    if qk_norm and _qk_defer(ctx, op, m, k, heads[2], options):
         # raw k [m, KVH * hd], then the attention's finished q [m, H * hd] for the eviction scores
         kraw = {"staging": 4 * m * (heads[1] + heads[0]) * heads[2]}
         ctx.deferred[op.outputs[0]] = {"freq": extra[0], "qn": extra[3], "kn": extra[4], "eps": float(a["qk_eps"]),
@@ -401,9 +402,7 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
         options.append("-DQK_DEFER")
         e[0] = kraw                              # the epilogue writes raw k there, not RoPE's inv_freq
         a, qk_norm = {**a, "qk_norm": False}, False
-    if qk_norm:   # Qwen3's q_norm / k_norm weights, after the caches
-        qkn = _float_type(ctx, op, extra[3], "q norm weight")
-        _need(ctx.dtype(extra[4]) == qkn, op, "the q and k norm weights must share one dtype")
+    if qk_norm:
         options += ["-DQK_NORM", f"-DQKN_T={qkn}"]
     # a group per head is a matvec (its RW = hd is no tile width), prefill too: one token a group
     # row, weights read once per token; only Q8_0 / q4_0 caches of head_dim % 64 == 32 take it. Rows of
@@ -456,13 +455,13 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
     elif rope_heads:
         mv_rows, mv_split = heads[2], 1
         options.append("-DROPE_HEADS")
-    elif qk_norm and not tiled and not tuning.mv_qk_wg and (split_rows := qk_split_rows(mv_wg, heads[2], "-DKV_BLOCKS" in options)):
+    elif qk_norm and not tiled and (split_rows := qk_split_rows(mv_wg, heads[2], "-DKV_BLOCKS" in options)):
         mv_rows, mv_split = split_rows, 1       # a head over hd / rows groups, merged by tickets
         qk_split = heads[2] // split_rows
         options.append(f"-DQK_SPLIT={qk_split}")
     elif qk_norm:   # whole heads a group: float weights too take the larger groups of quantized
         # ones, more warps (fewer rows each) on a head (H100 f16 Qwen3-0.6B qkv 12.5 -> 11.9 us)
-        mv_wg = tuning.mv_qk_wg or max(mv_wg, tuning.mv_wg_quant)
+        mv_wg = max(mv_wg, tuning.mv_wg_quant)
         mv_rows, mv_split = qk_norm_rows(mv_wg, heads[2], "-DKV_BLOCKS" in options), 1
     else:
         mv_wg, mv_rows, mv_split = matvec_shape(tuning, k, n, quantized, epi, "-DKV_BLOCKS" in options)

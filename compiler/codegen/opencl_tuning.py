@@ -63,10 +63,10 @@ class OpenCLTuning:
                                      # for the other rows, not once a row as each row's sweep of
                                      # the whole matrix evicted it
     qk_defer: bool = True            # decode: per-head q / k norms, RoPE and the key's store in the
-                                     # attention kernel, not the qkv matvec's tail (QK_DEFER)
-    mv_qk_wg: int = 0                # a decode qkv matvec with per-head norms (Qwen3): 0 splits a
-                                     # head's rows over groups that meet by tickets (matvec.cl
-                                     # QK_SPLIT); > 0: whole heads a group of this many threads
+                                     # attention kernel's prologue, not a tail of the qkv matvec
+                                     # (QK_DEFER). H100 Qwen3-0.6B q4_0, interleaved: 1331 -> 1438
+                                     # tok/s (round 25; whole heads a group instead of the split's
+                                     # tickets: 256 / 512 / 1024 threads 0.99 / 1.03 / 1.00x)
     # -- prefill matmul (matmul*.cl) ----------------------------------------------------------
     tile_n_min_groups: int = 256     # 128-row weight tiles where they give this many groups
                                      # (about two per SM of an H100 / H200), else 64-row tiles or

@@ -999,7 +999,8 @@ def test_qk_norm_rope_kv_store_matches_interpreter(wdt, kv, heads, rows, n_token
 def _qkv_then_attention(wdt: str, kv: str, heads: tuple[int, int, int], n_past: int, start_pos: int,
                         defer: bool, bias: bool = False, seed: int = 47):
     """Decode's QKV (RMS prologue, per-head norms, rope_kv_store) and the attention on its q and
-    caches, one graph: (launches, opencl [o, k cache, v cache, q], interpreter's)."""
+    caches, adding eviction scores, one graph: (launches, opencl [o, k cache, v cache, q, scores],
+    interpreter's)."""
     rng = np.random.default_rng(seed)
     h, kvh, hd = heads
     d, s = 64, n_past + 6
@@ -1019,12 +1020,16 @@ def _qkv_then_attention(wdt: str, kv: str, heads: tuple[int, int, int], n_past: 
                b.out("vc2", (s, kvh, hd), kv, alias="vc")]
     qkv = g.add_op("fused_matmul", ins, qkv_out, **attrs)
     o = b.out("o", (1, h * hd))
+    sc = b.state("sc", rng.random((kvh, s)).astype(np.float32) + 0.5, "f32")
+    ctl = b.state("ctl", np.array([1, 0]), "i32")      # scores on, every row
+    sc_out = b.out("sc_out", (kvh, s), alias="sc")
     att_attrs = dict(n_heads=h, n_kv_heads=kvh, head_dim=hd, scale=1.0 / math.sqrt(hd))
-    att = g.add_op("attention", qkv_out, [o], **att_attrs)
-    g.inputs, g.outputs = [], [o, "q"]
+    att = g.add_op("attention", qkv_out + [sc, ctl], [o, sc_out], **att_attrs)
+    g.inputs, g.outputs = [], [o, "q", sc_out]
     g.verify()
     program = generate({g.name: g}, replace(TUNING, qk_defer=defer))
     be = OpenCLBackend.from_graphs({g.name: g}, program)
+    be.scoring = True
     for name, arr in b.data.items():
         be.write_value(g.name, name, arr)
     be.enqueue(g.name, np.zeros(1, np.int32), n_past, start_pos)
@@ -1037,11 +1042,13 @@ def _qkv_then_attention(wdt: str, kv: str, heads: tuple[int, int, int], n_past: 
         got.append(staged.view(np.float32)[kvh * hd:].reshape(1, h * hd))
     else:
         got.append(be.read_value(g.name, "q"))
+    got.append(be.read_value(g.name, sc_out))
     it, st = Interpreter(g), Step(1, n_past, start_pos)
     args = [b.data["x"]] + [it.raw(n) for n in ins[1:4]] + [b.data["kc"].copy(), b.data["vc"].copy()] + \
         [it.raw(n) for n in ins[6:]]
     q, kc, vc = OPS["fused_matmul"](it, qkv, st, *args)
-    want = OPS["attention"](it, att, st, q, kc, vc) + [kc, vc, q]
+    att_o, scores = OPS["attention"](it, att, st, q, kc, vc, b.data["sc"].copy(), b.data["ctl"])
+    want = [att_o, kc, vc, q, scores]
     return program["graphs"][g.name], got, want
 
 
@@ -1052,13 +1059,15 @@ def _qkv_then_attention(wdt: str, kv: str, heads: tuple[int, int, int], n_past: 
 @pytest.mark.parametrize("n_past,start_pos", [(3, 11), (300, 300)])
 def test_qk_norms_finished_by_the_decode_attention_match_interpreter(wdt, kv, heads, bias, n_past, start_pos):
     launches, got, want = _qkv_then_attention(wdt, kv, heads, n_past, start_pos, defer=True, bias=bias)
-    assert ["-DQK_DEFER" in launch["options"] for launch in launches] == [True, True]
+    assert [(launch["kernel"], "-DQK_DEFER" in launch["options"]) for launch in launches] == [
+        ("matvec", True), ("attention_decode", True), ("attention_scores", False)]
     assert not any("-DQK_NORM" in o or "QK_SPLIT" in o for o in launches[0]["options"])
     tol = max(_tol(wdt), 1e-3 if kv == "f16" else 0)
     _close(got[0], want[0][:1], tol)                    # o
     for gt, wt in zip(got[1:3], want[1:3]):             # the caches: the new key and value rows too
         _close(gt.astype(np.float32), wt.astype(np.float32), tol)
     _close(got[3], want[3], tol)                        # q as the attention finished it, for the scores
+    _close(got[4], want[4], tol)                        # the scores, launched after the attention
     # the same within rounding as the matvec finishing them (QK_SPLIT), which it replaces
     launches_off, off, _ = _qkv_then_attention(wdt, kv, heads, n_past, start_pos, defer=False, bias=bias)
     assert not any("-DQK_DEFER" in launch["options"] for launch in launches_off)
