@@ -167,7 +167,8 @@ def time_opencl(kernel: Kernel, plan: Any, step: Step, device: Any, rounds: int,
     from ..runtime.backends.opencl import OpenCLBackend
 
     g = with_layout(kernel)
-    launches = [e for e in program["graphs"].get(kernel.phase, []) if e["op"] == kernel.op.name]
+    names = {o.name for o in kernel.all_ops}   # a deferred QKV pair's two ops (kernels.deferred_pair)
+    launches = [e for e in program["graphs"].get(kernel.phase, []) if e["op"] in names]
     be = OpenCLBackend.from_graphs({g.name: g}, {**program, "graphs": {g.name: launches}}, device=device)
     for name, arr in _inputs(kernel, rng).items():
         be.write_value(g.name, name, arr)
@@ -212,7 +213,8 @@ def time_kernels(plan: Any, backend: str, ceilings: dict[str, float], context: i
             s = time_cpu(k, plan, step, threads, rounds, rng)
         else:
             s = time_opencl(k, plan, step, device, rounds, rng, program)
-        nbytes, flops = kernel_cost(k.graph, k.op, step)
+        costs = [kernel_cost(k.graph, o, step) for o in k.all_ops]
+        nbytes, flops = sum(c[0] for c in costs), sum(c[1] for c in costs)
         gbs, gfl = nbytes / s / 1e9, flops / s / 1e9
         out.append(KernelTime(k.label, k.phase, k.op.name, k.ops, backend, step.n_tokens, step.n_past,
                               sig(s * 1e6), nbytes, flops, sig(gbs), sig(gfl),

@@ -3,7 +3,9 @@ interpreter (llama.cpp's test-backend-ops, for one plan): what llmrs-check (chec
 llmrs-bench's per-kernel timings (bench_kernels.py) run.
 
 A kernel is an op of the prefill or decode graph, deduplicated by kind, shapes, dtypes and
-attributes (layer 0's QKV kernel stands for every layer's). For each one a one-op graph is made:
+attributes (layer 0's QKV kernel stands for every layer's). One pair is checked as one kernel: a
+decode QKV with per-head norms and the attention that reads its q, because OpenCL's decode may
+finish q and k in that attention kernel (deferred_pair). For each one a one-op graph is made:
 the op's activations become graph inputs filled with random non-zero data, its weights are the
 plan's own, its KV caches hold random history with n_past > 0. The error of a back end on a
 kernel is max |out - ref| / max |ref| over all the op's outputs (caches compared whole, so a
@@ -14,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import json
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
 import numpy as np
@@ -65,9 +67,15 @@ class Kernel:
     phase: str           # the plan graph it comes from
     op: Op               # the first op of the plan with this kernel
     graph: Graph         # one op; activations are inputs, weights the plan's, caches state
-    ops: int             # how many ops of the phase share it
+    ops: int             # how many ops of the phase it stands for
     label: str           # kind, fusion and dtypes, for the table
     tolerance: float
+    before: list[Op] = field(default_factory=list)   # ops the graph runs first, their outputs
+                                                     # the op's inputs (deferred_pair)
+
+    @property
+    def all_ops(self) -> list[Op]:
+        return [*self.before, self.op]
 
 
 @dataclass
@@ -133,36 +141,63 @@ def _tolerance(g: Graph, op: Op) -> float:
     return tol
 
 
-def one_op_graph(g: Graph, op: Op, name: str) -> Graph:
-    """op alone: its activation inputs become graph inputs (written before the run), weights
-    keep their plan data, caches are state."""
+def one_op_graph(g: Graph, op: Op, name: str, before: list[Op] | None = None) -> Graph:
+    """op alone (after `before`): its activation inputs become graph inputs (written before the
+    run), weights keep their plan data, caches are state. With `before`, the values they make
+    stay inside; the outputs compared are the op's and the caches they write."""
     one = Graph(name, g.T, meta={})
-    for n in op.inputs:
-        v = g.values[n]
-        # a cache written by an earlier op (an alias of a state) is this graph's own state
-        kind = v.kind if v.kind in ("param", "const", "state") else "state" if v.alias else "input"
-        one.add_value(n, v.shape, v.dtype, kind)
-        if kind in ("param", "const"):
-            one.weights[n] = g.weights[n]
-    for n in op.outputs:
-        v = g.values[n]
-        one.add_value(n, v.shape, v.dtype, "act", v.alias)
-    one.ops.append(Op(op.kind, list(op.inputs), list(op.outputs), dict(op.attrs), op.name))
-    one.outputs = list(op.outputs)  # no graph inputs: the check writes every activation itself
+    ops = [*(before or []), op]
+    made: set[str] = set()
+    for o in ops:
+        for n in o.inputs:
+            if n in made or n in one.values:
+                continue
+            v = g.values[n]
+            # a cache written by an earlier op (an alias of a state) is this graph's own state
+            kind = v.kind if v.kind in ("param", "const", "state") else "state" if v.alias else "input"
+            one.add_value(n, v.shape, v.dtype, kind)
+            if kind in ("param", "const"):
+                one.weights[n] = g.weights[n]
+        for n in o.outputs:
+            v = g.values[n]
+            one.add_value(n, v.shape, v.dtype, "act", v.alias)
+            made.add(n)
+        one.ops.append(Op(o.kind, list(o.inputs), list(o.outputs), dict(o.attrs), o.name))
+    # no graph inputs: the check writes every activation itself
+    one.outputs = [n for o in ops[:-1] for n in o.outputs if g.values[n].alias] + list(op.outputs)
     return one.verify()
+
+
+def deferred_pair(g: Graph, op: Op) -> Op | None:
+    """The fused QKV with per-head norms whose q a decode attention op reads: OpenCL's decode may
+    leave the norms, RoPE and the key's store to that attention kernel (compiler/codegen/opencl.py
+    _qk_defer), so neither kernel is whole alone and the check runs the two together."""
+    if op.kind != "attention" or "block_size" in op.attrs or g.T != 1 or g.name in ("step", "verify"):
+        return None
+    qkv = next((o for o in g.ops if op.inputs[0] in o.outputs), None)
+    if qkv is None or qkv.kind != "fused_matmul" or not qkv.attrs.get("qk_norm"):
+        return None
+    return qkv
 
 
 def plan_kernels(graphs: dict[str, Graph]) -> list[Kernel]:
     """The distinct kernels of the plan's graphs, in phase and schedule order."""
     found: dict[str, Kernel] = {}
     for phase, g in graphs.items():
+        paired = {qkv.name: op for op in g.ops if (qkv := deferred_pair(g, op)) is not None}
         for op in g.ops:
-            key = _kernel_key(g, op)
+            if op.name in paired:       # checked with the attention that reads its q
+                continue
+            before = [qkv] if (qkv := deferred_pair(g, op)) is not None else []
+            key = "".join(_kernel_key(g, o) for o in [*before, op])
             if key in found:
-                found[key].ops += 1
+                found[key].ops += 1 + len(before)
                 continue
             name = f"k{len(found)}"
-            found[key] = Kernel(name, phase, op, one_op_graph(g, op, name), 1, _label(g, op), _tolerance(g, op))
+            label = " -> ".join(_label(g, o) for o in [*before, op])
+            tol = max(_tolerance(g, o) for o in [*before, op])
+            found[key] = Kernel(name, phase, op, one_op_graph(g, op, name, before), 1 + len(before), label, tol,
+                                before)
     return list(found.values())
 
 
@@ -232,17 +267,18 @@ def make_case(kernel: Kernel, rng: np.random.Generator) -> Case:
     n_tokens = min(n_tokens, seq)
     n_past = max(0, min(7, seq - n_tokens))
     arrays: dict[str, np.ndarray] = {}
-    for n in op.inputs:
+    made = {n for o in kernel.before for n in o.outputs}
+    for reader, n in ((o, n) for o in kernel.all_ops for n in o.inputs):
         v = g.values[n]
-        if v.kind in ("param", "const"):
+        if v.kind in ("param", "const") or n in made or n in arrays:
             continue
-        step_index = _step_index(g, op, n, n_tokens, rng)
+        step_index = _step_index(g, reader, n, n_tokens, rng)
         if step_index is not None:
             arrays[n] = step_index
         elif v.kind == "state" and v.dtype == "i32":  # attention's score control: on from the 2nd row
             arrays[n] = np.array([1, n_past + 1], np.int32)
         elif v.dtype == "i32":  # token ids: rows of the embedding table
-            arrays[n] = rng.integers(0, g.values[op.inputs[0]].shape[0], v.shape).astype(np.int32)
+            arrays[n] = rng.integers(0, g.values[reader.inputs[0]].shape[0], v.shape).astype(np.int32)
         else:
             arrays[n] = to_storage(_nonzero_normal(rng, v.shape), v.dtype)
     if op.kind == "attention" and "block_size" in op.attrs and len(op.inputs) == 8:
@@ -258,12 +294,14 @@ def _rows(g: Graph, name: str, step: Step) -> int | None:
 
 def reference(kernel: Kernel, case: Case) -> dict[str, np.ndarray]:
     """The interpreter's outputs in storage dtype (caches: the whole updated cache)."""
-    g, op = kernel.graph, kernel.op
+    g = kernel.graph
     it = Interpreter(g)
-    args = [it.raw(n) if g.values[n].kind in ("param", "const")
-            else case.arrays[n][:_rows(g, n, case.step)].copy() for n in op.inputs]
-    outs = OPS[op.kind](it, op, case.step, *args)
-    return {n: np.asarray(o) for n, o in zip(op.outputs, outs)}
+    vals: dict[str, np.ndarray] = {}
+    for op in kernel.all_ops:
+        args = [it.raw(n) if g.values[n].kind in ("param", "const") else vals[n] if n in vals
+                else case.arrays[n][:_rows(g, n, case.step)].copy() for n in op.inputs]
+        vals.update((n, np.asarray(o)) for n, o in zip(op.outputs, OPS[op.kind](it, op, case.step, *args)))
+    return {n: vals[n] for n in g.outputs}
 
 
 def _storage_dtype(g: Graph, name: str) -> str:
@@ -369,7 +407,7 @@ class CpuRunner:
             t.start()
         for t in team:
             t.join()
-        return {n: view(n)[:_rows(g, n, st)].copy() for n in kernel.op.outputs}
+        return {n: view(n)[:_rows(g, n, st)].copy() for n in g.outputs}
 
 
 class OpenCLRunner:
@@ -401,17 +439,18 @@ class OpenCLRunner:
         if kernel.phase not in self.program["graphs"]:
             raise Unavailable(f"the plan's OpenCL code has no {kernel.phase} graph")
         g = with_layout(kernel)
+        names = [o.name for o in kernel.all_ops]
         launches = [e for e in self.program["graphs"].get(kernel.phase, [])
-                    if e["op"] == kernel.op.name and e.get("part", "") == part]
+                    if e["op"] in names and e.get("part", "") == part]
         # an attention's scores launch goes along, a matmul's stage_x (its activations prepared
         # once) comes first, and paged attention's tiles kernel follows its rows kernel
-        if sum(1 for e in launches if not e.get("scores") and e["kernel"] not in ("stage_x", "attention_paged_tiles")) != 1:
-            raise self._error(f"the plan's OpenCL launch table has {len(launches)} launches for op "
-                              f"{kernel.op.name} of {kernel.phase}; recompile the plan")
+        if sum(1 for e in launches if not e.get("scores") and e["kernel"] not in ("stage_x", "attention_paged_tiles")) != len(names):
+            raise self._error(f"the plan's OpenCL launch table has {len(launches)} launches for op(s) "
+                              f"{', '.join(names)} of {kernel.phase}; recompile the plan")
         program = {**self.program, "graphs": {g.name: launches}}
         be = self._backend.from_graphs({g.name: g}, program, device=self.device)
         be.scoring = True   # the case's score control decides which rows add scores
-        for name in kernel.op.outputs:
+        for name in (n for o in kernel.all_ops for n in o.outputs):
             v = g.values[name]
             if not v.alias:
                 shape, np_dtype = storage_shape(v.shape, v.dtype)
@@ -422,7 +461,7 @@ class OpenCLRunner:
         be.enqueue(g.name, np.zeros(st.n_tokens, np.int32), st.n_past, st.start_pos,
                    generated=st.n_tokens if part == "rest" else 0)
         be.queue.finish()
-        return {n: be.read_value(g.name, n, rows=_rows(g, n, st)) for n in kernel.op.outputs}
+        return {n: be.read_value(g.name, n, rows=_rows(g, n, st)) for n in g.outputs}
 
 
 # -- the check --------------------------------------------------------------------------------
