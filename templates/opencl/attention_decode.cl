@@ -19,7 +19,8 @@
 // same bits). The finished q heads go to kraw's buffer after k, [M, H * hd], for the eviction
 // scores launched next (never back into q: an op writes only its outputs, whose memory may be
 // its inputs'). This spares the matvec a tail per head (a ticket, or a group per head): H100
-// Qwen3-0.6B q4_0 qkv 11.4 us a launch against 6.6-7.7 for o_proj and down_proj.
+// Qwen3-0.6B q4_0 qkv 11.4 us a launch against 6.6-7.7 for o_proj and down_proj; decode 1331 ->
+// 1438 tok/s (BENCHMARKS.md round 25).
 #ifdef ATT_DECODE_WARP
 #define ATT_DPL (HEAD_DIM / 32)                 // V dims per lane
 #define ATT_NW (ATT_WG / 32)
@@ -119,8 +120,7 @@ void attention_decode(__global const int* step, gin qb, ulong q_off, ATT_K_T kb,
     __local float kh[HEAD_DIM], qk_part[2 * QK_PARTS];
     __local float* qh = (__local float*)qs4;
     // every load of the prologue at once: the raw values, the weights, the angle (threads past
-    // HEAD_DIM take element 0's and keep them: no private value set under a condition lives
-    // across a barrier, which PoCL compiled wrongly)
+    // HEAD_DIM load element 0's and leave them unused)
     int e0 = lid < HEAD_DIM ? lid : 0, j0 = e0 < HEAD_DIM / 2 ? e0 : e0 - HEAD_DIM / 2;
     gin wqk = e0 < HEAD_DIM / 2 ? qnb + qn_off : knb + kn_off;
     float qv = ((__global const float*)q)[e0];
@@ -140,7 +140,10 @@ void attention_decode(__global const int* step, gin qb, ulong q_off, ATT_K_T kb,
     if (split == 0 && lid < HEAD_DIM)
         ((__global float*)(krawb + kraw_off))[(size_t)M * n_kv_heads * HEAD_DIM + ((size_t)t * n_heads + h) * HEAD_DIM + lid] =
             qh[lid];
-    barrier(CLK_GLOBAL_MEM_FENCE);       // the group's reads of that key below see it
+    // the group's reads of that key below see it. Every group passes it: PoCL compiled this
+    // barrier wrongly inside `if (split == active - 1)`: with one split, the finished q never
+    // reached the buffer
+    barrier(CLK_GLOBAL_MEM_FENCE);
 #endif
 #ifndef USE_NV_PTX
     __local float scr[ATT_WG];
