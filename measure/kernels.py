@@ -184,11 +184,12 @@ def plan_kernels(graphs: dict[str, Graph]) -> list[Kernel]:
     """The distinct kernels of the plan's graphs, in phase and schedule order."""
     found: dict[str, Kernel] = {}
     for phase, g in graphs.items():
-        paired = {qkv.name: op for op in g.ops if (qkv := deferred_pair(g, op)) is not None}
+        pairs = {op.name: qkv for op in g.ops if (qkv := deferred_pair(g, op)) is not None}
+        paired = {qkv.name for qkv in pairs.values()}
         for op in g.ops:
             if op.name in paired:       # checked with the attention that reads its q
                 continue
-            before = [qkv] if (qkv := deferred_pair(g, op)) is not None else []
+            before = [pairs[op.name]] if op.name in pairs else []
             key = "".join(_kernel_key(g, o) for o in [*before, op])
             if key in found:
                 found[key].ops += 1 + len(before)

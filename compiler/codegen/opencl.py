@@ -585,7 +585,7 @@ def _attention(ctx: _Ctx, op: Op) -> None:
                                    args + [{"scratch": scratch}] + scalars + late,
                                    local=tuning.att_dec_wg, groups=h * splits, rows=m))
         if qk and len(op.inputs) == 5:   # q as the attention finished it (attention_decode.cl)
-            _attention_scores(ctx, op, kv, q_arg={**d["kraw"], "at": 4 * m * kvh * hd})
+            _attention_scores(ctx, op, kv, q_arg={"staging": 4 * m * h * hd, "at": 4 * m * kvh * hd})
     else:
         splits = max(1, min(tuning.att_max_splits, ctx.shape(k)[0] // tuning.att_keys_per_split))
         scratch = 4 * m * h + 4 * m * h * splits * (hd + 2)   # counters, then partials
