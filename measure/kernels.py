@@ -433,7 +433,8 @@ class OpenCLRunner:
     def parts(self, kernel: Kernel) -> list[str]:
         """A step graph's row-split matmul runs as two kernels (prompt rows tiled, generated rows
         in the matvec: compiler/codegen/opencl.py ROW_SPLIT), each checked on its own."""
-        found = {e.get("part", "") for e in self.program["graphs"].get(kernel.phase, []) if e["op"] == kernel.op.name}
+        found = {e.get("part", "") + (f"@{e['rows_from']}" if e.get("rows_from") else "")
+                 for e in self.program["graphs"].get(kernel.phase, []) if e["op"] == kernel.op.name}
         return sorted(found) if found - {""} else [""]
 
     def run(self, kernel: Kernel, case: Case, part: str = "") -> dict[str, np.ndarray]:
@@ -441,11 +442,15 @@ class OpenCLRunner:
             raise Unavailable(f"the plan's OpenCL code has no {kernel.phase} graph")
         g = with_layout(kernel)
         names = [o.name for o in kernel.all_ops]
-        launches = [e for e in self.program["graphs"].get(kernel.phase, [])
-                    if e["op"] in names and e.get("part", "") == part]
+        # "rest@N": the variant a plan runs from N generated rows a step on (matvec.cl MV_SX), run
+        # here on every row of the case, as is its one-token twin
+        part, _, rows_from = part.partition("@")
+        launches = [{**e, "rows_from": 0, "rows_below": 0} for e in self.program["graphs"].get(kernel.phase, [])
+                    if e["op"] in names and e.get("part", "") == part and e.get("rows_from", 0) == int(rows_from or 0)]
         # an attention's scores launch goes along, a matmul's stage_x (its activations prepared
         # once) comes first, and paged attention's tiles kernel follows its rows kernel
-        if sum(1 for e in launches if not e.get("scores") and e["kernel"] not in ("stage_x", "attention_paged_tiles")) != len(names):
+        if sum(1 for e in launches if not e.get("scores")
+               and e["kernel"] not in ("stage_x", "matvec_stage", "attention_paged_tiles")) != len(names):
             raise self._error(f"the plan's OpenCL launch table has {len(launches)} launches for op(s) "
                               f"{', '.join(names)} of {kernel.phase}; recompile the plan")
         program = {**self.program, "graphs": {g.name: launches}}
@@ -492,8 +497,9 @@ def check_kernels(kernels: list[Kernel], runners: dict[str, Runner | Unavailable
                 results.append(Result(kernel, name, None, "SKIP", str(runner)))
                 continue
             for part in runner.parts(kernel) if hasattr(runner, "parts") else [""]:
+                base, _, rows_from = part.partition("@")
                 label = name + {"": "", "lead": " (prompt rows)", "rest": " (generated rows)",
-                                "logits": " (logit rows)"}[part]
+                                "logits": " (logit rows)"}[base] + (f" ({rows_from}+ a step)" if rows_from else "")
                 try:
                     got = runner.run(kernel, Case({k: v.copy() for k, v in case.arrays.items()}, case.step),
                                      *([part] if part else []))

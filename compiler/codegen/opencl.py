@@ -96,6 +96,8 @@ class Launch:
     scores: bool = False
     part: str = ""        # a step graph's row split (ROW_SPLIT): "lead" rows before it, "rest" from it;
                           # "logits": its head, sized by the step's logit rows (not its tokens)
+    rows_from: int = 0    # "rest" / "logits": runs only in steps whose part has this many rows at least
+    rows_below: int = 0   # and fewer than this many (0: no bound): matvec.cl MV_SX's pair splits there
 
 
 @dataclass
@@ -418,7 +420,14 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     if (ctx.graph.name == STEP and m == ctx.graph.T and m > 1 and k % 8 == 0 and not rope_heads and not wide_heads
             and tuning.mv_generated_rows):
         _matmul_variant(ctx, op, True, "lead", **_variant_inputs(locals()))
-        _matmul_variant(ctx, op, False, "rest", **_variant_inputs(locals()))
+        sx = tuning.mv_sx_from
+        if sx and _sx_applies(tuning, quantized, qk_norm, epi, options, k):
+            # few generated rows: the one-token matvec; many: x staged once a row (MV_SX), the
+            # same bits a row either way
+            _matmul_variant(ctx, op, False, "rest", **_variant_inputs(locals()), rows=(0, sx))
+            _matmul_variant(ctx, op, False, "rest", **_variant_inputs(locals()), rows=(sx, 0))
+        else:
+            _matmul_variant(ctx, op, False, "rest", **_variant_inputs(locals()))
         return
     # a step graph's quantized head (its logit rows, fewer than its tokens) is a matvec for every
     # row too, sized by the step's logit rows: the tiled head read its weights in 64-token tiles
@@ -427,7 +436,21 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     # the 525 MB f16 head once per 1 or 4 rows (16 sequences 2344 -> 2147 and 2215 -> 1945)
     head = ctx.graph.name == STEP and m < ctx.graph.T and quantized
     tiled = ((m > 1 and not matvec and not head) or k % 8 != 0) and not rope_heads and not wide_heads
+    sx = tuning.mv_sx_from
+    if head and not tiled and sx and m >= sx and _sx_applies(tuning, quantized, qk_norm, epi, options, k):
+        _matmul_variant(ctx, op, False, "logits", **_variant_inputs(locals()), rows=(0, sx))
+        _matmul_variant(ctx, op, False, "logits", **_variant_inputs(locals()), rows=(sx, 0))
+        return
     _matmul_variant(ctx, op, tiled, "logits" if head and not tiled else "", **_variant_inputs(locals()))
+
+
+def _sx_applies(tuning: OpenCLTuning, quantized: bool, qk_norm: bool, epi: str | None, options: list[str],
+                k: int) -> bool:
+    """Whether a step graph's generated rows (or head) of this matmul may run as the variant pair
+    of matvec.cl MV_SX: quantized weights, a one-token matvec that neither splits K nor needs
+    whole heads or KV blocks a group (the one-token variant's sums are what MV_SX repeats)."""
+    return (quantized and not tuning.mv_mma and not qk_norm and tuning.mv_sx_toks > 1 and k <= tuning.mv_max_k
+            and not (epi == "rope_kv_store" and "-DKV_BLOCKS" in options))
 
 
 _VARIANT_INPUTS = ("options", "a", "x", "w", "extra", "m", "k", "n", "wt", "quantized", "nw", "bias", "e", "epi",
@@ -441,9 +464,11 @@ def _variant_inputs(names: dict[str, Any]) -> dict[str, Any]:
 def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[str], a: dict[str, Any], x: str,
                     w: str, extra: list[str], m: int, k: int, n: int, wt: str, quantized: bool, nw: dict[str, Any],
                     bias: str | None, e: list[dict[str, Any]], epi: str | None, heads: tuple[int, int, int],
-                    rope_heads: bool, step_rows: list[dict[str, Any]], qk_norm: bool) -> None:
-    """One launch (two with X_STAGED) of a matmul: the tiled kernel or the matvec; `part`
-    "lead" / "rest": only the step's rows before / from its row split (ROW_SPLIT)."""
+                    rope_heads: bool, step_rows: list[dict[str, Any]], qk_norm: bool,
+                    rows: tuple[int, int] = (0, 0)) -> None:
+    """One launch (two with X_STAGED or MV_SX) of a matmul: the tiled kernel or the matvec; `part`
+    "lead" / "rest": only the step's rows before / from its row split (ROW_SPLIT); `rows`: a
+    "rest" / "logits" variant's (rows_from, rows_below), the MV_SX twin where rows_from > 0."""
     tuning = ctx.tuning
     options = options + (["-DROW_SPLIT"] if part in ("lead", "rest") else [])
     mv_wg = tuning.mv_wg_quant if quantized else tuning.mv_wg
@@ -452,6 +477,8 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
     mma = part == "rest" and quantized and tuning.mv_mma and not qk_norm and not rope_heads
     if mma:
         mv_wg, mv_rows, mv_split = matvec_mma_shape(tuning, epi, "-DKV_BLOCKS" in options)
+    elif rows[0] > 0:   # MV_SX: its own shape (a row's sums are the one-token matvec's whatever the shape)
+        mv_wg, mv_rows, mv_split = tuning.mv_sx_wg, tuning.mv_sx_wg // 32 * tuning.mv_sx_rpw, 1
     elif rope_heads:
         mv_rows, mv_split = heads[2], 1
         options.append("-DROPE_HEADS")
@@ -485,14 +512,22 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
     if not tiled:
         _need(wt not in QUANT_TYPES or k <= tuning.mv_max_k, op, f"K = {k} is over {tuning.mv_max_k}, the "
               "longest row the decode matvec keeps in local memory; use --weights f16")
-        options += [f"-DMV_WG={mv_wg}", f"-DMV_ROWS={mv_rows}", f"-DMV_K={k}", f"-DMV_LOADS={tuning.mv_loads}",
+        loads = tuning.mv_sx_loads if rows[0] > 0 else tuning.mv_loads
+        options += [f"-DMV_WG={mv_wg}", f"-DMV_ROWS={mv_rows}", f"-DMV_K={k}", f"-DMV_LOADS={loads}",
                     f"-DMV_SPLIT={mv_split}"]
         if _rms_late(mv_split, bool(a.get("norm_folded"))):
             options.append("-DMV_RMS_LATE")   # matvec.cl applies it to float weights' RMS prologue
     # the generated rows of a step graph, T a group; decode, verify and a step's head keep a token a group
+    sx = rows[0] > 0
     if mma:
         toks = MMA_TOKENS
         options += ["-DMV_MMA", f"-DMV_MMA_KC={mma_chunk(k, tuning.mv_mma_chunk)}"]
+    elif sx:
+        toks = max(2, min(tuning.mv_sx_toks, m))
+        stage_wg, stage_rows, _ = matvec_shape(tuning, k, n, quantized, epi, "-DKV_BLOCKS" in options)
+        stage_options = [o for o in options if not o.startswith(("-DMV_WG=", "-DMV_ROWS="))]
+        stage_options += [f"-DMV_WG={stage_wg}", f"-DMV_ROWS={stage_rows}", "-DMV_SX_STAGE"]
+        options.append("-DMV_SX")
     else:
         toks = matvec_tokens(tuning, m, k, quantized, bool(qk_split or rope_heads)) if part == "rest" else 1
     if toks > 1:
@@ -519,6 +554,14 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
                                        [_v(x), nw, staged, {"int": m}, {"int": k}, eps],
                                        local=STAGE_WG, groups=1, rows=m, row_tile=1, part=part))
             args.append(staged)
+        if sx:   # x's blocks as matvec_stage leaves them, its launch first
+            staged = {"staging": m * k + 8 * m * (k // 32)}
+            # built with the one-token matvec's threads, which order its RMS sum
+            ctx.launches.append(Launch(op.name, "matvec", "matvec_stage", stage_options,
+                                       [_v(x), *([nw] if rms else []), staged, {"int": m}, *([eps] if rms else [])],
+                                       local=stage_wg, groups=1, rows=m, row_tile=1, part=part,
+                                       rows_from=rows[0], rows_below=rows[1]))
+            args.append(staged)
         args += step_rows
     if tiled:
         staged = _NONE
@@ -540,7 +583,8 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
     ctx.launches.append(Launch(op.name, "matmul" if tiled else "matvec", "matmul_tiled" if tiled else "matvec",
                                options, args,
                                local=256 if tiled else mv_wg, groups=row_groups * split,
-                               rows=m, row_tile=(2 * TILE_M if pair else TILE_M) if tiled else toks, part=part))
+                               rows=m, row_tile=(2 * TILE_M if pair else TILE_M) if tiled else toks, part=part,
+                               rows_from=rows[0], rows_below=rows[1]))
 
 
 def _attention(ctx: _Ctx, op: Op) -> None:

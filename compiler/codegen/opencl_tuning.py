@@ -56,6 +56,19 @@ class OpenCLTuning:
                                      # tok/s; 512: 4760, and OUT_OF_RESOURCES on OpenCL's queue)
     mv_mma_split: int = 4            # its warps on one 8-row column's K
     mv_mma_chunk: int = 2048         # its K values of x a group holds at once at most (local memory)
+    mv_sx_from: int = 4              # a step graph's generated rows (and head) with quantized weights,
+                                     # from this many rows a step on (0: never): matvec.cl MV_SX, x's
+                                     # blocks staged once a row by matvec_stage, mv_sx_toks rows a
+                                     # group, each weight batch read once for them; fewer rows keep
+                                     # the one-token matvec (the same bits, a launch less). H200 1B
+                                     # q4_0, aggregate tok/s at 1 / 4 / 8 / 16 rows, one run: without
+                                     # 1106 / 2519 / 3357 / 3794; T 4, 8 rows a warp 1113 / 2566 /
+                                     # 4066 / 6026 (round 26)
+    mv_sx_toks: int = 4              # its rows a group: T 8 / 16 (4 rows a warp) 5287 / ~4100 at 16
+                                     # rows, T 2 5690 (round 26): fewer rows, more groups in flight
+    mv_sx_wg: int = 128              # its threads a group and weight rows a warp (x's blocks, read
+    mv_sx_rpw: int = 8               # once a token, serve a warp's rows; 4: 5692 at 16 rows)
+    mv_sx_loads: int = 16            # its 16-byte weight loads in flight a lane (T 8: 4 even)
     mv_tokens_inner: bool = True     # a matvec over several token rows (a step's generated rows, a
                                      # verify step) walks its groups token-fastest (matvec.cl
                                      # MV_TOKS_INNER): the groups of one weight batch for every row

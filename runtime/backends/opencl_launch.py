@@ -266,12 +266,16 @@ class Bound:
     family: str = ""    # its template family and build options, and the arguments set on it:
     options: tuple[str, ...] = ()   # what a persistent step (opencl_persistent.py) rebuilds it from
     args: tuple[Any, ...] = ()
+    rows_from: int = 0  # launched only where its part has this many rows at least (a step's generated
+    rows_below: int = 0  # or logit rows) and fewer than rows_below (0: no bound): matvec.cl MV_SX's pair
 
     def rows_of(self, n_tokens: int, lead: int, logits: int | None = None) -> int:
         """Rows this launch runs in a step of n_tokens rows split at `lead` (matmul_common.cl
         ROW_SPLIT) with `logits` logit rows (default: every row); 0: nothing to launch."""
         n = (lead if self.part == "lead" else n_tokens - lead if self.part == "rest"
              else n_tokens if self.part != "logits" or logits is None else logits)
+        if n < self.rows_from or (self.rows_below and n >= self.rows_below):
+            return 0
         return min(self.rows, n)
 
     def global_size(self, n_tokens: int, lead: int | None = None, logits: int | None = None,
@@ -349,7 +353,8 @@ class _Binder:
             if "-DATT_GRID_BY_ROWS" in entry["options"] else 0
         return Bound(entry["op"], kern, entry["local"], entry["groups"], entry["rows"],
                      entry["row_tile"], variant, bool(entry.get("scores")), entry.get("part", ""), splits,
-                     entry["family"], tuple(options), tuple(args))
+                     entry["family"], tuple(options), tuple(args), entry.get("rows_from", 0),
+                     entry.get("rows_below", 0))
 
     def _args(self, phase: str, entry: dict[str, Any], advance: int | None) -> list[Any]:
         args: list[Any] = [self.step_buf]

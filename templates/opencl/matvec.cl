@@ -38,6 +38,15 @@
 // runs in one fixed order whatever the other rows of its group: its bits do not depend on them.
 // Without tensor cores (or with their emulation) each lane computes its four int32 sums
 // directly: the same integers, so the same bits.
+// -DMV_SX (a step graph's generated rows, quantized weights, MV_TOKS > 1): x's Q8_0 blocks come
+// from matvec_stage (-DMV_SX_STAGE), a launch before that runs the one-token group's own prologue
+// (RMS sum, then quantize_x / quantize_x_lanes) once a row. So no group repeats it for its
+// MV_TOKS rows or holds their copies in local memory; the K loop reads the blocks from global
+// memory (L1 / L2: every group reads the same bytes). Each (token, row) runs the T = 1 matvec's
+// operations in its order (rows a warp and threads a group change no row's sums; K slices
+// would), so a row's bits equal the one-token matvec's: a plan runs this variant for steps with
+// many generated rows and the one-token one for the others, and a row's logits do not depend on
+// which ran.
 
 #ifndef MV_WG
 #define MV_WG 256
@@ -60,6 +69,9 @@
 #endif
 #if MV_TOKS > 1 && (defined(QK_SPLIT) || defined(ROPE_HEADS))
 #error "MV_TOKS > 1: QK_SPLIT and ROPE_HEADS take one token a group"
+#endif
+#if defined(MV_SX) && (MV_TOKS < 2 || !defined(W_QUANT) || defined(MV_MMA))
+#error "MV_SX: a step's generated rows, several a group, quantized weights"
 #endif
 #if defined(MV_MMA) && (MV_TOKS != 16 || !defined(W_QUANT) || (MV_ROWS * MV_SPLIT / (MV_WG / 32)) % 8)
 #error "MV_MMA: 16 token rows a group, quantized weights, rows a warp a multiple of 8"
@@ -390,7 +402,7 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #ifdef QK_SPLIT
             , gout qscb, ulong qsc_off
 #endif
-#ifdef MV_MMA
+#if defined(MV_MMA) || defined(MV_SX)
             , gin sxb, ulong sx_off
 #endif
             KERNEL_ROWS_ARGS) {
@@ -530,7 +542,12 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #define MV_NEXT_BATCH(p0) if ((p0) > 0) { MV_LOAD_BATCH(p0) }
 #endif
 
-#if defined(PROLOGUE_RMS) && !MV_LATE
+#ifdef MV_SX
+    // matvec_stage's output: codes [M][K], then d [M][K / 32], then s [M][K / 32]
+    __global const int4* sxq = (__global const int4*)(sxb + sx_off);
+    __global const float* sxd = (__global const float*)(sxb + sx_off + (size_t)M * MV_K);
+    __global const XS_T* sxs = (__global const XS_T*)(sxd + (size_t)M * MV_UNITS);
+#elif defined(PROLOGUE_RMS) && !MV_LATE
     float rms[MV_TOKS];
     MV_TOK_LOOP
     for (int tt = 0; tt < MV_TOKS; tt++) {
@@ -543,7 +560,7 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
     }
 #endif
 
-#ifdef W_QUANT
+#if defined(W_QUANT) && !defined(MV_SX)
     __local int4 xq[MV_TOKS][MV_K / 16];   // [token] x as Q8_0: int8 [K] packed 4 per int; int4-typed so a
                                      // block is two 16-byte local loads (vload4 from an int
                                      // array gave 8 narrow ones; H200 q4_0 down_proj 196 ->
@@ -570,6 +587,8 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
     }
 #endif
     barrier(CLK_LOCAL_MEM_FENCE);
+#endif
+#ifdef W_QUANT
     for (int p0 = 0; p0 < MV_PASSES; p0 += MV_UNROLL) {
         MV_NEXT_BATCH(p0)
 #pragma unroll
@@ -579,11 +598,18 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #pragma unroll
                 for (int tt = 0; tt < MV_TOKS; tt++) if (tt < nt) {   // nt is the group's: no divergence
                     int q[8];
+#ifdef MV_SX
+                    size_t xb0 = (size_t)(t0 + tt) * MV_UNITS + b;
+                    int4 lo = sxq[2 * xb0], hi = sxq[2 * xb0 + 1];
+                    float d = sxd[xb0];
+                    XS_T s = sxs[xb0];
+#else
                     int4 lo = xq[tt][2 * b], hi = xq[tt][2 * b + 1];
-                    q[0] = lo.s0; q[1] = lo.s1; q[2] = lo.s2; q[3] = lo.s3;
-                    q[4] = hi.s0; q[5] = hi.s1; q[6] = hi.s2; q[7] = hi.s3;
                     float d = xd[tt][b];
                     XS_T s = xs[tt][b];
+#endif
+                    q[0] = lo.s0; q[1] = lo.s1; q[2] = lo.s2; q[3] = lo.s3;
+                    q[4] = hi.s0; q[5] = hi.s1; q[6] = hi.s2; q[7] = hi.s3;
 #pragma unroll
                     for (int i = 0; i < MV_RPW; i++)
 #ifdef W_Q4_1
@@ -728,3 +754,62 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
         }
     }
 }
+
+#ifdef MV_SX_STAGE
+// x's Q8_0 blocks for the MV_SX matvec, a group per generated row of the step, built with the
+// one-token matvec's options (its MV_WG above all, which orders the RMS sum): that group's own
+// prologue, the same sums in the same order and the same quantization, its local copy then
+// written out as codes [M][K], d [M][K / 32], s [M][K / 32].
+__kernel __attribute__((reqd_work_group_size(MV_WG, 1, 1)))
+void matvec_stage(__global const int* step, gin xb, ulong x_off,
+#ifdef PROLOGUE_RMS
+                  gin nwb, ulong nw_off,
+#endif
+                  gout sxb, ulong sx_off, int M
+#ifdef PROLOGUE_RMS
+                  , float eps
+#endif
+                  ) {
+    PDL_TRIGGER();   // the matvec may launch and ask for its first weights while x is prepared
+    int t = get_group_id(1) + MV_ROW0(step), lid = get_local_id(0);
+    __global const float4* x4 = (__global const float4*)(xb + x_off) + (size_t)t * (MV_K / 4);
+    __local float red[MV_WG];
+    __local int4 xq[MV_K / 16];
+    __local float xd[MV_UNITS];
+    __local XS_T xs[MV_UNITS];
+    PDL_WAIT();
+#ifdef PROLOGUE_RMS
+    gin nw = nwb + nw_off;
+    float ss = 0.0f;
+    for (int i = lid; i < MV_K / 4; i += MV_WG) {
+        float4 v = x4[i];
+        ss += dot(v, v);
+    }
+    float rms = sqrt(group_sum(ss, red) / (float)MV_K + eps);
+#endif
+#ifdef MV_X_LANES
+    quantize_x_lanes(x4, (__local int*)xq, xd, xs
+#ifdef PROLOGUE_RMS
+                     , nw, rms
+#endif
+                     );
+#else
+    for (int j = lid; j < MV_UNITS; j += MV_WG)
+        quantize_x(x4, j, xq, xd, xs
+#ifdef PROLOGUE_RMS
+                   , nw, rms
+#endif
+                   );
+#endif
+    barrier(CLK_LOCAL_MEM_FENCE);
+    __global int4* oq = (__global int4*)(sxb + sx_off) + (size_t)t * (MV_K / 16);
+    __global float* od = (__global float*)(sxb + sx_off + (size_t)M * MV_K) + (size_t)t * MV_UNITS;
+    __global XS_T* os = (__global XS_T*)((__global float*)(sxb + sx_off + (size_t)M * MV_K) + (size_t)M * MV_UNITS)
+                        + (size_t)t * MV_UNITS;
+    for (int i = lid; i < MV_K / 16; i += MV_WG) oq[i] = xq[i];
+    for (int i = lid; i < MV_UNITS; i += MV_WG) {
+        od[i] = xd[i];
+        os[i] = xs[i];
+    }
+}
+#endif

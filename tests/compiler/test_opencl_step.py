@@ -225,7 +225,7 @@ def test_the_tiles_kernel_takes_the_heads_whose_staged_chunk_fits_the_devices_lo
 # gate_up, down_proj)
 TOKS_1B = {"q4_0": [1, 1, 1, 1], "f16": [4, 4, 4, 4]}
 TOKS_1B_16 = [16, 16, 16, 4]
-MANY_TOKS = replace(TUNING, mv_toks_quant=16, mv_toks_float=8)
+MANY_TOKS = replace(TUNING, mv_toks_quant=16, mv_toks_float=8, mv_sx_from=0)
 
 
 @pytest.mark.parametrize("local_kb,k,want", [(48, 2048, 16), (48, 8192, 4), (48, 32768, 1), (32, 2048, 9),
@@ -246,16 +246,43 @@ def test_the_generated_rows_matvec_takes_as_many_tokens_as_their_q8_0_copies_of_
     assert matvec_tokens(tuning, 3, 2048, True, False) == 3
 
 
+def _check_sx_twins(launches: list, quantized: bool) -> None:
+    """Every one-token matvec of the generated rows (and the head) of a quantized step graph runs
+    below mv_sx_from rows a step; from there on its MV_SX twin runs, mv_sx_toks rows a group, after
+    a matvec_stage built with the one-token matvec's threads (they order its RMS sum, so the twin's
+    x and every row's bits are the one-token matvec's). Float weights have no twin."""
+    one = [launch for launch in launches if launch.kernel == "matvec" and launch.part in ("rest", "logits")
+           and not launch.rows_from]
+    assert one
+    if not quantized:
+        assert not any(launch.rows_from or launch.rows_below or launch.kernel == "matvec_stage" for launch in launches)
+        return
+    at = {id(launch): i for i, launch in enumerate(launches)}
+    for launch in one:
+        assert launch.rows_below == TUNING.mv_sx_from
+        stage, twin = [other for other in launches if other.op == launch.op and other.rows_from]
+        assert at[id(stage)] + 1 == at[id(twin)] and stage.kernel == "matvec_stage" and twin.kernel == "matvec"
+        assert stage.rows_from == twin.rows_from == TUNING.mv_sx_from and not stage.rows_below
+        assert stage.part == twin.part == launch.part and twin.row_tile == TUNING.mv_sx_toks
+        assert "-DMV_SX" in twin.options and "-DMV_SX_STAGE" in stage.options
+        assert f"-DMV_WG={launch.local}" in stage.options and stage.local == launch.local
+        assert f"-DMV_WG={TUNING.mv_sx_wg}" in twin.options
+
+
 @pytest.mark.parametrize("weights", ["q4_0", "f16"])
 def test_a_1b_step_graph_splits_each_layer_matmul_by_row_kind_and_pages_every_attention(llama_1b_graphs, weights):
     """Row invariance starts with the kernels chosen: by a row's own kind, never by what shares
     its step. A layer's matmuls run their prompt rows in matmul_tiled (part "lead") and their
     generated rows in the decode matvec (part "rest"), both built with ROW_SPLIT, the matvec
     taking several generated rows a group (MV_TOKS, its row_tile); the head runs every logit row
-    tiled; attention is the paged pair (not the contiguous kernels)."""
+    tiled; attention is the paged pair (not the contiguous kernels). Quantized weights add, for
+    steps of mv_sx_from generated rows or more, each matvec's MV_SX twin and its matvec_stage."""
     prefill, decode = llama_1b_graphs
     g = run_passes(step_graph(prefill, max_seqs=16, block_size=16), CompileOptions(weights=weights))
     launches = lower_graph(g)
+    q = weights == "q4_0"
+    _check_sx_twins(launches, q)
+    launches = [launch for launch in launches if not launch.rows_from]   # the one-token matvecs
     rest = [launch for launch in launches if launch.part == "rest"]
     assert [launch.row_tile for launch in rest] == TOKS_1B[weights] * 16
     assert all((f"-DMV_TOKS={launch.row_tile}" in launch.options) if launch.row_tile > 1
@@ -271,7 +298,7 @@ def test_a_1b_step_graph_splits_each_layer_matmul_by_row_kind_and_pages_every_at
     assert dec and all(launch.row_tile == 1 and not any("MV_TOKS" in o for o in launch.options) for launch in dec)
     kernels = Counter(launch.kernel for launch in launches)
     layers = 16
-    q = weights == "q4_0"   # the head: quantized a matvec for every logit row, sized by them; f16 tiled
+    # the head: quantized a matvec for every logit row, sized by them; f16 tiled
     assert kernels["matmul_tiled"] == 4 * layers + (not q) and kernels["matvec"] == 4 * layers + q
     parts = Counter((launch.kernel, launch.part) for launch in launches if launch.family in ("matmul", "matvec"))
     assert parts[("matmul_tiled", "lead")] == parts[("stage_x", "lead")] == parts[("matvec", "rest")] == 4 * layers
@@ -290,8 +317,10 @@ def test_a_1b_step_graph_launches_the_prefill_graphs_kernels_a_layer_but_for_pag
     paged eviction scores instead of the prefill's two kernels. Unfused, a layer took 19."""
     prefill, _ = llama_1b_graphs
     opts = CompileOptions(weights=weights)
+    # the launches a step of few generated rows makes (its MV_SX twins: test above)
     step = Counter(launch.kernel for launch in lower_graph(run_passes(step_graph(prefill, max_seqs=16,
-                                                                                 block_size=16), opts)))
+                                                                                 block_size=16), opts))
+                   if not launch.rows_from)
     pre = Counter(launch.kernel for launch in lower_graph(run_passes(prefill, opts)))
     layers, paged = 16, ("attention_paged_rows", "attention_paged_tiles", "attention_scores_paged")
     prefill_attention = ("attention_tiled", "attention_scores")

@@ -174,20 +174,31 @@ def test_a_sequences_logits_are_bit_identical_alone_and_in_a_batch_of_8(split, m
             np.testing.assert_array_equal(logits, batch[k][s], err_msg=f"sequence {s}, step {k}")
 
 
-@pytest.mark.parametrize("model,weights,kv,mma", [("golden-b", "q4_0", "f16", False), ("golden-a", "f32", "f32", False),
-                                                  ("golden-b", "q4_0", "f16", True), ("golden-c", "q8_0", "f32", True)])
-def test_a_generated_row_has_the_same_bits_at_any_place_in_a_matvec_group_of_any_size(model, weights, kv, mma):
+@pytest.mark.parametrize("model,weights,kv,mma,sx", [("golden-b", "q4_0", "f16", False, True),
+                                                     ("golden-b", "q4_0", "f16", False, False),
+                                                     ("golden-a", "f32", "f32", False, True),
+                                                     ("golden-b", "q4_0", "f16", True, True),
+                                                     ("golden-c", "q8_0", "f32", True, True)])
+def test_a_generated_row_has_the_same_bits_at_any_place_in_a_matvec_group_of_any_size(model, weights, kv, mma, sx):
     """The generated rows' matvec takes T rows a group (MV_TOKS): S sequences of one prompt and
     the same tokens (S = 1..T + 1, so groups of 1 to T valid rows and a row alone in a second
-    group) give every row, at every place in its group, the bits one sequence alone gets. mma:
-    the tensor-core matvec (MV_MMA; emulated or summed directly here), K in chunks of 64."""
+    group) give every row, at every place in its group, the bits one sequence alone gets. sx:
+    quantized weights' steps of mv_sx_from rows or more run the MV_SX twin (x staged once a row,
+    T = mv_sx_toks), fewer the one-token matvec, so S crosses from one to the other; else T rows
+    a group keep their Q8_0 copies of x in local memory. mma: the tensor-core matvec (MV_MMA;
+    emulated or summed directly here), K in chunks of 64."""
     graphs = _compiled(model, weights, kv, T=40, seqs=20, max_seq_len=128)
     # as many rows a group as local memory allows (the default tuning measured 1 best for
     # quantized weights on an H100, opencl_tuning.py), so groups of many rows are what is tested
-    plan = generate(graphs, replace(OpenCLTuning(), mv_toks_quant=16, mv_toks_float=8, mv_mma=mma, mv_mma_chunk=64))
+    plan = generate(graphs, replace(OpenCLTuning(), mv_toks_quant=16, mv_toks_float=8, mv_mma=mma, mv_mma_chunk=64,
+                                    **({} if sx else {"mv_sx_from": 0})))
     T = max(launch["row_tile"] for launch in plan["graphs"]["step"] if launch.get("part") == "rest")
     assert T > 1
     assert any("-DMV_MMA" in launch["options"] for launch in plan["graphs"]["step"]) == mma
+    twins = any("-DMV_SX" in launch["options"] for launch in plan["graphs"]["step"])
+    assert twins == (sx and weights != "f32" and not mma)
+    if twins:   # the steps cross from the one-token matvec to the twin
+        assert OpenCLTuning().mv_sx_from <= T
     be = OpenCLBackend.from_graphs(graphs, plan)
     rng = np.random.default_rng(43)
     vocab = graphs["step"].values["logits"].shape[1]

@@ -39,14 +39,18 @@ def test_every_step_kernel_passes_on_opencl(plan, opencl_device):
     kernels = [k for k in kernel_checks.plan_kernels(plan.graphs()) if k.phase in ("step", "verify")]
     assert {k.phase for k in kernels} == {"step", "verify"}
     results = kernel_checks.check_kernels(kernels, kernel_checks.open_runners(plan, ["opencl"]))
-    # a step graph's layer matmuls are checked twice: prompt rows (tiled), generated rows (matvec);
-    # its head once, on the logit rows (a matvec)
-    split = [r for r in results if r.backend not in ("opencl", "opencl (logit rows)")]
-    assert {r.backend for r in split} == {"opencl (prompt rows)", "opencl (generated rows)"}
-    assert {r.kernel.op.kind for r in split} == {"fused_matmul"} and len(split) % 2 == 0
-    heads = [r for r in results if r.backend == "opencl (logit rows)"]
-    assert len(heads) == 1 and heads[0].kernel.phase == "step" and heads[0].kernel.op.attrs.get("prologue") == "rms_norm"
-    assert len(results) == len(kernels) + len(split) // 2
+    # a step graph's layer matmuls are checked three times: prompt rows (tiled), generated rows
+    # (the one-token matvec) and, for steps of 4 generated rows or more, its MV_SX twin; its head
+    # twice, on the logit rows (a matvec and its twin)
+    sx = " (4+ a step)"
+    split = [r for r in results if r.backend not in ("opencl", "opencl (logit rows)", "opencl (logit rows)" + sx)]
+    assert {r.backend for r in split} == {"opencl (prompt rows)", "opencl (generated rows)", "opencl (generated rows)" + sx}
+    assert {r.kernel.op.kind for r in split} == {"fused_matmul"} and len(split) % 3 == 0
+    heads = [r for r in results if r.backend.startswith("opencl (logit rows)")]
+    assert {r.backend for r in heads} == {"opencl (logit rows)", "opencl (logit rows)" + sx}
+    assert len({r.kernel.label for r in heads}) == 1 and len(heads) == 2
+    assert heads[0].kernel.phase == "step" and heads[0].kernel.op.attrs.get("prologue") == "rms_norm"
+    assert len(results) == len(kernels) + 2 * len(split) // 3 + 1
     for r in results:
         assert r.status == "PASS", (r.kernel.label, r.backend, r.note)
         assert 0 <= r.error <= r.kernel.tolerance
