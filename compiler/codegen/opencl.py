@@ -421,9 +421,10 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
             and tuning.mv_generated_rows):
         _matmul_variant(ctx, op, True, "lead", **_variant_inputs(locals()))
         sx = tuning.mv_sx_from
-        if sx and _sx_applies(tuning, quantized, qk_norm, epi, options, k):
-            # few generated rows: the one-token matvec; many: x staged once a row (MV_SX), the
-            # same bits a row either way
+        if sx and (_sx_applies(tuning, quantized, qk_norm, epi, options, k)
+                   or (not quantized and not qk_norm and tuning.mv_toks_float > 1)):
+            # few generated rows: the one-token matvec; many: quantized weights' x staged once a
+            # row (MV_SX), float weights' rows mv_toks_float a group; the same bits a row either way
             _matmul_variant(ctx, op, False, "rest", **_variant_inputs(locals()), rows=(0, sx))
             _matmul_variant(ctx, op, False, "rest", **_variant_inputs(locals()), rows=(sx, 0))
         else:
@@ -468,7 +469,8 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
                     rows: tuple[int, int] = (0, 0)) -> None:
     """One launch (two with X_STAGED or MV_SX) of a matmul: the tiled kernel or the matvec; `part`
     "lead" / "rest": only the step's rows before / from its row split (ROW_SPLIT); `rows`: a
-    "rest" / "logits" variant's (rows_from, rows_below), the MV_SX twin where rows_from > 0."""
+    "rest" / "logits" variant's (rows_from, rows_below): a token a group below, and from
+    rows_from > 0 on quantized weights' MV_SX twin or float weights' mv_toks_float a group."""
     tuning = ctx.tuning
     options = options + (["-DROW_SPLIT"] if part in ("lead", "rest") else [])
     mv_wg = tuning.mv_wg_quant if quantized else tuning.mv_wg
@@ -477,7 +479,7 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
     mma = part == "rest" and quantized and tuning.mv_mma and not qk_norm and not rope_heads
     if mma:
         mv_wg, mv_rows, mv_split = matvec_mma_shape(tuning, epi, "-DKV_BLOCKS" in options)
-    elif rows[0] > 0:   # MV_SX: its own shape (a row's sums are the one-token matvec's whatever the shape)
+    elif rows[0] > 0 and quantized:   # MV_SX: its own shape (a row's sums are the one-token matvec's whatever it)
         mv_wg, mv_rows, mv_split = tuning.mv_sx_wg, tuning.mv_sx_wg // 32 * tuning.mv_sx_rpw, 1
     elif rope_heads:
         mv_rows, mv_split = heads[2], 1
@@ -512,13 +514,13 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
     if not tiled:
         _need(wt not in QUANT_TYPES or k <= tuning.mv_max_k, op, f"K = {k} is over {tuning.mv_max_k}, the "
               "longest row the decode matvec keeps in local memory; use --weights f16")
-        loads = tuning.mv_sx_loads if rows[0] > 0 else tuning.mv_loads
+        loads = tuning.mv_sx_loads if rows[0] > 0 and quantized else tuning.mv_loads
         options += [f"-DMV_WG={mv_wg}", f"-DMV_ROWS={mv_rows}", f"-DMV_K={k}", f"-DMV_LOADS={loads}",
                     f"-DMV_SPLIT={mv_split}"]
         if _rms_late(mv_split, bool(a.get("norm_folded"))):
             options.append("-DMV_RMS_LATE")   # matvec.cl applies it to float weights' RMS prologue
     # the generated rows of a step graph, T a group; decode, verify and a step's head keep a token a group
-    sx = rows[0] > 0
+    sx = rows[0] > 0 and quantized
     if mma:
         toks = MMA_TOKENS
         options += ["-DMV_MMA", f"-DMV_MMA_KC={mma_chunk(k, tuning.mv_mma_chunk)}"]
@@ -529,7 +531,8 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
         stage_options += [f"-DMV_WG={stage_wg}", f"-DMV_ROWS={stage_rows}", "-DMV_SX_STAGE"]
         options.append("-DMV_SX")
     else:
-        toks = matvec_tokens(tuning, m, k, quantized, bool(qk_split or rope_heads)) if part == "rest" else 1
+        one = bool(qk_split or rope_heads or rows[1])   # rows_below: the pair's one-token variant
+        toks = matvec_tokens(tuning, m, k, quantized, one) if part == "rest" else 1
     if toks > 1:
         options.append(f"-DMV_TOKS={toks}")
     if not tiled and m > toks and tuning.mv_tokens_inner:

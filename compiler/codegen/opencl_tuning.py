@@ -56,11 +56,12 @@ class OpenCLTuning:
                                      # tok/s; 512: 4760, and OUT_OF_RESOURCES on OpenCL's queue)
     mv_mma_split: int = 4            # its warps on one 8-row column's K
     mv_mma_chunk: int = 2048         # its K values of x a group holds at once at most (local memory)
-    mv_sx_from: int = 4              # a step graph's generated rows (and head) with quantized weights,
-                                     # from this many rows a step on (0: never): matvec.cl MV_SX, x's
-                                     # blocks staged once a row by matvec_stage, mv_sx_toks rows a
-                                     # group, each weight batch read once for them; fewer rows keep
-                                     # the one-token matvec (the same bits, a launch less). H200 1B
+    mv_sx_from: int = 4              # a step graph's generated rows (and quantized head) from this
+                                     # many rows a step on (0: never) run the one-token matvec's twin:
+                                     # quantized weights matvec.cl MV_SX (x's blocks staged once a row
+                                     # by matvec_stage, mv_sx_toks rows a group, each weight batch
+                                     # read once for them), float weights mv_toks_float rows a group;
+                                     # fewer rows keep the one-token matvec (the same bits). H200 1B
                                      # q4_0, aggregate tok/s at 1 / 4 / 8 / 16 rows, one run: without
                                      # 1106 / 2519 / 3357 / 3794; T 4, 8 rows a warp 1113 / 2566 /
                                      # 4066 / 6026 (round 26)

@@ -223,7 +223,7 @@ def test_the_tiles_kernel_takes_the_heads_whose_staged_chunk_fits_the_devices_lo
 # ones may take up to 16: a Q8_0 copy of x a token within 40 KB of local memory (K 2048: 2.5 KB,
 # 16 of them; down_proj's K 8192: 10 KB, 4) (a layer's matmuls in launch order: qkv, o_proj,
 # gate_up, down_proj)
-TOKS_1B = {"q4_0": [1, 1, 1, 1], "f16": [4, 4, 4, 4]}
+TOKS_1B = {"q4_0": [1, 1, 1, 1], "f16": [4, 4, 4, 4]}   # with the pairs off (mv_sx_from=0)
 TOKS_1B_16 = [16, 16, 16, 4]
 MANY_TOKS = replace(TUNING, mv_toks_quant=16, mv_toks_float=8, mv_sx_from=0)
 
@@ -247,26 +247,34 @@ def test_the_generated_rows_matvec_takes_as_many_tokens_as_their_q8_0_copies_of_
 
 
 def _check_sx_twins(launches: list, quantized: bool) -> None:
-    """Every one-token matvec of the generated rows (and the head) of a quantized step graph runs
-    below mv_sx_from rows a step; from there on its MV_SX twin runs, mv_sx_toks rows a group, after
-    a matvec_stage built with the one-token matvec's threads (they order its RMS sum, so the twin's
-    x and every row's bits are the one-token matvec's). Float weights have no twin."""
+    """Every one-token matvec of the generated rows (and the head) of a step graph runs below
+    mv_sx_from rows a step; from there on its twin runs. Quantized weights: MV_SX, mv_sx_toks rows
+    a group, after a matvec_stage built with the one-token matvec's threads (they order its RMS
+    sum, so the twin's x and every row's bits are the one-token matvec's). Float weights:
+    mv_toks_float rows a group, x read per row, with the one-token matvec's shape (its K split
+    orders the sums)."""
     one = [launch for launch in launches if launch.kernel == "matvec" and launch.part in ("rest", "logits")
            and not launch.rows_from]
     assert one
-    if not quantized:
-        assert not any(launch.rows_from or launch.rows_below or launch.kernel == "matvec_stage" for launch in launches)
-        return
     at = {id(launch): i for i, launch in enumerate(launches)}
     for launch in one:
-        assert launch.rows_below == TUNING.mv_sx_from
-        stage, twin = [other for other in launches if other.op == launch.op and other.rows_from]
+        assert launch.rows_below == TUNING.mv_sx_from and launch.row_tile == 1
+        assert not any(o.startswith("-DMV_TOKS=") for o in launch.options)
+        twins = [other for other in launches if other.op == launch.op and other.rows_from]
+        if not quantized:
+            twin, = twins
+            assert twin.kernel == "matvec" and twin.row_tile == TUNING.mv_toks_float and not twin.rows_below
+            assert twin.options == [o for o in launch.options if o != "-DMV_TOKS_INNER"] + \
+                [f"-DMV_TOKS={TUNING.mv_toks_float}", "-DMV_TOKS_INNER"]
+            continue
+        stage, twin = twins
         assert at[id(stage)] + 1 == at[id(twin)] and stage.kernel == "matvec_stage" and twin.kernel == "matvec"
         assert stage.rows_from == twin.rows_from == TUNING.mv_sx_from and not stage.rows_below
         assert stage.part == twin.part == launch.part and twin.row_tile == TUNING.mv_sx_toks
         assert "-DMV_SX" in twin.options and "-DMV_SX_STAGE" in stage.options
         assert f"-DMV_WG={launch.local}" in stage.options and stage.local == launch.local
         assert f"-DMV_WG={TUNING.mv_sx_wg}" in twin.options
+    assert any(launch.kernel == "matvec_stage" for launch in launches) == quantized
 
 
 @pytest.mark.parametrize("weights", ["q4_0", "f16"])
@@ -283,7 +291,8 @@ def test_a_1b_step_graph_splits_each_layer_matmul_by_row_kind_and_pages_every_at
     q = weights == "q4_0"
     _check_sx_twins(launches, q)
     launches = [launch for launch in launches if not launch.rows_from]   # the one-token matvecs
-    rest = [launch for launch in launches if launch.part == "rest"]
+    # without the pairs, each matmul's generated rows run one matvec, as many rows a group as measured
+    rest = [launch for launch in lower_graph(g, replace(TUNING, mv_sx_from=0)) if launch.part == "rest"]
     assert [launch.row_tile for launch in rest] == TOKS_1B[weights] * 16
     assert all((f"-DMV_TOKS={launch.row_tile}" in launch.options) if launch.row_tile > 1
                else not any(o.startswith("-DMV_TOKS=") for o in launch.options) for launch in rest)   # T 1: today's kernel

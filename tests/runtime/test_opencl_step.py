@@ -183,9 +183,10 @@ def test_a_generated_row_has_the_same_bits_at_any_place_in_a_matvec_group_of_any
     """The generated rows' matvec takes T rows a group (MV_TOKS): S sequences of one prompt and
     the same tokens (S = 1..T + 1, so groups of 1 to T valid rows and a row alone in a second
     group) give every row, at every place in its group, the bits one sequence alone gets. sx:
-    quantized weights' steps of mv_sx_from rows or more run the MV_SX twin (x staged once a row,
-    T = mv_sx_toks), fewer the one-token matvec, so S crosses from one to the other; else T rows
-    a group keep their Q8_0 copies of x in local memory. mma: the tensor-core matvec (MV_MMA;
+    steps of mv_sx_from rows or more run the twin (quantized weights: MV_SX, x staged once a row,
+    T = mv_sx_toks; float: T = mv_toks_float), fewer the one-token matvec, so S crosses from one
+    to the other; else quantized weights' T rows a group keep their Q8_0 copies of x in local
+    memory. mma: the tensor-core matvec (MV_MMA;
     emulated or summed directly here), K in chunks of 64."""
     graphs = _compiled(model, weights, kv, T=40, seqs=20, max_seq_len=128)
     # as many rows a group as local memory allows (the default tuning measured 1 best for
@@ -197,7 +198,9 @@ def test_a_generated_row_has_the_same_bits_at_any_place_in_a_matvec_group_of_any
     assert any("-DMV_MMA" in launch["options"] for launch in plan["graphs"]["step"]) == mma
     twins = any("-DMV_SX" in launch["options"] for launch in plan["graphs"]["step"])
     assert twins == (sx and weights != "f32" and not mma)
-    if twins:   # the steps cross from the one-token matvec to the twin
+    # float weights' pair: the one-token matvec below mv_sx_from rows, T a group from there
+    assert any(launch["rows_from"] for launch in plan["graphs"]["step"]) == (sx and not mma)
+    if sx and not mma:   # the steps cross from the one-token matvec to the twin
         assert OpenCLTuning().mv_sx_from <= T
     be = OpenCLBackend.from_graphs(graphs, plan)
     rng = np.random.default_rng(43)
