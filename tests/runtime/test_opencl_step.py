@@ -176,6 +176,7 @@ def test_a_sequences_logits_are_bit_identical_alone_and_in_a_batch_of_8(split, m
 
 @pytest.mark.parametrize("model,weights,kv,mma,sx", [("golden-b", "q4_0", "f16", False, True),
                                                      ("golden-b", "q4_0", "f16", False, False),
+                                                     ("golden-c", "q8_0", "f32", False, True),
                                                      ("golden-a", "f32", "f32", False, True),
                                                      ("golden-b", "q4_0", "f16", True, True),
                                                      ("golden-c", "q8_0", "f32", True, True)])
