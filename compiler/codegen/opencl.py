@@ -420,15 +420,7 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     if (ctx.graph.name == STEP and m == ctx.graph.T and m > 1 and k % 8 == 0 and not rope_heads and not wide_heads
             and tuning.mv_generated_rows):
         _matmul_variant(ctx, op, True, "lead", **_variant_inputs(locals()))
-        sx = tuning.mv_sx_from
-        if sx and (_sx_applies(tuning, quantized, qk_norm, epi, options, k)
-                   or (not quantized and not qk_norm and tuning.mv_toks_float > 1)):
-            # few generated rows: the one-token matvec; many: quantized weights' x staged once a
-            # row (MV_SX), float weights' rows mv_toks_float a group; the same bits a row either way
-            _matmul_variant(ctx, op, False, "rest", **_variant_inputs(locals()), rows=(0, sx))
-            _matmul_variant(ctx, op, False, "rest", **_variant_inputs(locals()), rows=(sx, 0))
-        else:
-            _matmul_variant(ctx, op, False, "rest", **_variant_inputs(locals()))
+        _matvec_rows(ctx, op, "rest", _variant_inputs(locals()))
         return
     # a step graph's quantized head (its logit rows, fewer than its tokens) is a matvec for every
     # row too, sized by the step's logit rows: the tiled head read its weights in 64-token tiles
@@ -437,21 +429,29 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     # the 525 MB f16 head once per 1 or 4 rows (16 sequences 2344 -> 2147 and 2215 -> 1945)
     head = ctx.graph.name == STEP and m < ctx.graph.T and quantized
     tiled = ((m > 1 and not matvec and not head) or k % 8 != 0) and not rope_heads and not wide_heads
-    sx = tuning.mv_sx_from
-    if head and not tiled and sx and m >= sx and _sx_applies(tuning, quantized, qk_norm, epi, options, k):
-        _matmul_variant(ctx, op, False, "logits", **_variant_inputs(locals()), rows=(0, sx))
-        _matmul_variant(ctx, op, False, "logits", **_variant_inputs(locals()), rows=(sx, 0))
+    if head and not tiled:
+        _matvec_rows(ctx, op, "logits", _variant_inputs(locals()))
         return
-    _matmul_variant(ctx, op, tiled, "logits" if head and not tiled else "", **_variant_inputs(locals()))
+    _matmul_variant(ctx, op, tiled, "", **_variant_inputs(locals()))
 
 
-def _sx_applies(tuning: OpenCLTuning, quantized: bool, qk_norm: bool, epi: str | None, options: list[str],
-                k: int) -> bool:
-    """Whether a step graph's generated rows (or head) of this matmul may run as the variant pair
-    of matvec.cl MV_SX: quantized weights, a one-token matvec that neither splits K nor needs
-    whole heads or KV blocks a group (the one-token variant's sums are what MV_SX repeats)."""
-    return (quantized and not tuning.mv_mma and not qk_norm and tuning.mv_sx_toks > 1 and k <= tuning.mv_max_k
-            and not (epi == "rope_kv_store" and "-DKV_BLOCKS" in options))
+def _matvec_rows(ctx: _Ctx, op: Op, part: str, inputs: dict[str, Any]) -> None:
+    """A step graph's generated rows ("rest") or quantized head ("logits") as matvecs: where the
+    one-token matvec has a twin that sums each row alike, the pair (the one-token matvec below
+    mv_sx_from rows a step, the twin from there: quantized weights' MV_SX, x staged once a row;
+    float weights' mv_toks_float rows a group), else the one variant for every row count."""
+    tuning, sx = ctx.tuning, ctx.tuning.mv_sx_from
+    quantized, qk_norm, epi = inputs["quantized"], inputs["qk_norm"], inputs["epi"]
+    if quantized:   # no twin where a group needs whole heads or KV blocks, nor beside MV_MMA
+        pair = (not tuning.mv_mma and tuning.mv_sx_toks > 1 and not qk_norm
+                and not (epi == "rope_kv_store" and "-DKV_BLOCKS" in inputs["options"]))
+    else:           # the head of float weights is tiled, never here
+        pair = tuning.mv_toks_float > 1 and not qk_norm
+    if not (sx and pair and inputs["m"] >= sx):
+        _matmul_variant(ctx, op, False, part, **inputs)
+        return
+    _matmul_variant(ctx, op, False, part, **inputs, rows=(0, sx))
+    _matmul_variant(ctx, op, False, part, **inputs, rows=(sx, 0))
 
 
 _VARIANT_INPUTS = ("options", "a", "x", "w", "extra", "m", "k", "n", "wt", "quantized", "nw", "bias", "e", "epi",

@@ -97,6 +97,18 @@
 // passes whose loads are in flight together
 #define MV_UNROLL MV_MIN(MV_PASSES, MV_MAX(1, MV_LOADS / MV_RPW))
 
+// the RMS prologue's sqrt(mean(x^2) + eps) of one token row, summed in the group's order (its
+// MV_WG threads, then group_sum): matvec_stage repeats it for MV_SX by calling it with the same
+// MV_WG, so the two agree to the bit
+inline float mv_rms(__global const float4* x4, __local float* red, float eps) {
+    float ss = 0.0f;
+    for (int i = get_local_id(0); i < MV_K / 4; i += MV_WG) {
+        float4 v = x4[i];
+        ss += dot(v, v);
+    }
+    return sqrt(group_sum(ss, red) / (float)MV_K + eps);
+}
+
 #ifdef W_QUANT
 #ifdef W_Q4_1
 #define XS_T float    // Q8_1's s = d * sum(q), d before its f16 rounding, kept as f16
@@ -550,14 +562,7 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #elif defined(PROLOGUE_RMS) && !MV_LATE
     float rms[MV_TOKS];
     MV_TOK_LOOP
-    for (int tt = 0; tt < MV_TOKS; tt++) {
-        float ss = 0.0f;
-        for (int i = lid; i < MV_K / 4; i += MV_WG) {
-            float4 v = x4[tt][i];
-            ss += dot(v, v);
-        }
-        rms[tt] = sqrt(group_sum(ss, red) / (float)MV_K + eps);
-    }
+    for (int tt = 0; tt < MV_TOKS; tt++) rms[tt] = mv_rms(x4[tt], red, eps);
 #endif
 
 #if defined(W_QUANT) && !defined(MV_SX)
@@ -780,12 +785,7 @@ void matvec_stage(__global const int* step, gin xb, ulong x_off,
     PDL_WAIT();
 #ifdef PROLOGUE_RMS
     gin nw = nwb + nw_off;
-    float ss = 0.0f;
-    for (int i = lid; i < MV_K / 4; i += MV_WG) {
-        float4 v = x4[i];
-        ss += dot(v, v);
-    }
-    float rms = sqrt(group_sum(ss, red) / (float)MV_K + eps);
+    float rms = mv_rms(x4, red, eps);
 #endif
 #ifdef MV_X_LANES
     quantize_x_lanes(x4, (__local int*)xq, xd, xs
