@@ -219,23 +219,28 @@ class StepPlan:
         for b, s in enumerate(self.seqs):
             tables[b, :len(s.block_table)] = s.block_table
         cat = lambda arrays: np.concatenate(arrays).astype(np.int32) if arrays else np.zeros(0, np.int32)  # noqa: E731
+        # per sequence Python ints, spread over its rows by one np.repeat a field: a step of many
+        # one-row decodes would otherwise pay a few small arrays a sequence, every step
         lengths = [s.num_tokens for s in self.seqs]
+        per_seq = lambda values: np.repeat(np.array(values, dtype=np.int64), lengths)  # noqa: E731
         ends = np.cumsum(lengths)
         logits = [(int(e) - 1, s.seq_id) for s, e in zip(self.seqs, ends) if s.needs_logits]
+        positions = cat([s.positions for s in self.seqs])
+        # row r of a sequence attends over its entries 0..kv_start + r
+        row_in_seq = np.arange(len(positions)) - per_seq([int(e) - n for e, n in zip(ends, lengths)])
         return FlatBatch(
             tokens=cat([s.token_ids for s in self.seqs]),
-            positions=cat([s.positions for s in self.seqs]),
+            positions=positions,
             slots=cat([s.slots for s in self.seqs]),
-            row_seq=cat([np.full(n, b) for b, n in enumerate(lengths)]),
+            row_seq=per_seq(range(len(self.seqs))).astype(np.int32),
             block_tables=tables,
-            ctx_len=cat([s.kv_start + 1 + np.arange(s.num_tokens) for s in self.seqs]),
+            ctx_len=(per_seq([s.kv_start + 1 for s in self.seqs]) + row_in_seq).astype(np.int32),
             logit_rows=np.array([r for r, _ in logits], dtype=np.int32),
             logit_seq_ids=[sid for _, sid in logits],
-            score_from=cat([np.full(s.num_tokens, NEVER if s.score_from is None else s.score_from)
-                            for s in self.seqs]),
+            score_from=per_seq([NEVER if s.score_from is None else s.score_from for s in self.seqs]).astype(np.int32),
             # a recomputed (preempted) sequence's sampled tokens stay generated rows, so they
             # are summed as when they were first decoded
-            generated=cat([s.positions >= len(s.seq.prompt) for s in self.seqs]))
+            generated=(positions >= per_seq([len(s.seq.prompt) for s in self.seqs])).astype(np.int32))
 
 
 class Scheduler:

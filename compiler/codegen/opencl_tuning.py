@@ -70,6 +70,9 @@ class OpenCLTuning:
     mv_sx_wg: int = 128              # its threads a group and weight rows a warp (x's blocks, read
     mv_sx_rpw: int = 8               # once a token, serve a warp's rows; 4: 5692 at 16 rows)
     mv_sx_loads: int = 16            # its 16-byte weight loads in flight a lane (T 8: 4 even)
+    mv_sx_warps: int = 0             # narrow matrices' twins take fewer rows a warp (powers of 2,
+                                     # down from mv_sx_rpw) until N / rows a warp reaches this many
+                                     # warps a group of rows; 0: mv_sx_rpw everywhere
     mv_tokens_inner: bool = True     # a matvec over several token rows (a step's generated rows, a
                                      # verify step) walks its groups token-fastest (matvec.cl
                                      # MV_TOKS_INNER): the groups of one weight batch for every row

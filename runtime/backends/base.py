@@ -57,8 +57,16 @@ def _ints(name: str, value: object, ndim: int) -> np.ndarray:
 
 
 def _within(name: str, arr: np.ndarray, lo: int, hi: int, what: str) -> None:
-    # min and max first: a step is checked every few milliseconds, and is nearly always good
-    if arr.size and (int(arr.min()) < lo or int(arr.max()) > hi):
+    # min and max first: a step is checked every few milliseconds, and is nearly always good; a
+    # decode step's few values as Python ints (numpy's two reductions cost several times more)
+    if not arr.size:
+        return
+    if arr.size <= 64:
+        values = arr.ravel().tolist()
+        least, most = min(values), max(values)
+    else:
+        least, most = int(arr.min()), int(arr.max())
+    if least < lo or most > hi:
         at = np.unravel_index(np.flatnonzero((arr < lo) | (arr > hi))[0], arr.shape)
         raise StepRowsError(f"step rows: {name}[{', '.join(map(str, at))}] = {arr[at]} is outside {lo}..{hi} "
                             f"({what})")
@@ -94,15 +102,17 @@ def check_step_rows(rows: StepRows, shape: StepShape) -> StepRows:
     _within("row_seq", per_row["row_seq"], 0, b - 1, "rows of block_tables")
     _within("ctx_len", per_row["ctx_len"], 1, m * shape.block_size, "KV entries a row attends")
     _within("logit_rows", picked, 0, n - 1, "the step's rows")
-    if n > 1 and len(np.unique(per_row["slots"])) != n:   # two writers of one row race on a device
-        raise StepRowsError("step rows: two rows write the same KV slot; give each row its own slot")
+    if n > 1:   # two writers of one row race on a device
+        ordered = np.sort(per_row["slots"])
+        if (ordered[1:] == ordered[:-1]).any():
+            raise StepRowsError("step rows: two rows write the same KV slot; give each row its own slot")
     # the entries rows read: per sequence, blocks up to its longest row's last
     last = np.full(b, -1, np.int64)
     np.maximum.at(last, per_row["row_seq"], (per_row["ctx_len"].astype(np.int64) - 1) // shape.block_size)
     read = np.arange(m)[None, :] <= last[:, None]
-    bad = np.argwhere(read & ((tables < 0) | (tables > shape.n_blocks - 1)))
-    if bad.size:
-        s, j = (int(x) for x in bad[0])
+    outside = read & ((tables < 0) | (tables > shape.n_blocks - 1))
+    if outside.any():
+        s, j = (int(x) for x in np.argwhere(outside)[0])
         raise StepRowsError(f"step rows: block_tables[{s}, {j}] = {int(tables[s, j])} is outside "
                             f"0..{shape.n_blocks - 1} (the cache's blocks)")
     padded = np.zeros((b, shape.blocks_per_seq), np.int32)

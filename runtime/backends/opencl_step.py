@@ -5,6 +5,8 @@ rows in the order of the row split (split_rows).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..plan import StepShape
@@ -45,4 +47,23 @@ def split_rows(inputs: dict[str, np.ndarray], n_picked: int) -> int:
     return n - int(generated.sum())
 
 
-__all__ = ["ROW_FIELDS", "StepShape", "check_step", "split_rows"]
+# (buffer, byte offset, bytes, [(input name, its offset in the run)]): inputs written as one copy
+InputRun = tuple[Any, int, int, list[tuple[str, int]]]
+
+
+def input_runs(places: list[tuple[str, Any, int, int]], align: int) -> list[InputRun]:
+    """(name, buffer, offset, bytes) of each input merged into runs of values that lie end to end
+    in one buffer, in offset order. Every value starts on an `align`-byte boundary, so the padding
+    between one value's end and the next boundary belongs to no value and a run may cover it;
+    any wider gap (it may hold a live value) or another buffer starts a new run."""
+    runs: list[InputRun] = []
+    for name, buf, off, nbytes in sorted(places, key=lambda p: (id(p[1]), p[2])):
+        last = runs[-1] if runs else None
+        if last is not None and last[0] is buf and -(-(last[1] + last[2]) // align) * align == off:
+            runs[-1] = (buf, last[1], off + nbytes - last[1], last[3] + [(name, off - last[1])])
+        else:
+            runs.append((buf, off, nbytes, [(name, 0)]))
+    return runs
+
+
+__all__ = ["ROW_FIELDS", "InputRun", "StepShape", "check_step", "input_runs", "split_rows"]

@@ -245,6 +245,11 @@ class BlockTable:
 
     def slots(self, start: int, n: int) -> np.ndarray:
         """int32 [n]: the pool rows of KV indices start..start+n-1, as the kernels' kv_store takes them."""
+        bs, blocks = self.block_size, self.blocks
+        if 0 < n <= bs and 0 <= start and start + n <= len(blocks) * bs:
+            # a decode's row or a short chunk, every step for every sequence: Python's ints cost a
+            # fraction of slots_of's array setup (its table copy above all)
+            return np.array([blocks[p // bs] * bs + p % bs for p in range(start, start + n)], np.int32)
         return self.slots_of(np.arange(start, start + n))
 
     def as_array(self, max_blocks: int, pad: int = 0) -> np.ndarray:

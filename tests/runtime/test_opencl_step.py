@@ -17,7 +17,7 @@ from llmrs.compiler.pipeline import CompileOptions, run_passes
 from llmrs.models.llama import build_graphs, load_model
 from llmrs.models.step import step_graph
 from llmrs.runtime.backends.base import StepRows, StepRowsError
-from llmrs.runtime.backends.opencl_step import StepShape, check_step
+from llmrs.runtime.backends.opencl_step import StepShape, check_step, input_runs
 
 from ..conftest import DATA, rel_err
 
@@ -305,6 +305,32 @@ def test_too_many_rows_and_a_plan_without_a_step_graph_are_refused(small_step):
     del graphs["step"]
     with pytest.raises(OpenCLError, match="this plan has no step graph"):
         _backend(graphs).run_step(good)
+
+
+def test_inputs_end_to_end_in_one_buffer_go_as_one_copy_and_a_gap_or_another_buffer_splits_them():
+    a, b = object(), object()
+    places = [("slots", a, 128, 16), ("tokens", a, 0, 32), ("positions", a, 96, 32), ("ctx_len", a, 160, 8),
+              ("row_seq", b, 0, 8), ("block_tables", a, 320, 64), ("score_from", a, 64, 24)]
+    runs = input_runs(places, 32)
+    assert [(buf is a, off, n, members) for buf, off, n, members in runs] == [
+        (True, 0, 32, [("tokens", 0)]),                       # a gap of 32 bytes after it
+        # end to end but for the padding up to each next 32-byte boundary
+        (True, 64, 104, [("score_from", 0), ("positions", 32), ("slots", 64), ("ctx_len", 96)]),
+        (True, 320, 64, [("block_tables", 0)]),               # 128 bytes of gap before it
+        (False, 0, 8, [("row_seq", 0)])]
+    # every input in exactly one run, at its own offset
+    at = {name: off + rel for _, off, _, members in runs for name, rel in members}
+    assert at == {name: off for name, _, off, _ in places}
+
+
+def test_a_steps_inputs_take_few_copies(small_step):
+    """The memory plan puts a step graph's row inputs side by side (each 64-byte aligned), so a
+    step writes them in a few copies rather than one each."""
+    be, good = small_step
+    be.run_step(good)
+    (key, runs), = be._input_runs.items()
+    assert sum(len(m) for *_, m in runs) == len(key[1]) >= 8
+    assert len(runs) <= 3, runs
 
 
 def test_paged_attention_launches_only_the_splits_its_longest_row_needs():
