@@ -47,7 +47,7 @@ from .kv.options import _log, check_threshold
 from .kv.perseq import SeqEviction
 from .sampler import Sampler
 from .text import Detokenizer, StopScan
-from .scheduler import FinishReason, Scheduler, SchedulerConfig, Sequence
+from .scheduler import FinishReason, FlatBatch, Scheduler, SchedulerConfig, SeqState, Sequence, StepPlan
 
 if TYPE_CHECKING:
     from .model import GenerationOptions
@@ -204,6 +204,16 @@ class Request:
             cb()
 
 
+@dataclass
+class _Launched:
+    """A step on the back end: its plan, rows, how it samples, what collect_step takes."""
+    plan: StepPlan
+    flat: FlatBatch | None          # None: a plan with no rows (nothing was launched)
+    on_device: bool                 # greedy rows: the device's argmax
+    handle: Any                     # the back end's submit_step result
+    live: list                      # the requests of its logit rows, at launch
+
+
 class Batcher:
     """Continuous batching over one back end's step graph (see the module docstring)."""
 
@@ -229,6 +239,7 @@ class Batcher:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._step_lock = threading.Lock()      # one step at a time, whoever drives
+        self._ahead: _Launched | None = None    # a step launched by the last step() call, on the device
 
     # -- requests -------------------------------------------------------------------------------------
     def submit(self, prompt: list[int], options: "GenerationOptions", priority: int = 0) -> Request:
@@ -261,73 +272,158 @@ class Batcher:
     @property
     def busy(self) -> bool:
         with self.cond:
-            return self.scheduler.has_unfinished()
+            return self.scheduler.has_unfinished() or self._ahead is not None
 
     # -- stepping -------------------------------------------------------------------------------------
     def step(self) -> bool:
-        """One step of every running sequence; False when there was nothing to run."""
+        """One step of every running sequence; False when there was nothing to run.
+
+        On a back end whose steps run while the host goes on (async_steps), steps overlap the host:
+        while the device runs step N, the scheduler plans step N + 1 with the tokens N samples
+        still pending; once N's tokens are in they fill N + 1's rows, N + 1 is launched, and N's
+        tokens reach their requests while N + 1 runs. So a call returns with the next step on the
+        device, and a row of a sequence that N's token stops is computed and dropped."""
         with self._step_lock:
-            with self.cond:
-                if not self.scheduler.has_unfinished():
-                    return False
-                plan = self.scheduler.schedule()
-                for rid in plan.preempted:
-                    if rid in self.requests:
-                        self.requests[rid].preemptions += 1
-            if plan.copies:
-                self._copy_blocks(plan.copies)
-            sampled: dict[int, int] = {}
-            if plan.seqs:
-                flat = plan.flat(self.shape.blocks_per_seq)
-                # a step of prompt chunks that end no prompt samples nothing, but the graph's head
-                # runs on at least one row: row 0's logits are computed and dropped
-                picked = flat.logit_rows if len(flat.logit_rows) else np.zeros(1, np.int32)
-                rows = StepRows(flat.tokens, flat.positions, flat.slots, flat.row_seq, flat.ctx_len,
-                                flat.block_tables, picked, flat.generated, flat.score_from)
+            cur, self._ahead = self._ahead, None
+            if cur is None:
                 with self.cond:
-                    live = [self.requests.get(rid) for rid in flat.logit_seq_ids]
-                    # every sampled row greedy: the device's argmax, a token a row read back
-                    on_device = self.backend.device_argmax and len(live) > 0 and all(
-                        req is None or req.done or req.sampler.greedy for req in live)
-                if on_device:
-                    try:
-                        chosen = self.backend.run_step_argmax(rows)
-                    except NonFiniteLogits:
-                        first = next((r for r in live if r is not None), None)
-                        raise nonfinite(len(first.tokens) + 1 if first else 1) from None
-                else:
-                    logits = self.backend.run_step(rows)
-                self.steps += 1
-                self.rows_run += len(flat.tokens)
-                with self.cond:
-                    for i, rid in enumerate(flat.logit_seq_ids):
-                        req = self.requests.get(rid)
-                        if req is not None and not req.done:
-                            sampled[rid] = int(chosen[i]) if on_device else req.sampler.sample(
-                                check_finite(logits[i], len(req.tokens) + 1), req.history)
+                    if not self.scheduler.has_unfinished():
+                        return False
+                    plan = self.scheduler.schedule()
+                cur = self._launch(plan)
+            nxt = self._plan_ahead() if cur.handle is not None else None
+            sampled = self._collect(cur)
             with self.cond:
-                for s in plan.seqs:     # its first chunk starts after what the prefix cache held
-                    req = self.requests.get(s.seq_id)
-                    if req is not None and s.phase == "prefill" and not req._admitted:
-                        req._admitted = True
-                        req.cached_tokens = int(s.positions[0])
-                finished = {s.seq_id: s for s in self.scheduler.update(plan, sampled)}
-                for rid, token in sampled.items():
-                    req = self.requests.get(rid)
-                    if req is None:                         # closed while the step ran
-                        continue
-                    if rid in finished and finished[rid].finish_reason is FinishReason.STOP:
-                        self._retire(req, "stop")           # the stop token is not part of the reply
-                        continue
-                    if req._token(token):                   # a stop string
-                        self.scheduler.abort(rid)
-                        self._retire(req, "stop")
-                    elif rid in finished:
-                        self._retire(req, FINISH[finished[rid].finish_reason])
-                    else:
-                        req._notify()
-                self.cond.notify_all()
+                finished = {s.seq_id: s for s in self.scheduler.finish(cur.plan, sampled)}
+            if nxt is not None:
+                self._ahead = self._launch(*nxt)
+            self._deliver(cur, sampled, finished)
             return True
+
+    def _plan_ahead(self) -> tuple[StepPlan, FlatBatch] | None:
+        """The next step planned while the device runs the current one (async back ends, without
+        eviction, whose per-sequence state moves step by step): its rows with the pending tokens
+        as placeholders."""
+        if not self.backend.async_steps or self.scheduler.evictor is not None:
+            return None
+        with self.cond:
+            if not self.scheduler.has_unfinished():
+                return None
+            plan = self.scheduler.schedule()
+            if not plan.seqs:           # nothing to run until the pending tokens are in
+                self.scheduler.commit(plan)
+                self._count_preemptions(plan)
+                return None
+        return plan, plan.flat(self.shape.blocks_per_seq)
+
+    def _launch(self, plan: StepPlan, flat: FlatBatch | None = None) -> _Launched:
+        """Block copies, then the step on the back end (started: collect it with _collect); the
+        scheduler commits it. A plan made ahead gets its pending tokens filled in first."""
+        with self.cond:
+            self._count_preemptions(plan)
+        if plan.copies:
+            self._copy_blocks(plan.copies)
+        if not plan.seqs:
+            with self.cond:
+                self.scheduler.commit(plan)
+            return _Launched(plan, None, False, None, [])
+        if flat is None:
+            flat = plan.flat(self.shape.blocks_per_seq)
+        else:
+            self._fill_pending(plan, flat)
+        # a step of prompt chunks that end no prompt samples nothing, but the graph's head
+        # runs on at least one row: row 0's logits are computed and dropped
+        picked = flat.logit_rows if len(flat.logit_rows) else np.zeros(1, np.int32)
+        rows = StepRows(flat.tokens, flat.positions, flat.slots, flat.row_seq, flat.ctx_len,
+                        flat.block_tables, picked, flat.generated, flat.score_from)
+        with self.cond:
+            live = [self.requests.get(rid) for rid in flat.logit_seq_ids]
+            # every sampled row greedy: the device's argmax, a token a row read back
+            on_device = self.backend.device_argmax and len(live) > 0 and all(
+                req is None or req.done or req.sampler.greedy for req in live)
+        try:
+            handle = self.backend.submit_step(rows, on_device)
+        except NonFiniteLogits:
+            raise self._nonfinite(live) from None
+        self.steps += 1
+        self.rows_run += len(flat.tokens)
+        with self.cond:
+            self.scheduler.commit(plan)
+        return _Launched(plan, flat, on_device, handle, live)
+
+    @staticmethod
+    def _fill_pending(plan: StepPlan, flat: FlatBatch) -> None:
+        """A plan made ahead: its rows' tokens that were pending, now that finish() brought them
+        (a sequence that finished meanwhile keeps the placeholder; its row's result is dropped)."""
+        row = 0
+        for s in plan.seqs:
+            n, seq = s.num_tokens, s.seq
+            p0 = int(s.positions[0])
+            if p0 + n > len(seq.prompt) and seq.state is SeqState.RUNNING and not seq.pending:
+                tokens = seq.tokens(p0, p0 + n)
+                s.token_ids[:] = tokens
+                flat.tokens[row:row + n] = tokens
+            row += n
+
+    def _collect(self, cur: _Launched) -> dict[int, int]:
+        """The launched step's result: the sampled token of each request with a logits row."""
+        sampled: dict[int, int] = {}
+        if cur.handle is None:
+            return sampled
+        try:
+            out = self.backend.collect_step(cur.handle)
+        except NonFiniteLogits:
+            raise self._nonfinite(cur.live) from None
+        with self.cond:
+            for i, rid in enumerate(cur.flat.logit_seq_ids):
+                req = self.requests.get(rid)
+                if req is not None and not req.done:
+                    sampled[rid] = int(out[i]) if cur.on_device else req.sampler.sample(
+                        check_finite(out[i], len(req.tokens) + 1), req.history)
+        return sampled
+
+    @staticmethod
+    def _nonfinite(live: list) -> Exception:
+        first = next((r for r in live if r is not None), None)
+        return nonfinite(len(first.tokens) + 1 if first else 1)
+
+    def _count_preemptions(self, plan: StepPlan) -> None:
+        for rid in plan.preempted:
+            if rid in self.requests:
+                self.requests[rid].preemptions += 1
+
+    def _deliver(self, cur: _Launched, sampled: dict[int, int], finished: dict) -> None:
+        """The step's tokens to their requests: text, stop strings, finish reasons."""
+        with self.cond:
+            for s in cur.plan.seqs:     # its first chunk starts after what the prefix cache held
+                req = self.requests.get(s.seq_id)
+                if req is not None and s.phase == "prefill" and not req._admitted:
+                    req._admitted = True
+                    req.cached_tokens = int(s.positions[0])
+            for rid, token in sampled.items():
+                req = self.requests.get(rid)
+                if req is None:                         # closed while the step ran
+                    continue
+                if rid in finished and finished[rid].finish_reason is FinishReason.STOP:
+                    self._retire(req, "stop")           # the stop token is not part of the reply
+                    continue
+                if req._token(token):                   # a stop string
+                    self.scheduler.abort(rid)
+                    self._retire(req, "stop")
+                elif rid in finished:
+                    self._retire(req, FINISH[finished[rid].finish_reason])
+                else:
+                    req._notify()
+            self.cond.notify_all()
+
+    def _drain(self) -> None:
+        """Wait for a step still on the device and drop what it returns (closing, resetting)."""
+        with self._step_lock:
+            cur, self._ahead = self._ahead, None
+            if cur is not None:
+                sampled = self._collect(cur)
+                with self.cond:
+                    self.scheduler.finish(cur.plan, sampled)
 
     def run(self) -> None:
         """Step until every request is done."""
@@ -356,7 +452,7 @@ class Batcher:
     def _loop(self) -> None:
         while True:
             with self.cond:
-                while not self._stopping and not self.scheduler.has_unfinished():
+                while not self._stopping and not self.scheduler.has_unfinished() and self._ahead is None:
                     self.cond.wait()
                 if self._stopping:
                     return
@@ -375,6 +471,8 @@ class Batcher:
         with self.cond:
             if self.scheduler.has_unfinished():
                 raise EngineError("the batch has unfinished requests; close them before its cache is reset")
+        self._drain()
+        with self.cond:
             self.scheduler = self._scheduler()
 
     def close(self) -> None:
@@ -384,6 +482,7 @@ class Batcher:
                 self.scheduler.abort(req.id)
                 self._retire(req, "cancelled")
         self.stop()
+        self._drain()
 
     # -- internals --------------------------------------------------------------------------------------
     @property

@@ -53,6 +53,7 @@ or the pool: it holds at most `slots` entries at any time.
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -64,6 +65,7 @@ from .kv.store import NEVER
 from .kv.policy import StepInfo
 
 PREEMPTION_MODES = ("recompute",)
+PENDING_TOKEN = 0      # a row's token id while the step that samples it runs (Batcher fills it before its step)
 
 
 class SchedulerError(RuntimeError):
@@ -103,10 +105,11 @@ class Sequence:
     num_computed: int = 0      # tokens (prompt then output) whose KV is in the cache
     arrival: int = -1          # set by Scheduler.add: ties in priority go to the earlier one
     num_preemptions: int = 0
+    pending: int = 0           # outputs a committed step samples that finish() has not brought yet
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
+        return len(self.prompt) + len(self.output) + self.pending
 
     @property
     def remaining(self) -> int:
@@ -118,9 +121,12 @@ class Sequence:
         return (-self.priority, self.arrival)
 
     def tokens(self, start: int = 0, end: int | None = None) -> list[int]:
-        """Tokens start..end-1 of prompt + output, without building the whole list."""
+        """Tokens start..end-1 of prompt + output, without building the whole list; a pending
+        output reads PENDING_TOKEN until finish() brings it."""
         end = self.num_tokens if end is None else end
-        p = len(self.prompt)
+        p, known = len(self.prompt), len(self.prompt) + len(self.output)
+        if end > known:
+            return self.tokens(start, known) + [PENDING_TOKEN] * (end - max(start, known))
         if end <= p:
             return self.prompt[start:end]
         if start >= p:
@@ -256,7 +262,8 @@ class Scheduler:
         self._running: list[Sequence] = []
         self._arrivals = 0
         self._step = 0
-        self._in_flight: StepPlan | None = None
+        self._in_flight: StepPlan | None = None        # scheduled, not yet committed
+        self._committed: deque[StepPlan] = deque()     # committed, their sampled tokens to come
 
     # ---- requests -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -287,8 +294,8 @@ class Scheduler:
 
     def abort(self, seq_id: Hashable) -> bool:
         """Finish seq_id now and free its blocks (a client went away); False if it is not live.
-        Safe between schedule() and update(): update() skips it; the step that is running may
-        still write its rows, into blocks no one else holds until the next step is planned."""
+        Safe between schedule() and update() / finish(): they skip it; the step that is running
+        may still write its rows, into blocks whose next holder's step runs after it."""
         seq = self._seqs.get(seq_id)
         if seq is None:
             return False
@@ -311,18 +318,24 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        """Choose the next step's rows (decodes, then prompt chunks), preempting where it must."""
+        """Choose the next step's rows (decodes, then prompt chunks), preempting where it must.
+        Allowed once the last plan is committed, before its finish(): a sequence whose sampled
+        token is still pending gets its decode row with PENDING_TOKEN (the caller fills it in
+        before running the step), unless that token ends it by length."""
         if self._in_flight is not None:
             raise SchedulerError(f"schedule() again before update() of step {self._in_flight.step}")
         step = _Step(self.config.max_batched_tokens)
         ranked = sorted(self._running + self._waiting, key=lambda s: s.rank)
-        decoding = [s.seq_id for s in ranked if s.state is SeqState.RUNNING and s.remaining == 1]
+        decoding = [s.seq_id for s in ranked if s.state is SeqState.RUNNING and s.remaining == 1
+                    and len(s.output) + s.pending < s.max_tokens]
         step.granted = set(decoding[:step.budget])
         admitting = True
         for seq in ranked:
             if seq.seq_id in step.preempted:
                 continue
             if seq.state is SeqState.WAITING:
+                if seq.pending:             # preempted while its token is on its way: after finish()
+                    continue
                 if admitting and step.free_budget:
                     admitting = self._admit(step, seq)
             elif seq.remaining == 1:
@@ -339,20 +352,25 @@ class Scheduler:
 
     def update(self, plan: StepPlan, sampled: dict[Hashable, int]) -> list[Sequence]:
         """The step ran: record what it computed, append the sampled tokens (one per row group with
-        logits), finish sequences on a stop token or max_tokens. Returns those finished now."""
+        logits), finish sequences on a stop token or max_tokens. Returns those finished now.
+        commit() then finish(): a caller that runs steps back to back calls the two itself."""
+        self.commit(plan)
+        return self.finish(plan, sampled)
+
+    def commit(self, plan: StepPlan) -> None:
+        """The step is on its way with every row's token id: record the KV entries it writes (the
+        prefix cache hashes the blocks they fill); each sequence it samples for has a pending token
+        until finish(plan). The next schedule() may come before that finish()."""
         if plan is not self._in_flight:
-            raise SchedulerError(f"update() takes the plan of the last schedule() (step {self._step}), "
+            raise SchedulerError(f"commit() / update() takes the plan of the last schedule() (step {self._step}), "
                                  f"got step {plan.step}")
         self._in_flight = None
-        wanted = {s.seq_id for s in plan.seqs if s.needs_logits}
-        extra = set(sampled) - wanted
-        if extra:
-            raise SchedulerError(f"sampled tokens for sequences with no logits row: {sorted(map(repr, extra))}")
-        finished = []
+        if plan.seqs:                  # a plan of no rows has nothing to finish
+            self._committed.append(plan)
         memory_low = self.evictor is not None and self.evictor.memory_low()
         for rows in plan.seqs:
             seq = rows.seq
-            if seq.state is not SeqState.RUNNING:          # aborted while the step ran
+            if seq.state is not SeqState.RUNNING:          # aborted while the step was planned
                 continue
             self.kv.commit(seq.seq_id, rows.token_ids.tolist())
             seq.num_computed += rows.num_tokens
@@ -360,7 +378,30 @@ class Scheduler:
                 self.evictor.record(seq.seq_id, rows.kv_start, int(rows.positions[0]), rows.num_tokens)
                 self.evictor.after_step(seq.seq_id, self.kv.num_slots(seq.seq_id),
                                         rows.phase == "prefill" and rows.needs_logits, memory_low)
+            if rows.needs_logits:
+                seq.pending += 1
+
+    def finish(self, plan: StepPlan, sampled: dict[Hashable, int]) -> list[Sequence]:
+        """The committed step ran: its sampled tokens (one per sequence with a logits row) join
+        their outputs; a stop token or max_tokens finishes a sequence. Returns those finished now.
+        Plans finish in the order they were committed."""
+        if not plan.seqs:
+            return []
+        if not self._committed or plan is not self._committed[0]:
+            raise SchedulerError(f"finish() takes the oldest committed plan, got step {plan.step}")
+        self._committed.popleft()
+        wanted = {s.seq_id for s in plan.seqs if s.needs_logits}
+        extra = set(sampled) - wanted
+        if extra:
+            raise SchedulerError(f"sampled tokens for sequences with no logits row: {sorted(map(repr, extra))}")
+        finished = []
+        for rows in plan.seqs:
             if not rows.needs_logits:
+                continue
+            seq = rows.seq
+            seq.pending = max(0, seq.pending - 1)
+            # aborted while the step ran; one preempted since the commit still takes its token
+            if seq.state is SeqState.FINISHED or seq.seq_id not in self._seqs:
                 continue
             if seq.seq_id not in sampled:
                 raise SchedulerError(f"no sampled token for sequence {seq.seq_id!r}, whose last row has logits")

@@ -1,7 +1,8 @@
 """Decode through a plan's step graph: one sequence (the identity block table) against the
 decode graph, and the aggregate tok/s of several sequences decoding together. Medians of
 interleaved repeats (each repeat runs every plan and mode once), after a 64-token prompt per
-sequence (fed through the step graph, one sequence a step).
+sequence (fed through the step graph, one sequence a step). Greedy, as the engine runs it: where the
+back end takes the argmax on the device, a step reads back a token a row, not the logits.
 
     python tools/bench_step_graph.py PLAN [PLAN ...] [--backend cpu|opencl] [--threads 2]
         [--repeats 9] [--steps 32] [--streams 1,4,8] [--profile]
@@ -13,6 +14,7 @@ clock stamps measure/profile.py compiles in after every kernel.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 from collections import defaultdict
@@ -32,9 +34,10 @@ def decode_graph(be, shape: StepShape, steps: int, rng: np.random.Generator, aft
     be.run("prefill", rng.integers(0, shape.vocab, PROMPT).astype(np.int32), 0, 0)
     if after_prompt:
         after_prompt()
+    run = be.run_argmax if getattr(be, "device_argmax", False) else be.run   # greedy, as the engine
     t0 = time.perf_counter()
     for i in range(steps):
-        be.run("decode", np.array([1], np.int32), PROMPT + i, PROMPT + i)
+        run("decode", np.array([1], np.int32), PROMPT + i, PROMPT + i)
     return (time.perf_counter() - t0) / steps
 
 
@@ -60,9 +63,12 @@ def step_graph(be, shape: StepShape, n: int, steps: int, rng: np.random.Generato
         p = np.full(n, PROMPT + i)
         steps_rows.append(StepRows(np.ones(n, np.int32), p, tables[seqs, p // bs] * bs + p % bs, seqs, p + 1,
                                    tables, seqs, generated=np.ones(n, np.int32)))
+    # greedy, as the engine runs it: the device's argmax, 4 bytes a row read back (the logits of
+    # 16 rows of a 128k vocabulary would add 8 MB of reading to every step)
+    run = be.run_step_argmax if getattr(be, "device_argmax", False) else be.run_step
     t0 = time.perf_counter()
     for rows in steps_rows:
-        be.run_step(rows)
+        run(rows)
     return (time.perf_counter() - t0) / steps
 
 
@@ -84,11 +90,16 @@ def kernel_profile(plan: Plan, shape: StepShape, streams: list[int], rng: np.ran
     modes += [(f"step graph, {n} rows", lambda n=n: step_graph(be, shape, n, steps, rng, drop)) for n in streams]
     for label, run in modes:
         per: dict[str, float] = defaultdict(float)
+        by_op: dict[str, float] = defaultdict(float)   # the op (every layer's together) and kernel
         if backend == "opencl":
             run()
             slices = be.kernel_slices("profile", 0)
             for name, s, e, args in slices:
                 per[args["cl_kernel"]] += (e - s) / 1e3 / steps
+                op = be._ops.get("decode" if label == "decode graph" else "step", {}).get(args.get("op"))
+                # named by what it writes (its output value), every layer's together
+                what = re.sub(r"^l\d+\.", "", op.outputs[0] if op is not None else name)
+                by_op[f"{what} {args['cl_kernel']}"] += (e - s) / 1e3 / steps
             launches = len(slices) // steps
         else:   # the stamps hold the last step run: run the mode, then one more step's worth
             run()
@@ -100,6 +111,10 @@ def kernel_profile(plan: Plan, shape: StepShape, streams: list[int], rng: np.ran
         print(f"  {label}: {launches} kernels a step, {total:.0f} us a step; by kernel:")
         for fn, us in sorted(per.items(), key=lambda kv: -kv[1])[:8]:
             print(f"    {fn:28s} {us:9.1f} us ({us / total:.0%})")
+        if by_op:
+            print("    by op (all layers):")
+        for key, us in sorted(by_op.items(), key=lambda kv: -kv[1])[:12]:
+            print(f"      {key:40s} {us:9.1f} us ({us / total:.0%})")
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -160,6 +160,9 @@ class Backend(ABC):
     # step's cost: a plan's prefill graph is as large as the GPU wants, and a back end that runs
     # smaller steps faster feeds those (the CPU: cpu.py PREFILL_ROWS)
     prefill_rows: int | None = None
+    # submit_step returns while the device runs the step, so a caller's host work between it and
+    # collect_step overlaps the step (runtime/batch.py plans the next step there)
+    async_steps: bool = False
 
     @abstractmethod
     def run(self, phase: str, tokens: np.ndarray, n_past: int, start_pos: int) -> np.ndarray:
@@ -181,6 +184,16 @@ class Backend(ABC):
         equal maxima, as numpy): a batch whose samplers are all greedy reads back a token a row
         where the back end takes it on the device (device_argmax)."""
         return np.argmax(self.run_step(rows), axis=-1).astype(np.int32)
+
+    def submit_step(self, rows: StepRows, argmax: bool) -> Any:
+        """run_step (argmax: run_step_argmax) in two halves: this one starts the step and returns
+        what collect_step(...) takes for its result. One step at a time: collect it before the
+        next submit. Here both halves in one: the step runs now."""
+        return self.run_step_argmax(rows) if argmax else self.run_step(rows)
+
+    def collect_step(self, submitted: Any) -> np.ndarray:
+        """The result of the step submit_step started, once it has run."""
+        return submitted
 
     @abstractmethod
     def reset(self) -> None:

@@ -41,6 +41,7 @@ class OpenCLBackend(Backend):
     """Runs the plan's prefill and decode graphs on one OpenCL device."""
     name = "opencl"
     device_argmax = True     # the plan's argmax kernel (plans without one: the logits read back)
+    async_steps = True       # a step's launches are enqueued; the host waits only for its result
     locate: Callable[[str, str], tuple[Any, int]]   # (buffer, byte offset) of a graph's value: DeviceMemory.locate
 
     def __init__(self, plan: Any, device: int | str | None = None, kv_host: np.ndarray | None = None):
@@ -505,16 +506,16 @@ class OpenCLBackend(Backend):
         """One step of the plan's "step" graph (compiler/ir.py "Step graphs"): its rows checked
         (opencl_step.py), written into the arena as the graph's inputs, the kernels enqueued;
         float32 [r, vocab], the logits of rows.logit_rows in their order."""
-        return self._step(rows, argmax=False)
+        return self.collect_step(self.submit_step(rows, argmax=False))
 
     def run_step_argmax(self, rows: StepRows) -> np.ndarray:
         """The step with the plan's argmax kernel after the head: int32 [r], 4 bytes a row read
         back instead of the logits (plans without the kernel: the logits' argmax)."""
-        if "step" not in self.greedy:
-            return np.argmax(self.run_step(rows), axis=-1).astype(np.int32)
-        return self._step(rows, argmax=True)
+        return self.collect_step(self.submit_step(rows, argmax=True))
 
-    def _step(self, rows: StepRows, argmax: bool) -> np.ndarray:
+    def submit_step(self, rows: StepRows, argmax: bool) -> tuple[int, str]:
+        """The step's inputs written and its launches enqueued; returns at once (what
+        collect_step takes), while the device runs it."""
         g = self.graphs.get("step")
         if g is None:
             raise OpenCLError("this plan has no step graph (many sequences a step); recompile it with one")
@@ -532,16 +533,26 @@ class OpenCLBackend(Backend):
         # the longest row's entries, rounded up to whole 128-entry splits: few sizes, few launch lists
         longest = -(-int(inputs["ctx_len"][:n].max()) // 128) * 128
         launches = self._step_launches("step", n, idle, lead, scoring, picked, longest)
-        if argmax:
+        # plans without the argmax kernel: the logits read back, their argmax taken here
+        read = "argmax" if argmax and "step" in self.greedy else "logits"
+        if read == "argmax":
             b = self.greedy["step"]
             launches = launches + [(b.kernel, b.global_size(picked), (b.local, 1))]
         # the argmax's size is the chosen rows', so a recorded launch list is kept per count
-        self._enqueue_launches(("step", n, ("argmax", picked) if argmax else "logits", picked, scoring, idle, lead,
-                                longest), launches)
-        if argmax:
+        self._enqueue_launches(("step", n, ("argmax", picked) if read == "argmax" else "logits", picked, scoring,
+                                idle, lead, longest), launches)
+        return picked, read if read == "argmax" or not argmax else "logits argmax"
+
+    def collect_step(self, submitted: tuple[int, str]) -> np.ndarray:
+        """The result of the step submit_step enqueued: int32 [r] tokens (argmax) or float32
+        [r, vocab] logits, once the device has run it."""
+        picked, read = submitted
+        if read == "argmax":
             out = self._get(np.empty(picked, np.int32), self.result_buf)
         else:
-            out = self.read_value("step", g.outputs[0], rows=picked).astype(np.float32, copy=False)
+            out = self.read_value("step", self.graphs["step"].outputs[0], rows=picked).astype(np.float32, copy=False)
+            if read == "logits argmax":
+                out = np.argmax(out, axis=-1).astype(np.int32)
         self._in_flight.clear()
         return out
 

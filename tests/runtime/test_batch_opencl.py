@@ -41,3 +41,43 @@ def test_a_batch_that_preempts_gives_the_cpus_tokens_and_each_prompts_tokens_alo
             c = model.generate(p, max_tokens=30)
             list(c)
             assert c.tokens == r.tokens
+
+
+def _stepped(plan, prompts, max_tokens, overlap, stop_ids=(), close_at=None):
+    """The batch stepped to the end: requests 0..2 at once, request 3 after 3 steps, request 2
+    closed after close_at steps; (tokens, finish reasons, steps that left the next one on the device)."""
+    with llmrs.load(plan, backend="opencl") as model:
+        model.backend.async_steps = overlap
+        batch = model._batcher()
+        if stop_ids:
+            batch.stop_ids = frozenset(stop_ids)
+        reqs = [model.add_request(p, max_tokens=k) for p, k in zip(prompts[:3], max_tokens)]
+        ahead = steps = 0
+        while model.step():
+            steps += 1
+            ahead += batch._ahead is not None
+            if steps == 3:
+                reqs.append(model.add_request(prompts[3], max_tokens=max_tokens[3]))
+            if steps == close_at:
+                reqs[2].close()
+        return [r.tokens for r in reqs], [r.finish_reason for r in reqs], ahead
+
+
+def test_a_step_planned_while_the_last_runs_gives_the_tokens_of_steps_run_one_at_a_time(plan):
+    """OpenCL runs a step while the host plans the next, its sampled tokens pending (Batcher.step,
+    async_steps). With a stop token sampled mid-run, requests of different lengths, one joining
+    late and one closed mid-run, every request gets the tokens and finish reason it gets when each
+    step is planned after the last one's tokens are in; the rows a stop leaves in the next step
+    are dropped."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 300, n).tolist() for n in (5, 19, 11, 3)]
+    lengths = (12, 20, 9, 15)
+    free, _, none_ahead = _stepped(plan, prompts, lengths, overlap=False)
+    assert none_ahead == 0
+    stop = free[1][5]                    # request 1's sixth token ends it from now on
+    want = _stepped(plan, prompts, lengths, overlap=False, stop_ids=[stop], close_at=6)
+    got = _stepped(plan, prompts, lengths, overlap=True, stop_ids=[stop], close_at=6)
+    assert got[:2] == want[:2]
+    assert got[2] > 10                   # the steps did overlap
+    assert "stop" in want[1] and "cancelled" in want[1] and "length" in want[1], want[1]
+    assert [len(t) for t in want[0]] != [len(t) for t in free], "the stop token ended no request"

@@ -85,6 +85,45 @@ def drive(sched: Scheduler, model: FakeModel, arrivals=(), aborts=(), max_steps=
     raise AssertionError(f"not finished after {max_steps} steps")
 
 
+def drive_ahead(sched: Scheduler, model: FakeModel, arrivals=(), aborts=(), max_steps=5000) -> int:
+    """drive() as runtime/batch.py steps an async back end: step N + 1 is planned after N is
+    committed and before N's tokens are in (its pending rows filled once they are, then run).
+    Returns how many steps were planned ahead."""
+    arrivals, aborts, cur, ahead = list(arrivals), list(aborts), None, 0
+    for step in range(max_steps):
+        for s in [s for t, s in arrivals if t <= step]:
+            sched.add(s)
+        arrivals = [(t, s) for t, s in arrivals if t > step]
+        for sid in [sid for t, sid in aborts if t == step]:
+            sched.abort(sid)
+        if cur is None:
+            if not sched.has_unfinished():
+                if not arrivals:
+                    return ahead
+                continue
+            plan = sched.schedule()
+            cur = (plan, model.step(plan))
+            sched.commit(plan)
+        nxt = sched.schedule() if sched.has_unfinished() else None
+        if nxt is not None and not nxt.seqs:
+            sched.commit(nxt)
+            nxt = None
+        plan, sampled = cur
+        # the batcher's requests: an aborted sequence's token is dropped
+        sched.finish(plan, {sid: t for sid, t in sampled.items() if sched.get(sid) is not None})
+        sched.kv.check()
+        cur = None
+        if nxt is not None:
+            ahead += 1
+            for s in nxt.seqs:
+                p0, n = int(s.positions[0]), s.num_tokens
+                if s.seq.state is SeqState.RUNNING and not s.seq.pending:
+                    s.token_ids[:] = s.seq.tokens(p0, p0 + n)
+            cur = (nxt, model.step(nxt))
+            sched.commit(nxt)
+    raise AssertionError(f"not finished after {max_steps} steps")
+
+
 def _config(**kw) -> SchedulerConfig:
     base = dict(max_num_seqs=8, max_batched_tokens=32, block_size=4, num_blocks=64)
     return SchedulerConfig(**{**base, **kw})
@@ -327,6 +366,51 @@ def test_random_traffic_matches_each_sequence_run_alone_and_leaks_no_block(case)
     stats = sched.kv.stats()
     assert stats.used == 0 and stats.free + stats.cached == cfg.num_blocks
     sched.kv.check()
+
+
+@given(traffic())
+def test_steps_planned_before_the_last_ones_tokens_are_in_give_each_sequence_its_tokens_alone(case):
+    """Planning ahead (commit, schedule, then finish): pending tokens' rows filled before they
+    run, a sequence that a stop token or its length ends gets no row it needs, preemption of a
+    sequence whose token is on its way keeps that token, and no block leaks."""
+    cfg, reqs, aborts = case
+    sched, model = Scheduler(cfg), FakeModel(cfg)
+    drive_ahead(sched, model, arrivals=reqs, aborts=aborts)
+    for _, s in reqs:
+        ref = run_alone(s.prompt, s.max_tokens, s.stop_token_ids)
+        assert s.state is SeqState.FINISHED and s.pending == 0
+        if s.finish_reason is FinishReason.ABORT:
+            assert s.output == ref[:len(s.output)]
+        else:
+            assert s.output == ref, f"sequence {s.seq_id}"
+    stats = sched.kv.stats()
+    assert stats.used == 0 and stats.free + stats.cached == cfg.num_blocks
+    sched.kv.check()
+
+
+def test_a_step_planned_ahead_has_the_pending_tokens_row_and_leaves_out_a_sequence_its_length_ends():
+    cfg = _config()
+    sched, model = Scheduler(cfg), FakeModel(cfg)
+    sched.add(Sequence("a", [1, 2, 3], 2))
+    sched.add(Sequence("b", [4, 5], 5))
+    first = sched.schedule()
+    sampled = model.step(first)
+    sched.commit(first)
+    ahead = sched.schedule()                     # both first tokens pending
+    assert [(s.seq_id, s.phase, s.token_ids.tolist()) for s in ahead.seqs] == [("a", "decode", [0]),
+                                                                                ("b", "decode", [0])]
+    with pytest.raises(SchedulerError, match="oldest committed plan"):
+        sched.commit(ahead)
+        sched.finish(ahead, {})
+    sched.finish(first, sampled)
+    assert sched.get("a").output == [sampled["a"]] and sched.get("a").pending == 1   # ahead's row
+    sched.finish(ahead, model.step(ahead))
+    assert sched.get("a") is None                # two tokens: its length
+    third = sched.schedule()
+    assert [s.seq_id for s in third.seqs] == ["b"]
+    sched.commit(third)
+    fourth = sched.schedule()                    # b's third token pending: b goes on
+    assert [s.seq_id for s in fourth.seqs] == ["b"]
 
 
 def test_the_default_token_budget_is_the_back_ends_prefill_feed_where_that_is_fewer_than_the_graphs_rows():
