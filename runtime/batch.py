@@ -214,6 +214,17 @@ class _Launched:
     live: list                      # the requests of its logit rows, at launch
 
 
+@dataclass
+class _Ahead:
+    """A step planned while the last one runs: its tokens pending, its launch prepared."""
+    plan: StepPlan
+    flat: FlatBatch
+    rows: StepRows
+    live: list
+    on_device: bool
+    prepared: Any                   # the back end's prepare_step result
+
+
 class Batcher:
     """Continuous batching over one back end's step graph (see the module docstring)."""
 
@@ -296,14 +307,14 @@ class Batcher:
             with self.cond:
                 finished = {s.seq_id: s for s in self.scheduler.finish(cur.plan, sampled)}
             if nxt is not None:
-                self._ahead = self._launch(*nxt)
+                self._ahead = self._launch(nxt.plan, nxt)
             self._deliver(cur, sampled, finished)
             return True
 
-    def _plan_ahead(self) -> tuple[StepPlan, FlatBatch] | None:
+    def _plan_ahead(self) -> _Ahead | None:
         """The next step planned while the device runs the current one (async back ends, without
         eviction, whose per-sequence state moves step by step): its rows with the pending tokens
-        as placeholders."""
+        as placeholders, and the back end's work before its launch done."""
         if not self.backend.async_steps or self.scheduler.evictor is not None:
             return None
         with self.cond:
@@ -314,11 +325,27 @@ class Batcher:
                 self.scheduler.commit(plan)
                 self._count_preemptions(plan)
                 return None
-        return plan, plan.flat(self.shape.blocks_per_seq)
+        flat = plan.flat(self.shape.blocks_per_seq)
+        rows, live, on_device = self._rows(flat)
+        return _Ahead(plan, flat, rows, live, on_device, self.backend.prepare_step(rows, on_device))
 
-    def _launch(self, plan: StepPlan, flat: FlatBatch | None = None) -> _Launched:
+    def _rows(self, flat: FlatBatch) -> tuple[StepRows, list, bool]:
+        """The step graph's rows of a flat batch, its logit rows' requests, and whether the device
+        samples them (every one greedy: its argmax, a token a row read back)."""
+        # a step of prompt chunks that end no prompt samples nothing, but the graph's head
+        # runs on at least one row: row 0's logits are computed and dropped
+        picked = flat.logit_rows if len(flat.logit_rows) else np.zeros(1, np.int32)
+        rows = StepRows(flat.tokens, flat.positions, flat.slots, flat.row_seq, flat.ctx_len,
+                        flat.block_tables, picked, flat.generated, flat.score_from)
+        with self.cond:
+            live = [self.requests.get(rid) for rid in flat.logit_seq_ids]
+            on_device = self.backend.device_argmax and len(live) > 0 and all(
+                req is None or req.done or req.sampler.greedy for req in live)
+        return rows, live, on_device
+
+    def _launch(self, plan: StepPlan, ahead: _Ahead | None = None) -> _Launched:
         """Block copies, then the step on the back end (started: collect it with _collect); the
-        scheduler commits it. A plan made ahead gets its pending tokens filled in first."""
+        scheduler commits it. A step planned ahead gets its pending tokens filled in first."""
         with self.cond:
             self._count_preemptions(plan)
         if plan.copies:
@@ -327,22 +354,15 @@ class Batcher:
             with self.cond:
                 self.scheduler.commit(plan)
             return _Launched(plan, None, False, None, [])
-        if flat is None:
-            flat = plan.flat(self.shape.blocks_per_seq)
-        else:
-            self._fill_pending(plan, flat)
-        # a step of prompt chunks that end no prompt samples nothing, but the graph's head
-        # runs on at least one row: row 0's logits are computed and dropped
-        picked = flat.logit_rows if len(flat.logit_rows) else np.zeros(1, np.int32)
-        rows = StepRows(flat.tokens, flat.positions, flat.slots, flat.row_seq, flat.ctx_len,
-                        flat.block_tables, picked, flat.generated, flat.score_from)
-        with self.cond:
-            live = [self.requests.get(rid) for rid in flat.logit_seq_ids]
-            # every sampled row greedy: the device's argmax, a token a row read back
-            on_device = self.backend.device_argmax and len(live) > 0 and all(
-                req is None or req.done or req.sampler.greedy for req in live)
         try:
-            handle = self.backend.submit_step(rows, on_device)
+            if ahead is None:
+                flat = plan.flat(self.shape.blocks_per_seq)
+                rows, live, on_device = self._rows(flat)
+                handle = self.backend.submit_step(rows, on_device)
+            else:
+                flat, live, on_device = ahead.flat, ahead.live, ahead.on_device
+                self._fill_pending(plan, flat)
+                handle = self.backend.launch_step(ahead.prepared, flat.tokens)
         except NonFiniteLogits:
             raise self._nonfinite(live) from None
         self.steps += 1

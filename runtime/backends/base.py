@@ -9,6 +9,7 @@ step's first token. In a step (run_step) every row says its own position, KV slo
 """
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -194,6 +195,17 @@ class Backend(ABC):
     def collect_step(self, submitted: Any) -> np.ndarray:
         """The result of the step submit_step started, once it has run."""
         return submitted
+
+    def prepare_step(self, rows: StepRows, argmax: bool) -> Any:
+        """submit_step's host work before the launch, done ahead (a step planned while the last
+        one runs): launch_step(prepared, tokens) then starts it. Here nothing is done ahead."""
+        return rows, argmax
+
+    def launch_step(self, prepared: Any, tokens: np.ndarray | None = None) -> Any:
+        """Start a prepared step (what collect_step takes); `tokens`: its rows' token ids now, for
+        the ones it was prepared with."""
+        rows, argmax = prepared
+        return self.submit_step(rows if tokens is None else dataclasses.replace(rows, tokens=tokens), argmax)
 
     @abstractmethod
     def reset(self) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 
 from ...compiler.ir import Graph, IRError, storage_shape
 from ..plan import PREFILL_SHORT, VERIFY, Plan
-from .base import Backend, StepRows
+from .base import Backend, StepRows, StepRowsError, _within
 # the parts' public names, importable from here as before the split
 from .opencl_device import INSTALL_OPENCL, OpenCLError, _cl, list_devices, pick_device
 from .opencl_launch import GREEDY_MAX_STEPS, Bound, CommandBuffer, DirectLaunches, bind_program
@@ -32,7 +32,7 @@ from .opencl_persistent import PersistentError, PersistentProgram, PersistentSte
 from .opencl_memory import (ALIGN, DeviceMemory, Region, from_split_blocks, naive_layout, pack_weights,
                             split_region, to_split_blocks)
 from .opencl_program import build_program, cache_dir, device_options, patch_wgmma_ptx
-from .opencl_step import InputRun, StepShape, check_step, input_runs, split_rows
+from .opencl_step import InputRun, PreparedStep, StepShape, check_step, input_runs, split_rows_order
 
 COMMAND_BUFFERS_KEPT = 8  # recorded launch lists kept (one per phase and size), oldest dropped
 
@@ -516,6 +516,11 @@ class OpenCLBackend(Backend):
     def submit_step(self, rows: StepRows, argmax: bool) -> tuple[int, str]:
         """The step's inputs written and its launches enqueued; returns at once (what
         collect_step takes), while the device runs it."""
+        return self.launch_step(self.prepare_step(rows, argmax))
+
+    def prepare_step(self, rows: StepRows, argmax: bool) -> PreparedStep:
+        """Everything of a step the host does before its launch: rows checked, laid out in the
+        arena's order and packed into the bytes its input copies take, launch list chosen."""
         g = self.graphs.get("step")
         if g is None:
             raise OpenCLError("this plan has no step graph (many sequences a step); recompile it with one")
@@ -523,9 +528,8 @@ class OpenCLBackend(Backend):
             self._step_shape = StepShape.of(g)
         inputs = check_step(rows, self._step_shape)
         n = len(inputs["tokens"])
-        lead = split_rows(inputs, len(rows.logit_rows))
-        self._put(self.step_buf, 0, np.array([n, 0, 0, n - lead], np.int32))
-        self._put_inputs("step", inputs)
+        lead, order = split_rows_order(inputs, len(rows.logit_rows))
+        copies, tokens_at = self._pack_inputs("step", inputs)
         idle = self._idle_paged_kernels(inputs["row_seq"][:n])
         # the scores kernel runs in a step with a scoring row (its rows say so, not the flag)
         scoring = bool(np.any(inputs["ctx_len"] - 1 >= inputs["score_from"]))
@@ -539,9 +543,28 @@ class OpenCLBackend(Backend):
             b = self.greedy["step"]
             launches = launches + [(b.kernel, b.global_size(picked), (b.local, 1))]
         # the argmax's size is the chosen rows', so a recorded launch list is kept per count
-        self._enqueue_launches(("step", n, ("argmax", picked) if read == "argmax" else "logits", picked, scoring,
-                                idle, lead, longest), launches)
-        return picked, read if read == "argmax" or not argmax else "logits argmax"
+        key = ("step", n, ("argmax", picked) if read == "argmax" else "logits", picked, scoring, idle, lead, longest)
+        return PreparedStep(key, launches, picked, read if read == "argmax" or not argmax else "logits argmax",
+                            np.array([n, 0, 0, n - lead], np.int32), copies, tokens_at, order)
+
+    def launch_step(self, prepared: PreparedStep, tokens: np.ndarray | None = None) -> tuple[int, str]:
+        """A prepared step's inputs written and its launches enqueued (what collect_step takes);
+        `tokens`: its rows' token ids now, in the step's row order, for the ones it was prepared
+        with (a step planned before they were sampled)."""
+        if tokens is not None:
+            tokens = np.asarray(tokens)
+            n = int(prepared.head[0])
+            if tokens.shape != (n,) or tokens.dtype.kind not in "iu":
+                raise StepRowsError(f"step rows: tokens must be {n} integers, got {tokens.dtype}{list(tokens.shape)}")
+            _within("tokens", tokens, 0, self._step_shape.vocab - 1, "the vocabulary")
+            host, rel = prepared.tokens_at
+            ordered = tokens if prepared.order is None else tokens[prepared.order]
+            host[rel:rel + 4 * n] = ordered.astype(np.int32).view(np.uint8)
+        self._put(self.step_buf, 0, prepared.head)
+        for buf, off, host in prepared.copies:
+            self._put(buf, off, host)
+        self._enqueue_launches(prepared.key, prepared.launches)
+        return prepared.picked, prepared.read
 
     def collect_step(self, submitted: tuple[int, str]) -> np.ndarray:
         """The result of the step submit_step enqueued: int32 [r] tokens (argmax) or float32
@@ -556,22 +579,28 @@ class OpenCLBackend(Backend):
         self._in_flight.clear()
         return out
 
-    def _put_inputs(self, phase: str, inputs: dict[str, np.ndarray]) -> None:
-        """A step's input arrays into their arena values: inputs that lie end to end in one buffer
-        go as one copy (a copy costs the host several microseconds on NVIDIA's driver, and the
-        memory plan puts a step graph's row inputs side by side). The bytes of a value past its
-        array (rows the step does not have) are written as zeros; no kernel reads them."""
+    def _pack_inputs(self, phase: str, inputs: dict[str, np.ndarray]) -> tuple[list[tuple[Any, int, np.ndarray]],
+                                                                                tuple[np.ndarray, int]]:
+        """A step's input arrays as the copies into their arena values take them: inputs that lie
+        end to end in one buffer go as one copy (a copy costs the host several microseconds on
+        NVIDIA's driver, and the memory plan puts a step graph's row inputs side by side). The
+        bytes of a value past its array (rows the step does not have) are zeros; no kernel reads
+        them. Returns [(buffer, offset, bytes)] and where the tokens lie: (those bytes, offset)."""
         key = (phase, tuple(inputs))
         runs = self._input_runs.get(key)
         if runs is None:
             runs = self._input_runs[key] = input_runs(
                 [(name, *self.locate(phase, name), self.graphs[phase].values[name].nbytes) for name in inputs], ALIGN)
+        copies, tokens_at = [], None
         for buf, off, nbytes, members in runs:
             host = np.zeros(nbytes, np.uint8)
             for name, rel in members:
                 arr = np.ascontiguousarray(inputs[name]).view(np.uint8).reshape(-1)
                 host[rel:rel + arr.nbytes] = arr
-            self._put(buf, off, host)
+                if name == "tokens":
+                    tokens_at = (host, rel)
+            copies.append((buf, off, host))
+        return copies, tokens_at
 
     def _idle_paged_kernels(self, row_seq: np.ndarray) -> frozenset[str]:
         """The paged attention kernel with no row this step, left out of its launches (a row

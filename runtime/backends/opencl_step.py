@@ -5,6 +5,7 @@ rows in the order of the row split (split_rows).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,17 +35,36 @@ def split_rows(inputs: dict[str, np.ndarray], n_picked: int) -> int:
     """Reorder a checked step's rows so its prompt rows come first and its generated rows after
     them, each kind in step order (matmul_common.cl ROW_SPLIT); logit_rows follow their rows, so
     the logits still come back in the order asked. Returns the split: the number of prompt rows."""
+    return split_rows_order(inputs, n_picked)[0]
+
+
+def split_rows_order(inputs: dict[str, np.ndarray], n_picked: int) -> tuple[int, np.ndarray | None]:
+    """split_rows, and the order it put the rows in (row i of the arena is row order[i] of the
+    step; None: the step's own order)."""
     generated = inputs.pop("generated", None)
     n = len(inputs["tokens"])
     if generated is None or not generated.any():
-        return n
+        return n, None
     order = np.argsort(generated, kind="stable")
     for name in ("tokens", *ROW_FIELDS):
         inputs[name] = np.ascontiguousarray(inputs[name][order])
     where = np.empty(n, np.int32)
     where[order] = np.arange(n, dtype=np.int32)
     inputs["logit_rows"][:n_picked] = where[inputs["logit_rows"][:n_picked]]
-    return n - int(generated.sum())
+    return n - int(generated.sum()), order
+
+
+@dataclass
+class PreparedStep:
+    """A step as OpenCLBackend.launch_step takes it: all the host does before the launch, done."""
+    key: tuple                          # its launch list's key (recorded lists, CUDA graphs)
+    launches: list                      # (kernel, global size, local size)
+    picked: int                         # logit rows
+    read: str                           # what collect_step reads: argmax | logits | logits argmax
+    head: np.ndarray                    # the step buffer's int32 [4]
+    copies: list[tuple[Any, int, np.ndarray]]   # (buffer, byte offset, bytes) of its inputs
+    tokens_at: tuple[np.ndarray, int]   # the bytes holding the token ids, and their offset there
+    order: np.ndarray | None            # arena row i is the step's row order[i] (split_rows_order)
 
 
 # (buffer, byte offset, bytes, [(input name, its offset in the run)]): inputs written as one copy
@@ -66,4 +86,4 @@ def input_runs(places: list[tuple[str, Any, int, int]], align: int) -> list[Inpu
     return runs
 
 
-__all__ = ["ROW_FIELDS", "InputRun", "StepShape", "check_step", "input_runs", "split_rows"]
+__all__ = ["ROW_FIELDS", "InputRun", "PreparedStep", "StepShape", "check_step", "input_runs", "split_rows", "split_rows_order"]
