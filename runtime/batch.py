@@ -7,6 +7,12 @@ all rows (every weight read once for every sequence in it), samples each sequenc
 that request's own sampler, and hands the tokens back. Requests join and leave at step
 boundaries.
 
+On a back end whose steps run while the host goes on (OpenCL: `async_steps`), the host's work
+overlaps the device's: while step N runs, the scheduler plans step N + 1 (the tokens N samples are
+pending; their rows hold placeholders) and the back end prepares it (checks, packed inputs, launch
+list); once N's tokens are in they fill N + 1's rows, N + 1 is launched, and N's tokens go to
+their requests while N + 1 runs. A step() call so returns with the next step on the device.
+
 Who steps: `step()` runs one step in the caller's thread (Model.generate_many and the Python API
 drive it so); `start()` runs steps on a background thread while there is work (llmrs-serve). A
 Request is consumed from any thread: iterate it for text pieces as they decode, close() it to

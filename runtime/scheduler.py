@@ -251,7 +251,10 @@ class StepPlan:
 
 class Scheduler:
     """Waiting and running sequences, the KV pool, and the step loop:
-    plan = schedule(); run plan on the model; finished = update(plan, {seq_id: token})."""
+    plan = schedule(); run plan on the model; finished = update(plan, {seq_id: token}).
+    update() is commit(plan) (the step is launched with its rows' tokens) then finish(plan,
+    sampled) (its tokens are in); a caller whose steps run while it goes on may schedule() the
+    next step between the two (runtime/batch.py)."""
 
     def __init__(self, config: SchedulerConfig):
         self.config = config

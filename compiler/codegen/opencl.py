@@ -190,15 +190,6 @@ def matvec_shape(tuning: OpenCLTuning, k: int, n: int, quantized: bool, epilogue
     return wg, warps * rpw, 1
 
 
-def sx_rows_per_warp(tuning: OpenCLTuning, n: int) -> int:
-    """Weight rows a warp of the MV_SX twin: mv_sx_rpw, or for a matrix of few rows (N), fewer
-    (a power of 2) so that its launch keeps about mv_sx_warps warps a group of rows in flight;
-    rows a warp change no row's sums, only how many warps share x's loads."""
-    if not tuning.mv_sx_warps:
-        return tuning.mv_sx_rpw
-    return max(1, min(tuning.mv_sx_rpw, _pow2_at_most(n // tuning.mv_sx_warps)))
-
-
 MMA_TOKENS = 16   # token rows a group of the generated rows' tensor-core matvec (the MMA's m16)
 
 
@@ -489,7 +480,7 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
     if mma:
         mv_wg, mv_rows, mv_split = matvec_mma_shape(tuning, epi, "-DKV_BLOCKS" in options)
     elif rows[0] > 0 and quantized:   # MV_SX: its own shape (a row's sums are the one-token matvec's whatever it)
-        mv_wg, mv_rows, mv_split = tuning.mv_sx_wg, tuning.mv_sx_wg // 32 * sx_rows_per_warp(tuning, n), 1
+        mv_wg, mv_rows, mv_split = tuning.mv_sx_wg, tuning.mv_sx_wg // 32 * tuning.mv_sx_rpw, 1
     elif rope_heads:
         mv_rows, mv_split = heads[2], 1
         options.append("-DROPE_HEADS")

@@ -68,11 +68,11 @@ class OpenCLTuning:
     mv_sx_toks: int = 4              # its rows a group: T 8 / 16 (4 rows a warp) 5287 / ~4100 at 16
                                      # rows, T 2 5690 (round 26): fewer rows, more groups in flight
     mv_sx_wg: int = 128              # its threads a group and weight rows a warp (x's blocks, read
-    mv_sx_rpw: int = 8               # once a token, serve a warp's rows; 4: 5692 at 16 rows)
-    mv_sx_loads: int = 16            # its 16-byte weight loads in flight a lane (T 8: 4 even)
-    mv_sx_warps: int = 0             # narrow matrices' twins take fewer rows a warp (powers of 2,
-                                     # down from mv_sx_rpw) until N / rows a warp reaches this many
-                                     # warps a group of rows; 0: mv_sx_rpw everywhere
+    mv_sx_rpw: int = 8               # once a token, serve a warp's rows; 4: 5692 at 16 rows; 4 or
+                                     # 2 for N <= 3072 only: 4 / 8 rows +2-13 %, 16 rows -3-8 %,
+                                     # through the engine no gain, round 27)
+    mv_sx_loads: int = 16            # its 16-byte weight loads in flight a lane (T 8: 4 even; 8: the
+                                     # same, round 27)
     mv_tokens_inner: bool = True     # a matvec over several token rows (a step's generated rows, a
                                      # verify step) walks its groups token-fastest (matvec.cl
                                      # MV_TOKS_INNER): the groups of one weight batch for every row
