@@ -315,6 +315,12 @@ class Batcher:
             if nxt is not None:
                 self._ahead = self._launch(nxt.plan, nxt)
             self._deliver(cur, sampled, finished)
+            with self.cond:
+                dry = not self.scheduler.has_unfinished()
+            if dry and self._ahead is not None:
+                # the batch ran dry with a step of dropped rows on the device (its sequences
+                # stopped): wait for it now, so that an idle batch holds nothing in flight
+                self._finish_ahead()
             return True
 
     def _plan_ahead(self) -> _Ahead | None:
@@ -445,11 +451,15 @@ class Batcher:
     def _drain(self) -> None:
         """Wait for a step still on the device and drop what it returns (closing, resetting)."""
         with self._step_lock:
-            cur, self._ahead = self._ahead, None
-            if cur is not None:
-                sampled = self._collect(cur)
-                with self.cond:
-                    self.scheduler.finish(cur.plan, sampled)
+            self._finish_ahead()
+
+    def _finish_ahead(self) -> None:
+        """The step on the device (under _step_lock): its tokens in and finished, none delivered."""
+        cur, self._ahead = self._ahead, None
+        if cur is not None:
+            sampled = self._collect(cur)
+            with self.cond:
+                self.scheduler.finish(cur.plan, sampled)
 
     def run(self) -> None:
         """Step until every request is done."""

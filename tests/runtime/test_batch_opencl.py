@@ -81,3 +81,20 @@ def test_a_step_planned_while_the_last_runs_gives_the_tokens_of_steps_run_one_at
     assert got[2] > 10                   # the steps did overlap
     assert "stop" in want[1] and "cancelled" in want[1] and "length" in want[1], want[1]
     assert [len(t) for t in want[0]] != [len(t) for t in free], "the stop token ended no request"
+
+
+def test_a_batch_whose_last_request_stops_holds_no_step_on_the_device_after_it(plan):
+    """The step planned ahead for a sequence that its last token stops is waited for when the
+    batch runs dry, so the idle model is not busy and a single generation may follow."""
+    prompt = np.random.default_rng(2).integers(3, 300, 7).tolist()
+    with llmrs.load(plan, backend="opencl") as model:
+        first = model.add_request(prompt, max_tokens=12)
+        list(first)                                   # iterating steps the batch
+        model.batch.stop_ids = frozenset({first.tokens[4]})
+        second = model.add_request(prompt, max_tokens=12)
+        list(second)
+        assert second.finish_reason == "stop" and second.tokens == first.tokens[:first.tokens.index(first.tokens[4])]
+        assert not model.batch.busy
+        alone = model.generate(prompt, max_tokens=12)
+        list(alone)
+        assert alone.tokens == first.tokens
