@@ -349,8 +349,10 @@ class _Binder:
         kern.set_args(*args)
         variant = "+".join(o[2:].split("=")[0].lower() for o in entry["options"]
                            if o.startswith(("-DEPI_", "-DPROLOGUE_")))
+        # the rows kernel's grid is heads x splits, and the runtime launches only the splits a step
+        # needs; attention_paged_tiles shares its options but has a group a head, never split
         splits = next((int(o.split("=")[1]) for o in entry["options"] if o.startswith("-DATT_SPLITS=")), 0) \
-            if "-DATT_GRID_BY_ROWS" in entry["options"] else 0
+            if "-DATT_GRID_BY_ROWS" in entry["options"] and entry["kernel"] == "attention_paged_rows" else 0
         return Bound(entry["op"], kern, entry["local"], entry["groups"], entry["rows"],
                      entry["row_tile"], variant, bool(entry.get("scores")), entry.get("part", ""), splits,
                      entry["family"], tuple(options), tuple(args), entry.get("rows_from", 0),

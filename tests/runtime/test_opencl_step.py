@@ -334,6 +334,30 @@ def test_a_steps_inputs_take_few_copies(small_step):
     assert len(runs) <= 3, runs
 
 
+@pytest.mark.parametrize("max_seq_len", [256, 512])
+def test_a_cache_of_several_attention_splits_matches_the_interpreter_in_prompt_and_decode_steps(max_seq_len):
+    """A plan whose cache holds more entries than one paged-attention split (ATT_SPLITS > 1, as
+    every serving plan's does): a prompt run (attention_paged_tiles, a group a head) and decode
+    rows (attention_paged_rows, the splits its rows need) against the interpreter. The tiles
+    kernel's grid was once cut to the rows kernel's splits, leaving heads uncomputed."""
+    graphs = _compiled("golden-a", "f32", "f32", T=16, seqs=4, max_seq_len=max_seq_len)
+    be, ip = _backend(graphs), Interpreter(graphs["step"])
+    assert any(b.splits > 1 for b in be.launches["step"] if b.kernel.function_name == "attention_paged_rows")
+    state = ip.new_state()
+    rng = np.random.default_rng(5)
+    vocab = graphs["step"].values[graphs["step"].outputs[0]].shape[1]
+    prompts = [rng.integers(0, vocab, n).tolist() for n in (7, 9)]
+    pool = Pool(StepShape.of(graphs["step"]).n_blocks, rng, {0: 7, 1: 9})
+    rows = pool.rows([(0, t) for t in prompts[0]] + [(1, t) for t in prompts[1]], [0, 1], [6, 15])
+    got, want = be.run_step(rows), _interpret(ip, state, rows)
+    assert rel_err(got, want) <= 1e-4
+    for _ in range(3):
+        tokens = [int(np.argmax(w)) for w in want]
+        rows = pool.rows([(0, tokens[0]), (1, tokens[1])], [0, 1], [0, 1])
+        got, want = be.run_step(rows), _interpret(ip, state, rows)
+        assert rel_err(got, want) <= 1e-4
+
+
 def test_paged_attention_launches_only_the_splits_its_longest_row_needs():
     """attention_paged_rows built with ATT_GRID_BY_ROWS: a row of L entries folds ceil(L / ATT_WG)
     splits (the rest of its groups returned at once), so a step launches that many for its longest
