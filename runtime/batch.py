@@ -500,6 +500,9 @@ class Batcher:
                         req.error = f"{type(e).__name__}: {e}"
                         self.scheduler.abort(req.id)
                         self._retire(req, "error")
+                    # the failed step's plans were never finished: start the next request afresh
+                    self._ahead = None
+                    self.scheduler = self._scheduler()
                     self.cond.notify_all()
 
     def reset(self) -> None:

@@ -34,10 +34,11 @@ def manifest_extras(**keys: Any) -> Iterator[None]:
 
 
 def compile_tiny(out: Path, model: str = "golden-a", max_seq_len: int = 256, prefill_chunk: int = 16,
-                 **manifest: Any) -> Path:
-    """f32 weights and KV cache on the CPU target: the CPU and the reference backend agree to ~1e-6."""
+                 target: str = "cpu", **manifest: Any) -> Path:
+    """f32 weights and KV cache on the CPU target (or `target`): the CPU and the reference backend
+    agree to ~1e-6."""
     with manifest_extras(**manifest):
-        rc = compiler_cli.main([str(DATA / model), "-o", str(out), "--target", "cpu", "--weights", "f32",
+        rc = compiler_cli.main([str(DATA / model), "-o", str(out), "--target", target, "--weights", "f32",
                                 "--kv-type", "f32", "--max-seq-len", str(max_seq_len),
                                 "--prefill-chunk", str(prefill_chunk), "-q"])
     assert rc == 0

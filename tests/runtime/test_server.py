@@ -279,6 +279,35 @@ def test_requests_at_once_run_together_with_the_answers_each_gets_alone(srv, pla
     assert srv.model.batch.steps - steps < 48
 
 
+def test_requests_at_once_on_opencl_answer_as_each_alone_with_steps_planned_ahead(tmp_path):
+    """On OpenCL the server's batch plans each step while the device runs the last (runtime/batch.py):
+    concurrent requests, half streamed, get the text each gets alone, and the batch ends idle."""
+    from ..conftest import require_opencl
+    require_opencl()
+    plan = compile_tiny(tmp_path / "cl.plan.bin", max_seq_len=256, prefill_chunk=16, target="opencl",
+                        stop_ids=[], **CHAT_KEYS)
+    prompts = ["What is the value of self?", "Return the path", "def __init__(self, value):", "for a in b"]
+    with Model.load(plan, backend="opencl") as alone:
+        expected = ["".join(alone.generate(p, max_tokens=12)) for p in prompts]
+    running, stop = _serve(plan, "tiny", load={"backend": "opencl"})
+    try:
+        assert running.model.backend.async_steps
+        client = running.client()
+
+        def ask(i: int) -> str:
+            if i % 2:
+                return client.completions.create(model="tiny", prompt=prompts[i], max_tokens=12,
+                                                 temperature=0).choices[0].text
+            return "".join(c.choices[0].text for c in client.completions.create(
+                model="tiny", prompt=prompts[i], max_tokens=12, temperature=0, stream=True))
+
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(ask, range(4))) == expected
+        running.idle()
+    finally:
+        stop()
+
+
 def test_chat_on_a_model_without_a_template_is_a_400(plans):
     running, stop = _serve(plans["base"], "base")
     try:
