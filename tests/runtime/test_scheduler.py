@@ -61,16 +61,21 @@ class FakeModel:
         return sampled
 
 
+def _arrive(sched: Scheduler, step: int, arrivals: list, aborts: list) -> list:
+    """The sequences arriving and aborted at this step; the arrivals still to come."""
+    for s in [s for t, s in arrivals if t <= step]:
+        sched.add(s)
+    for sid in [sid for t, sid in aborts if t == step]:
+        sched.abort(sid)
+    return [(t, s) for t, s in arrivals if t > step]
+
+
 def drive(sched: Scheduler, model: FakeModel, arrivals=(), aborts=(), max_steps=5000) -> list:
     """Run steps until every sequence is done; arrivals: (step, Sequence), aborts: (step, seq_id)."""
     arrivals, aborts, plans = list(arrivals), list(aborts), []
     cfg = sched.config
     for step in range(max_steps):
-        for s in [s for t, s in arrivals if t <= step]:
-            sched.add(s)
-        arrivals = [(t, s) for t, s in arrivals if t > step]
-        for sid in [sid for t, sid in aborts if t == step]:
-            sched.abort(sid)
+        arrivals = _arrive(sched, step, arrivals, aborts)
         if not sched.has_unfinished() and not arrivals:
             return plans
         plan = sched.schedule()
@@ -91,11 +96,7 @@ def drive_ahead(sched: Scheduler, model: FakeModel, arrivals=(), aborts=(), max_
     Returns how many steps were planned ahead."""
     arrivals, aborts, cur, ahead = list(arrivals), list(aborts), None, 0
     for step in range(max_steps):
-        for s in [s for t, s in arrivals if t <= step]:
-            sched.add(s)
-        arrivals = [(t, s) for t, s in arrivals if t > step]
-        for sid in [sid for t, sid in aborts if t == step]:
-            sched.abort(sid)
+        arrivals = _arrive(sched, step, arrivals, aborts)
         if cur is None:
             if not sched.has_unfinished():
                 if not arrivals:
