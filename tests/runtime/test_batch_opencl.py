@@ -98,3 +98,24 @@ def test_a_batch_whose_last_request_stops_holds_no_step_on_the_device_after_it(p
         alone = model.generate(prompt, max_tokens=12)
         list(alone)
         assert alone.tokens == first.tokens
+
+
+def test_sampled_requests_with_steps_planned_ahead_get_the_tokens_of_steps_one_at_a_time(plan):
+    """Rows sampled on the host (temperature, a seed each) beside a greedy one: the logits come
+    back, the host samples, and the tokens fill the step planned meanwhile."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 300, n).tolist() for n in (6, 13, 4)]
+
+    def run(overlap: bool) -> list[list[int]]:
+        with llmrs.load(plan, backend="opencl") as model:
+            model.backend.async_steps = overlap
+            reqs = [model.add_request(prompts[0], max_tokens=10, temperature=0.9, seed=1),
+                    model.add_request(prompts[1], max_tokens=14, temperature=0.7, top_k=20, seed=2),
+                    model.add_request(prompts[2], max_tokens=8)]
+            ahead = 0
+            while model.step():
+                ahead += model.batch._ahead is not None
+            assert ahead > 3 if overlap else ahead == 0
+            return [r.tokens for r in reqs]
+
+    assert run(True) == run(False)
