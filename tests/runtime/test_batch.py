@@ -139,3 +139,34 @@ def test_ignore_eos_runs_past_stop_tokens_alone_and_in_a_batch(plan):
         assert full[0].tokens == want and full[0].finish_reason == "length"
         with pytest.raises(ValueError, match="ignore_eos needs max_tokens"):
             model.add_request(p, max_tokens=None, ignore_eos=True)
+
+
+def test_a_step_that_fails_on_the_background_thread_ends_its_requests_and_the_next_one_runs(plan):
+    """The server's stepping thread: a step that raises ends every request in it with the error,
+    and a request after it runs from a fresh start (the failed step's plan is not left pending)."""
+    import time
+    with llmrs.load(plan, backend="cpu") as model:
+        batch = model._batcher()
+        real, calls = batch.backend.submit_step, []
+
+        def failing(rows, argmax):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("the device went away")
+            return real(rows, argmax)
+        batch.backend.submit_step = failing
+        batch.start()
+        try:
+            first = model.add_request(prompts(1)[0], max_tokens=6)
+            end = time.monotonic() + 30
+            while not first.done:
+                assert time.monotonic() < end, "the failed request never ended"
+                time.sleep(0.01)
+            assert first.finish_reason == "error" and "the device went away" in first.error
+            second = model.add_request(prompts(1, seed=1)[0], max_tokens=6)
+            while not second.done:
+                assert time.monotonic() < end, "the request after the failure never ended"
+                time.sleep(0.01)
+            assert second.finish_reason == "length" and second.tokens == alone(model, prompts(1, seed=1)[0], 6)
+        finally:
+            batch.stop()
