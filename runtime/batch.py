@@ -9,8 +9,8 @@ boundaries.
 
 On a back end whose steps run while the host goes on (OpenCL: `async_steps`), the host's work
 overlaps the device's: while step N runs, the scheduler plans step N + 1 (the tokens N samples are
-pending; their rows hold placeholders) and the back end prepares it (checks, packed inputs, launch
-list); once N's tokens are in they fill N + 1's rows, N + 1 is launched, and N's tokens go to
+pending; their rows hold PENDING_TOKEN until then) and the back end prepares it (checks, packed
+inputs, launch list); once N's tokens are in they fill N + 1's rows, N + 1 is launched, and N's tokens go to
 their requests while N + 1 runs. A step() call so returns with the next step on the device.
 
 Who steps: `step()` runs one step in the caller's thread (Model.generate_many and the Python API
@@ -225,7 +225,6 @@ class _Ahead:
     """A step planned while the last one runs: its tokens pending, its launch prepared."""
     plan: StepPlan
     flat: FlatBatch
-    rows: StepRows
     live: list
     on_device: bool
     prepared: Any                   # the back end's prepare_step result
@@ -326,7 +325,7 @@ class Batcher:
     def _plan_ahead(self) -> _Ahead | None:
         """The next step planned while the device runs the current one (async back ends, without
         eviction, whose per-sequence state moves step by step): its rows with the pending tokens
-        as placeholders, and the back end's work before its launch done."""
+        as PENDING_TOKEN, and the back end's work before its launch done."""
         if not self.backend.async_steps or self.scheduler.evictor is not None:
             return None
         with self.cond:
@@ -339,7 +338,7 @@ class Batcher:
                 return None
         flat = plan.flat(self.shape.blocks_per_seq)
         rows, live, on_device = self._rows(flat)
-        return _Ahead(plan, flat, rows, live, on_device, self.backend.prepare_step(rows, on_device))
+        return _Ahead(plan, flat, live, on_device, self.backend.prepare_step(rows, on_device))
 
     def _rows(self, flat: FlatBatch) -> tuple[StepRows, list, bool]:
         """The step graph's rows of a flat batch, its logit rows' requests, and whether the device
@@ -386,7 +385,7 @@ class Batcher:
     @staticmethod
     def _fill_pending(plan: StepPlan, flat: FlatBatch) -> None:
         """A plan made ahead: its rows' tokens that were pending, now that finish() brought them
-        (a sequence that finished meanwhile keeps the placeholder; its row's result is dropped)."""
+        (a sequence that finished meanwhile keeps PENDING_TOKEN; its row's result is dropped)."""
         row = 0
         for s in plan.seqs:
             n, seq = s.num_tokens, s.seq

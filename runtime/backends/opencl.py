@@ -32,7 +32,7 @@ from .opencl_persistent import PersistentError, PersistentProgram, PersistentSte
 from .opencl_memory import (ALIGN, DeviceMemory, Region, from_split_blocks, naive_layout, pack_weights,
                             split_region, to_split_blocks)
 from .opencl_program import build_program, cache_dir, device_options, patch_wgmma_ptx
-from .opencl_step import InputRun, PreparedStep, StepShape, check_step, input_runs, split_rows_order
+from .opencl_step import InputRun, PreparedStep, StepShape, check_step, input_runs, split_rows
 
 COMMAND_BUFFERS_KEPT = 8  # recorded launch lists kept (one per phase and size), oldest dropped
 
@@ -528,7 +528,7 @@ class OpenCLBackend(Backend):
             self._step_shape = StepShape.of(g)
         inputs = check_step(rows, self._step_shape)
         n = len(inputs["tokens"])
-        lead, order = split_rows_order(inputs, len(rows.logit_rows))
+        lead, order = split_rows(inputs, len(rows.logit_rows))
         copies, tokens_at = self._pack_inputs("step", inputs)
         idle = self._idle_paged_kernels(inputs["row_seq"][:n])
         # the scores kernel runs in a step with a scoring row (its rows say so, not the flag)

@@ -31,16 +31,11 @@ def check_step(rows: StepRows, shape: StepShape) -> dict[str, np.ndarray]:
     return out
 
 
-def split_rows(inputs: dict[str, np.ndarray], n_picked: int) -> int:
+def split_rows(inputs: dict[str, np.ndarray], n_picked: int) -> tuple[int, np.ndarray | None]:
     """Reorder a checked step's rows so its prompt rows come first and its generated rows after
     them, each kind in step order (matmul_common.cl ROW_SPLIT); logit_rows follow their rows, so
-    the logits still come back in the order asked. Returns the split: the number of prompt rows."""
-    return split_rows_order(inputs, n_picked)[0]
-
-
-def split_rows_order(inputs: dict[str, np.ndarray], n_picked: int) -> tuple[int, np.ndarray | None]:
-    """split_rows, and the order it put the rows in (row i of the arena is row order[i] of the
-    step; None: the step's own order)."""
+    the logits still come back in the order asked. Returns the split (the number of prompt rows)
+    and the order (arena row i is the step's row order[i]; None: the step's own order)."""
     generated = inputs.pop("generated", None)
     n = len(inputs["tokens"])
     if generated is None or not generated.any():
@@ -64,7 +59,7 @@ class PreparedStep:
     head: np.ndarray                    # the step buffer's int32 [4]
     copies: list[tuple[Any, int, np.ndarray]]   # (buffer, byte offset, bytes) of its inputs
     tokens_at: tuple[np.ndarray, int]   # the bytes holding the token ids, and their offset there
-    order: np.ndarray | None            # arena row i is the step's row order[i] (split_rows_order)
+    order: np.ndarray | None            # arena row i is the step's row order[i] (split_rows)
 
 
 # (buffer, byte offset, bytes, [(input name, its offset in the run)]): inputs written as one copy
@@ -86,4 +81,4 @@ def input_runs(places: list[tuple[str, Any, int, int]], align: int) -> list[Inpu
     return runs
 
 
-__all__ = ["ROW_FIELDS", "InputRun", "PreparedStep", "StepShape", "check_step", "input_runs", "split_rows", "split_rows_order"]
+__all__ = ["ROW_FIELDS", "InputRun", "PreparedStep", "StepShape", "check_step", "input_runs", "split_rows"]
