@@ -206,11 +206,23 @@ def matvec_mma_shape(tuning: OpenCLTuning, epilogue: str | None, kv_blocks: bool
     return tuning.mv_mma_wg, warps // split * rpw, split
 
 
-def mma_chunk(k: int, most: int = 2048) -> int:
+def mma_chunk(k: int, most: int = 2048, wt: str = "q4_0") -> int:
     """K values of a chunk of the generated rows' tensor-core matvec (matvec.cl MV_MMA_KC): the
     largest multiple of 32 dividing K up to `most`, whose 16 token rows of Q8_0 codes (33 KB at
-    2048) and scales fit NVIDIA's 48 KB of local memory."""
+    2048) and scales fit NVIDIA's 48 KB of local memory; f16 x takes twice the bytes a value, so
+    half the values (34 KB at 1024)."""
+    most = most // 2 if wt == "f16" else most
     return next(c for c in range(min(k, most) // 32 * 32, 0, -32) if k % c == 0)
+
+
+def matvec_mma(tuning: OpenCLTuning, wt: str, k: int, qk_norm: bool, rope_heads: bool) -> bool:
+    """Whether a step graph's generated rows of a matmul run on the tensor-core matvec (matvec.cl
+    MV_MMA, 16 rows a group) at every row count: quantized weights with mv_mma, f16 weights with
+    mv_mma_f16 (rows of whole 32-value blocks). Its rows are summed alike whatever their number,
+    so it needs no one-token twin below mv_sx_from rows."""
+    if qk_norm or rope_heads:
+        return False
+    return tuning.mv_mma if wt in QUANT_TYPES else (wt == "f16" and tuning.mv_mma_f16 and k % 32 == 0)
 
 
 def matvec_tokens(tuning: OpenCLTuning, m: int, k: int, quantized: bool, one_token: bool) -> int:
@@ -442,7 +454,9 @@ def _matvec_rows(ctx: _Ctx, op: Op, part: str, inputs: dict[str, Any]) -> None:
     float weights' mv_toks_float rows a group), else the one variant for every row count."""
     tuning, sx = ctx.tuning, ctx.tuning.mv_sx_from
     quantized, qk_norm, epi = inputs["quantized"], inputs["qk_norm"], inputs["epi"]
-    if quantized:   # no twin where a group needs whole heads or KV blocks, nor beside MV_MMA
+    if matvec_mma(tuning, inputs["wt"], inputs["k"], qk_norm, inputs["rope_heads"]):
+        pair = False    # MV_MMA is the one variant
+    elif quantized:   # no twin where a group needs whole heads or KV blocks, nor beside MV_MMA
         pair = (not tuning.mv_mma and tuning.mv_sx_toks > 1 and not qk_norm
                 and not (epi == "rope_kv_store" and "-DKV_BLOCKS" in inputs["options"]))
     else:           # the head of float weights is tiled, never here
@@ -476,7 +490,7 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
     mv_wg = tuning.mv_wg_quant if quantized else tuning.mv_wg
     qk_split = 0
     # a step graph's generated rows on tensor cores, 16 a group (matvec.cl MV_MMA)
-    mma = part == "rest" and quantized and tuning.mv_mma and not qk_norm and not rope_heads
+    mma = part == "rest" and matvec_mma(tuning, wt, k, qk_norm, rope_heads)
     if mma:
         mv_wg, mv_rows, mv_split = matvec_mma_shape(tuning, epi, "-DKV_BLOCKS" in options)
     elif rows[0] > 0 and quantized:   # MV_SX: its own shape (a row's sums are the one-token matvec's whatever it)
@@ -517,13 +531,13 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
         loads = tuning.mv_sx_loads if rows[0] > 0 and quantized else tuning.mv_loads
         options += [f"-DMV_WG={mv_wg}", f"-DMV_ROWS={mv_rows}", f"-DMV_K={k}", f"-DMV_LOADS={loads}",
                     f"-DMV_SPLIT={mv_split}"]
-        if _rms_late(mv_split, bool(a.get("norm_folded"))):
+        if not mma and _rms_late(mv_split, bool(a.get("norm_folded"))):
             options.append("-DMV_RMS_LATE")   # matvec.cl applies it to float weights' RMS prologue
     # the generated rows of a step graph, T a group; decode, verify and a step's head keep a token a group
     sx = rows[0] > 0 and quantized
     if mma:
         toks = MMA_TOKENS
-        options += ["-DMV_MMA", f"-DMV_MMA_KC={mma_chunk(k, tuning.mv_mma_chunk)}"]
+        options += ["-DMV_MMA", f"-DMV_MMA_KC={mma_chunk(k, tuning.mv_mma_chunk, wt)}"]
     elif sx:
         toks = max(2, min(tuning.mv_sx_toks, m))
         stage_wg, stage_rows, _ = matvec_shape(tuning, k, n, quantized, epi, "-DKV_BLOCKS" in options)

@@ -52,6 +52,8 @@ class OpenCLTuning:
                                      # 1B q4_0 aggregate tok/s at 1 / 4 / 8 / 16 rows a step, one
                                      # run, 1085 / 2494 / 3187 / 3668 without, 649 / 2123 / 3455 /
                                      # 5093 with it (round 24): a lone stream pays 0.6x
+    mv_mma_f16: bool = True          # and with f16 weights (two m16n8k16 a block; x as f16, as the
+                                     # prefill matmul takes it), the one variant at every row count
     mv_mma_wg: int = 256             # its threads per group (H200 1B q4_0, 16 rows a step: 4950
                                      # tok/s; 512: 4760, and OUT_OF_RESOURCES on OpenCL's queue)
     mv_mma_split: int = 4            # its warps on one 8-row column's K

@@ -274,13 +274,8 @@ inline float seg_reduce(float v, __local float* scr, bool is_max) {
 //                 16 + 4 tq .. (a2, a3); B b0, b1 = column gq, k = 4 tq .., 16 + 4 tq ..
 //   m16n8k16 f16: the same with 2 halves per register: k = 2 tq .. and 8 + 2 tq ..
 //   C / D:        c0, c1 = row gq, columns 2 tq, 2 tq + 1; c2, c3 = row gq + 8
-#ifdef EMU_MMA
-#if defined(MV_WG) && MV_WG > 256
-#define EMU_SC_WORDS (MV_WG * 6)                    // a matvec's groups are larger
-#else
-#define EMU_SC_WORDS (((256 + 31) / 32) * 32 * 6)
-#endif
-// f16 <-> f32 by bit arithmetic, not vload_half / vstore_half through a cast pointer to a
+// f16 <-> f32 by bit arithmetic (defined on every device: matvec.cl's f16 MV_MMA without tensor
+// cores uses them too), not vload_half / vstore_half through a cast pointer to a
 // private scalar: these run in loops that hold barriers, and pip's generic PoCL 3.0 build
 // (LLVM 14) gives such an address-taken private (its address passed to the vstore_half
 // builtin) one slot for the whole work-group, so every work-item read the last one's packed
@@ -310,6 +305,12 @@ inline uint emu_f32_to_f16(float f) {
 inline float emu_half(uint w, int hi) {
     return emu_f16_to_f32(hi ? w >> 16 : w & 0xFFFFu);
 }
+#ifdef EMU_MMA
+#if defined(MV_WG) && MV_WG > 256
+#define EMU_SC_WORDS (MV_WG * 6)                    // a matvec's groups are larger
+#else
+#define EMU_SC_WORDS (((256 + 31) / 32) * 32 * 6)
+#endif
 inline void emu_mma_exchange(const uint* a, uint b0, uint b1, __local uint* sc) {
     int lid = get_local_id(0);
     barrier(CLK_LOCAL_MEM_FENCE);

@@ -28,16 +28,18 @@
 // bits do not depend on the rows sharing its group. Slots past the step's last row read row t0
 // and write nothing.
 // Grid: (groups * MV_WG, ceil(rows of x / MV_TOKS)); -DMV_TOKS_INNER walks it token-fastest.
-// -DMV_MMA (a step graph's generated rows, quantized weights; MV_TOKS = 16): each weight block is
-// read once for the group's 16 token rows and multiplied on tensor cores, an m16n8k32 s8 MMA per
-// block and 8 rows (the exact int32 block sums scaled by d_x * d_w, as the T = 1 path scales
-// each block's dot product). x comes as Q8_0 codes from stage_x (matmul.cl, -DSTAGE_REST), which
-// prepared it once for the launch, so no group repeats the RMS prologue or the quantization.
+// -DMV_MMA (a step graph's generated rows, quantized or f16 weights; MV_TOKS = 16): each weight
+// block is read once for the group's 16 token rows and multiplied on tensor cores. Quantized: an
+// m16n8k32 s8 MMA per block and 8 rows (the exact int32 block sums scaled by d_x * d_w, as the
+// T = 1 path scales each block's dot product); x comes as Q8_0 codes from stage_x (matmul.cl,
+// -DSTAGE_REST). f16: two m16n8k16 f16 MMAs a block, summed in f32; x comes from stage_x as f16,
+// as the prefill matmul's tensor-core body takes it. stage_x prepares x once for the launch, so
+// no group repeats the RMS prologue or the quantization.
 // Warp w takes the MV_RPW rows of row set w / MV_SPLIT over K slice w % MV_SPLIT (blocks s,
 // s + MV_SPLIT, ...); the slices meet in local memory in slice order. A (token, row)'s sum thus
 // runs in one fixed order whatever the other rows of its group: its bits do not depend on them.
 // Without tensor cores (or with their emulation) each lane computes its four int32 sums
-// directly: the same integers, so the same bits.
+// directly: the same integers, so the same bits (f16: f32 sums, in the device's own order).
 // -DMV_SX (a step graph's generated rows, quantized weights, MV_TOKS > 1): x's Q8_0 blocks come
 // from matvec_stage (-DMV_SX_STAGE), a launch before that runs the one-token group's own prologue
 // (RMS sum, then quantize_x / quantize_x_lanes) once a row. So no group repeats it for its
@@ -73,12 +75,13 @@
 #if defined(MV_SX) && (MV_TOKS < 2 || !defined(W_QUANT) || defined(MV_MMA))
 #error "MV_SX: a step's generated rows, several a group, quantized weights"
 #endif
-#if defined(MV_MMA) && (MV_TOKS != 16 || !defined(W_QUANT) || (MV_ROWS * MV_SPLIT / (MV_WG / 32)) % 8)
-#error "MV_MMA: 16 token rows a group, quantized weights, rows a warp a multiple of 8"
+#if defined(MV_MMA) && (MV_TOKS != 16 || !(defined(W_QUANT) || defined(W_F16)) || \
+                        (MV_ROWS * MV_SPLIT / (MV_WG / 32)) % 8 || MV_K % 32)
+#error "MV_MMA: 16 token rows a group, quantized or f16 weights, rows a warp a multiple of 8"
 #endif
 #define MV_WARPS (MV_WG / 32)
 #define MV_RPW (MV_ROWS * MV_SPLIT / MV_WARPS)      // rows per warp
-#if defined(PROLOGUE_RMS) && defined(MV_RMS_LATE) && !defined(W_QUANT)
+#if defined(PROLOGUE_RMS) && defined(MV_RMS_LATE) && !defined(W_QUANT) && !defined(MV_MMA)
 #define MV_LATE 1                                   // rms applied after the K loop
 #else
 #define MV_LATE 0
@@ -202,8 +205,12 @@ inline void quantize_x_lanes(__global const float4* x4, __local int* xq, __local
 #ifndef MV_MMA_KC
 #define MV_MMA_KC MV_K                              // K values a chunk (codegen: a divisor of K)
 #endif
+#define MV_MB (MV_K / 32)                           // 32-value blocks a row: an s8 m16n8k32, or
+                                                    // two f16 m16n8k16, a block and 8 rows
 #define MV_KCB (MV_MMA_KC / 32)                     // blocks a chunk
 #define MV_BPW ((MV_KCB + MV_SPLIT - 1) / MV_SPLIT) // a warp's blocks of a chunk, consecutive
+#ifdef W_QUANT
+#define MV_XBYTES 1                                 // stage_x's bytes a value: Q8_0 codes
 #define MV_XW (MV_MMA_KC / 4 + 4)                   // a staged token's words: the chunk's codes, then
                                                     // 4 more, so the A loads of 8 tokens x 4 lanes
                                                     // fall on 32 different banks
@@ -212,15 +219,18 @@ inline void quantize_x_lanes(__global const float4* x4, __local int* xq, __local
 #else
 #define MV_XHDR 1
 #endif
+#else
+#define MV_XBYTES 2                                 // f16 x
+#define MV_XW (MV_MMA_KC / 2 + 16)                  // the chunk's halves, then 16 more words, so the
+                                                    // 16-byte A loads of a quarter warp's 2 tokens
+                                                    // fall on 32 different banks
+#define MV_XHDR 0
+#endif
+#define MV_XU (MV_MMA_KC * MV_XBYTES / 16)          // a token's 16-byte units of a chunk
 // local words: the chunk's x for 16 tokens, or after the K loop the slices' sums and out_all
 #define MV_STAGE_WORDS (16 * MV_XW + 16 * MV_KCB * MV_XHDR)
 #define MV_SUM_WORDS ((MV_SPLIT + 1) * MV_TOKS * MV_ROWS)
 #define MV_MMA_LDS MV_MAX(MV_STAGE_WORDS, MV_SUM_WORDS)
-#ifdef W_Q8_0
-#define MV_W_WORDS 2                                // a lane's words of a row's block
-#else
-#define MV_W_WORDS 1
-#endif
 #ifdef EMU_MMA
 #define MV_EMU_PARAM , __local uint* emu_sc
 #define MV_EMU_ARG , emu_sc
@@ -229,6 +239,12 @@ inline void quantize_x_lanes(__global const float4* x4, __local int* xq, __local
 #define MV_EMU_ARG
 #endif
 
+#ifdef W_QUANT
+#ifdef W_Q8_0
+#define MV_W_WORDS 2                                // a lane's words of a row's block
+#else
+#define MV_W_WORDS 1
+#endif
 // A block's B fragment (k = 4 tq .. and 16 + 4 tq ..) from a lane's words of it: q4_0's byte j
 // holds value j (low nibble) and j + 16 (high), so word tq gives both halves; codes as s8
 inline void mv_b_frag(const uint* wv, uint* b0, uint* b1) {
@@ -255,19 +271,40 @@ inline int mv_block_isum(__local const uint* xw, __global const uint* ww) {
     return s;
 }
 #endif
+#elif !defined(USE_NV_MMA)
+// f16 weights without tensor cores: one token's block of x (16 words of halves) dotted with one
+// row's block ww in f32 (the MMA's element; halves by bit arithmetic, as this runs in a loop
+// that holds barriers: common.cl's note on PoCL)
+inline float mv_block_fsum(__local const uint* xw, __global const uint* ww) {
+    float s = 0.0f;
+    for (int q = 0; q < 16; q++) {
+        uint xv = xw[q], wv = ww[q];
+        s = fma(emu_half(xv, 0), emu_half(wv, 0), s);
+        s = fma(emu_half(xv, 1), emu_half(wv, 1), s);
+    }
+    return s;
+}
+#endif
 
 // The group's 16 token rows (from t0; nt valid) times its weight rows, into out_all [16][MV_ROWS]
-// = lds + MV_SPLIT * 16 * MV_ROWS. sx: stage_x's output for the step's M rows: codes int8 [M][K],
-// then d f32 [M][K / 32] (then q4_1's s f32 [M][K / 32]). K in chunks of MV_MMA_KC: each warp
-// first asks for its weights of the chunk (all of them in flight at once), then the group copies
-// the chunk of x into local memory (16-byte loads), then the warp's MMAs read A from there.
+// = lds + MV_SPLIT * 16 * MV_ROWS. sx: stage_x's output for the step's M rows: quantized weights
+// codes int8 [M][K], then d f32 [M][K / 32] (then q4_1's s f32 [M][K / 32]); f16 weights x as
+// f16 [M][K]. K in chunks of MV_MMA_KC: each warp first asks for its weights of the chunk (all
+// of them in flight at once), then the group copies the chunk of x into local memory (16-byte
+// loads), then the warp's MMAs read A from there.
+// f16: lane tq's 16-byte unit of a block (its values 8 tq .. 8 tq + 7) of its B row, and the
+// same unit of its two A rows, serve two m16n8k16 as their k = 2 tq, 2 tq + 1 (words 0, 2) and
+// 8 + 2 tq, 9 + 2 tq (words 1, 3): A and B take the block's k in the same order, so each MMA
+// sums 16 of its terms, and every load is a whole unit.
 inline void mv_mma_sums(gin sx, gin w, int M, int N, int g, int t0, int nt, int lid, int rset, int split,
                         int n_heads, int n_kv_heads, int hd, __local uint* lds MV_EMU_PARAM) {
     int lane = lid & 31, gq = lane >> 2, tq = lane & 3;
-    size_t nblk = (size_t)N * MV_UNITS;
-    __local uint* xc = lds;                                   // [16][MV_XW] codes
+    __local uint* xc = lds;                                   // [16][MV_XW] codes / halves
+#ifdef W_QUANT
+    size_t nblk = (size_t)N * MV_MB;
     __local float* xd = (__local float*)(lds + 16 * MV_XW);   // [16][MV_KCB] scales (q4_1: then s)
     __global const float* sd = (__global const float*)(sx + (size_t)M * MV_K);
+#endif
     int ra = gq < nt ? gq : 0, rb = gq + 8 < nt ? gq + 8 : 0;   // A rows; past nt the first (never stored)
     // B's column gq is slot 8 j + gq; C's columns 2 tq, 2 tq + 1 (padding slots read row 0)
     int wrow[MV_NT], crow[MV_NT][2];
@@ -280,42 +317,53 @@ inline void mv_mma_sums(gin sx, gin w, int M, int N, int g, int t0, int nt, int 
         crow[j][1] = max(slot_row(g, s0 + 2 * tq + 1, MV_ROWS, N, n_heads, n_kv_heads, hd), 0);
         for (int i = 0; i < 4; i++) acc[j][i] = 0.0f;
     }
-    for (int c0 = 0; c0 < MV_UNITS; c0 += MV_KCB) {
+    for (int c0 = 0; c0 < MV_MB; c0 += MV_KCB) {
+#ifdef W_QUANT
         uint wv[MV_BPW][MV_NT][MV_W_WORDS];
         WS_T dw[MV_BPW][MV_NT][2];
+#else
+        uint4 wv[MV_BPW][MV_NT];
+#endif
 #pragma unroll
         for (int i = 0; i < MV_BPW; i++) {
-            int b = min(c0 + split * MV_BPW + i, MV_UNITS - 1);
+            int b = min(c0 + split * MV_BPW + i, MV_MB - 1);
 #pragma unroll
             for (int j = 0; j < MV_NT; j++) {
-                __global const uint* ww = (__global const uint*)w + ((size_t)wrow[j] * MV_UNITS + b) * (W_QBYTES / 4);
+#ifdef W_QUANT
+                __global const uint* ww = (__global const uint*)w + ((size_t)wrow[j] * MV_MB + b) * (W_QBYTES / 4);
                 wv[i][j][0] = ww[tq];
 #if MV_W_WORDS > 1
                 wv[i][j][1] = ww[4 + tq];
 #endif
-                dw[i][j][0] = wheader(w, (size_t)crow[j][0] * MV_UNITS + b, nblk);
-                dw[i][j][1] = wheader(w, (size_t)crow[j][1] * MV_UNITS + b, nblk);
+                dw[i][j][0] = wheader(w, (size_t)crow[j][0] * MV_MB + b, nblk);
+                dw[i][j][1] = wheader(w, (size_t)crow[j][1] * MV_MB + b, nblk);
+#else
+                wv[i][j] = ((__global const uint4*)w)[((size_t)wrow[j] * MV_MB + b) * 4 + tq];
+#endif
             }
         }
         if (c0 == 0) PDL_WAIT();   // x is the kernel before's (stage_x); the weights are not
         barrier(CLK_LOCAL_MEM_FENCE);   // the last chunk's A loads are done
-        for (int e = lid; e < nt * (MV_MMA_KC / 16); e += MV_WG) {
-            int tt = e / (MV_MMA_KC / 16), u = e % (MV_MMA_KC / 16);
+        for (int e = lid; e < nt * MV_XU; e += MV_WG) {
+            int tt = e / MV_XU, u = e % MV_XU;
             *(__local uint4*)(xc + tt * MV_XW + 4 * u) =
-                ((__global const uint4*)(sx + (size_t)(t0 + tt) * MV_K + (size_t)c0 * 32))[u];
+                ((__global const uint4*)(sx + ((size_t)(t0 + tt) * MV_K + (size_t)c0 * 32) * MV_XBYTES))[u];
         }
+#ifdef W_QUANT
         for (int e = lid; e < nt * MV_KCB; e += MV_WG) {
             int tt = e / MV_KCB, b = e % MV_KCB;
-            xd[tt * MV_KCB + b] = sd[(size_t)(t0 + tt) * MV_UNITS + c0 + b];
+            xd[tt * MV_KCB + b] = sd[(size_t)(t0 + tt) * MV_MB + c0 + b];
 #ifdef W_Q4_1
-            xd[16 * MV_KCB + tt * MV_KCB + b] = sd[(size_t)M * MV_UNITS + (size_t)(t0 + tt) * MV_UNITS + c0 + b];
+            xd[16 * MV_KCB + tt * MV_KCB + b] = sd[(size_t)M * MV_MB + (size_t)(t0 + tt) * MV_MB + c0 + b];
 #endif
         }
+#endif
         barrier(CLK_LOCAL_MEM_FENCE);
 #pragma unroll
         for (int i = 0; i < MV_BPW; i++) {
             int bl = split * MV_BPW + i, bc = min(bl, MV_KCB - 1);   // the block within the chunk
             bool live = bl < MV_KCB;        // every warp runs every MMA (the emulation's barriers)
+#ifdef W_QUANT
             float dxa = xd[ra * MV_KCB + bc], dxb = xd[rb * MV_KCB + bc];
 #ifdef W_Q4_1
             float sxa = xd[16 * MV_KCB + ra * MV_KCB + bc], sxb = xd[16 * MV_KCB + rb * MV_KCB + bc];
@@ -333,10 +381,10 @@ inline void mv_mma_sums(gin sx, gin w, int M, int N, int g, int t0, int nt, int 
                 mv_b_frag(wv[i][j], &b0, &b1);
                 MMA_S8(c, a, b0, b1);
 #else
-                int b = min(c0 + bl, MV_UNITS - 1);
+                int b = min(c0 + bl, MV_MB - 1);
                 for (int q = 0; q < 4; q++)
                     c[q] = mv_block_isum(q < 2 ? pa : pb,
-                                         (__global const uint*)w + ((size_t)crow[j][q & 1] * MV_UNITS + b) * (W_QBYTES / 4));
+                                         (__global const uint*)w + ((size_t)crow[j][q & 1] * MV_MB + b) * (W_QBYTES / 4));
 #endif
                 if (live) {
 #ifdef W_Q4_1
@@ -352,6 +400,35 @@ inline void mv_mma_sums(gin sx, gin w, int M, int N, int g, int t0, int nt, int 
 #endif
                 }
             }
+#else   // f16 weights
+            __local const uint* pa = xc + ra * MV_XW + 16 * bc;
+            __local const uint* pb = xc + rb * MV_XW + 16 * bc;
+#ifdef USE_NV_MMA
+            uint4 xa = *(__local const uint4*)(pa + 4 * tq), xb = *(__local const uint4*)(pb + 4 * tq);
+            uint a0[4] = {xa.x, xb.x, xa.y, xb.y}, a1[4] = {xa.z, xb.z, xa.w, xb.w};
+#endif
+#pragma unroll
+            for (int j = 0; j < MV_NT; j++) {
+#if defined(USE_NV_MMA) && defined(EMU_MMA)
+                float c[4] = {acc[j][0], acc[j][1], acc[j][2], acc[j][3]};
+                MMA_F16(c, a0, wv[i][j].x, wv[i][j].y);
+                MMA_F16(c, a1, wv[i][j].z, wv[i][j].w);
+                if (live)
+                    for (int q = 0; q < 4; q++) acc[j][q] = c[q];
+#elif defined(USE_NV_MMA)
+                if (live) {   // uniform in the warp: its K slice
+                    MMA_F16(acc[j], a0, wv[i][j].x, wv[i][j].y);
+                    MMA_F16(acc[j], a1, wv[i][j].z, wv[i][j].w);
+                }
+#else
+                int b = min(c0 + bl, MV_MB - 1);
+                if (live)
+                    for (int q = 0; q < 4; q++)
+                        acc[j][q] += mv_block_fsum(q < 2 ? pa : pb,
+                                                   (__global const uint*)w + ((size_t)crow[j][q & 1] * MV_MB + b) * 16);
+#endif
+            }
+#endif  // W_QUANT
         }
     }
     barrier(CLK_LOCAL_MEM_FENCE);   // the stage's last reads, before the sums take its words
