@@ -151,6 +151,10 @@ def profiled_opencl(plan: Any, device: Any) -> Any:
             self.queue.finish()
             self.queue = cl.CommandQueue(self.ctx, properties=cl.command_queue_properties.PROFILING_ENABLE)
             self.direct, self.use_command_buffers = None, False
+            # inputs and reads through this queue too: left on CUDA's stream (NVIDIA), a step's
+            # input writes were not ordered before its launches here, and a kernel read the
+            # last step's token ids and positions (or none: an invalid command queue on the H200)
+            self._cuda_live = False
             self._events: list[tuple[Any, Any]] = []
             self._who: dict[int, tuple[str | None, str]] = {}
             bound = [b for bs in self.launches.values() for b in bs] + list(self.greedy.values())

@@ -193,25 +193,29 @@ def matvec_shape(tuning: OpenCLTuning, k: int, n: int, quantized: bool, epilogue
 MMA_TOKENS = 16   # token rows a group of the generated rows' tensor-core matvec (the MMA's m16)
 
 
-def matvec_mma_shape(tuning: OpenCLTuning, epilogue: str | None, kv_blocks: bool) -> tuple[int, int, int]:
+def matvec_mma_shape(tuning: OpenCLTuning, epilogue: str | None, kv_blocks: bool,
+                     wt: str = "q4_0") -> tuple[int, int, int]:
     """(threads, weight rows, K slices) of a group of the generated rows' tensor-core matvec
     (matvec.cl MV_MMA): mv_mma_wg threads, mv_mma_split warps on each 8-row MMA column's K (a
     group's rows are few, so a launch has many groups, and each group reads its 16 rows' x once
-    from stage_x's output); q8_0 / q4_0 KV stores whole 32-value blocks of a head: 64 rows."""
-    warps = tuning.mv_mma_wg // 32
-    split = min(tuning.mv_mma_split, warps)
+    from stage_x's output); f16 weights mv_mma_f16_wg and mv_mma_f16_split (their K loop holds
+    no barrier, so more slices cost nothing but their sums: a narrow matrix then has warps
+    enough, and fewer for wide matrices measured slower, round 28); q8_0 / q4_0 KV stores whole
+    32-value blocks of a head: 64 rows."""
+    wg, split = (tuning.mv_mma_f16_wg, tuning.mv_mma_f16_split) if wt == "f16" else (tuning.mv_mma_wg,
+                                                                                     tuning.mv_mma_split)
+    warps = wg // 32
+    split = min(split, warps)
     rpw = 8
     if epilogue == "rope_kv_store" and kv_blocks:
         rpw = max(8, 64 // (warps // split))
-    return tuning.mv_mma_wg, warps // split * rpw, split
+    return wg, warps // split * rpw, split
 
 
-def mma_chunk(k: int, most: int = 2048, wt: str = "q4_0") -> int:
-    """K values of a chunk of the generated rows' tensor-core matvec (matvec.cl MV_MMA_KC): the
-    largest multiple of 32 dividing K up to `most`, whose 16 token rows of Q8_0 codes (33 KB at
-    2048) and scales fit NVIDIA's 48 KB of local memory; f16 x takes twice the bytes a value, so
-    half the values (34 KB at 1024)."""
-    most = most // 2 if wt == "f16" else most
+def mma_chunk(k: int, most: int = 2048) -> int:
+    """K values of a chunk of the quantized generated rows' tensor-core matvec (matvec.cl
+    MV_MMA_KC): the largest multiple of 32 dividing K up to `most`, whose 16 token rows of Q8_0
+    codes (33 KB at 2048) and scales fit NVIDIA's 48 KB of local memory."""
     return next(c for c in range(min(k, most) // 32 * 32, 0, -32) if k % c == 0)
 
 
@@ -437,9 +441,10 @@ def _matmul(ctx: _Ctx, op: Op) -> None:
     # a step graph's quantized head (its logit rows, fewer than its tokens) is a matvec for every
     # row too, sized by the step's logit rows: the tiled head read its weights in 64-token tiles
     # for a row or two (H200 1B q4_0 212 us a step against decode's ~60; one sequence 570 -> 654
-    # tok/s, 8 sequences 2337 -> 2435, 16 2921 -> 2869). A float head stays tiled: its matvec read
-    # the 525 MB f16 head once per 1 or 4 rows (16 sequences 2344 -> 2147 and 2215 -> 1945)
-    head = ctx.graph.name == STEP and m < ctx.graph.T and quantized
+    # tok/s, 8 sequences 2337 -> 2435, 16 2921 -> 2869). A float head stays tiled (its matvec read
+    # the 525 MB f16 head once per 1 or 4 rows: 16 sequences 2344 -> 2147 and 2215 -> 1945) unless
+    # the tensor-core matvec takes it, 16 rows a group, as it takes the generated rows
+    head = ctx.graph.name == STEP and m < ctx.graph.T and (quantized or matvec_mma(tuning, wt, k, False, False))
     tiled = ((m > 1 and not matvec and not head) or k % 8 != 0) and not rope_heads and not wide_heads
     if head and not tiled:
         _matvec_rows(ctx, op, "logits", _variant_inputs(locals()))
@@ -490,9 +495,9 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
     mv_wg = tuning.mv_wg_quant if quantized else tuning.mv_wg
     qk_split = 0
     # a step graph's generated rows on tensor cores, 16 a group (matvec.cl MV_MMA)
-    mma = part == "rest" and matvec_mma(tuning, wt, k, qk_norm, rope_heads)
+    mma = (part == "rest" or part == "logits" and not quantized) and matvec_mma(tuning, wt, k, qk_norm, rope_heads)
     if mma:
-        mv_wg, mv_rows, mv_split = matvec_mma_shape(tuning, epi, "-DKV_BLOCKS" in options)
+        mv_wg, mv_rows, mv_split = matvec_mma_shape(tuning, epi, "-DKV_BLOCKS" in options, wt)
     elif rows[0] > 0 and quantized:   # MV_SX: its own shape (a row's sums are the one-token matvec's whatever it)
         mv_wg, mv_rows, mv_split = tuning.mv_sx_wg, tuning.mv_sx_wg // 32 * tuning.mv_sx_rpw, 1
     elif rope_heads:
@@ -537,7 +542,7 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
     sx = rows[0] > 0 and quantized
     if mma:
         toks = MMA_TOKENS
-        options += ["-DMV_MMA", f"-DMV_MMA_KC={mma_chunk(k, tuning.mv_mma_chunk, wt)}"]
+        options += ["-DMV_MMA"] + ([f"-DMV_MMA_KC={mma_chunk(k, tuning.mv_mma_chunk)}"] if quantized else [])
     elif sx:
         toks = max(2, min(tuning.mv_sx_toks, m))
         stage_wg, stage_rows, _ = matvec_shape(tuning, k, n, quantized, epi, "-DKV_BLOCKS" in options)
@@ -565,7 +570,8 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
                 *([eps] if rms else []), *(ints if kv else []), *late]
         if qk_split:   # the heads' tickets, then their rows
             args.append({"scratch": 4 * m * (heads[0] + heads[1]) * (1 + heads[2])})
-        if mma:   # x as stage_x leaves it for the step's rows from the split on
+        if mma and quantized:   # x as stage_x leaves it for the step's rows from the split on
+            # (f16 weights: each lane reads and rounds its values of x, matvec.cl mv_mma_sums)
             staged = {"staging": staging_bytes(m, k, wt)}
             ctx.launches.append(Launch(op.name, "matmul", "stage_x", options + ["-DX_STAGED", "-DSTAGE_REST"],
                                        [_v(x), nw, staged, {"int": m}, {"int": k}, eps],

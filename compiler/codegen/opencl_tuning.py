@@ -52,8 +52,17 @@ class OpenCLTuning:
                                      # 1B q4_0 aggregate tok/s at 1 / 4 / 8 / 16 rows a step, one
                                      # run, 1085 / 2494 / 3187 / 3668 without, 649 / 2123 / 3455 /
                                      # 5093 with it (round 24): a lone stream pays 0.6x
-    mv_mma_f16: bool = True          # and with f16 weights (two m16n8k16 a block; x as f16, as the
-                                     # prefill matmul takes it), the one variant at every row count
+    mv_mma_f16: bool = True          # and with f16 weights (two m16n8k16 a block; x rounded to f16,
+                                     # as the prefill matmul takes it), the one variant at every row
+                                     # count, the step's head too. H200 1B f16, aggregate tok/s at 1 /
+                                     # 4 / 8 / 16 rows, one run: without 835-846 / 1833-1837 / 2425-
+                                     # 2463 / 2873-2894; with it 719 / 2520-2542 / 3806-3908 / 5124-
+                                     # 5397 (a warp's K slice in consecutive blocks; every 8th block:
+                                     # 639-645 / 2286-2310 / 3683-3720 / 4989-5057; round 28)
+    mv_mma_f16_wg: int = 256         # its threads a group (512: 545-594 / 1998-2081 / 3287-3422 /
+    mv_mma_f16_split: int = 8        # 4669-4888), and warps on one 8-row column's K (4: 470-482 /
+                                     # 1810-1817 / 3169-3189 / 5224-5234; 8 slices only where a launch
+                                     # has fewer than 8192 or 16384 warps without them, -3-7 %)
     mv_mma_wg: int = 256             # its threads per group (H200 1B q4_0, 16 rows a step: 4950
                                      # tok/s; 512: 4760, and OUT_OF_RESOURCES on OpenCL's queue)
     mv_mma_split: int = 4            # its warps on one 8-row column's K

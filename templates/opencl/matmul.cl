@@ -85,13 +85,12 @@ inline void tile_epilogue(__local float* out, int t0, int rows, int g, int lid, 
 // (codegen's staging_bytes):
 //   quantized weights: codes int8 [M][K], then d f32 [M][K / 32] (Q8_0 scale, f16-rounded),
 //                      then for q4_1 s f32 [M][K / 32] (Q8_1's s = f16(d * sum of the codes))
-//   f16 weights:       x as f16 [M][K], what the tensor-core bodies multiply; only they read
-//                      it (the tiled one, and matvec.cl's MV_MMA with -DSTAGE_REST, on any
-//                      device; the fp32 body keeps x in f32: stage_x is empty there)
+//   f16 weights:       x as f16 [M][K], what the tensor-core body multiplies; only that body
+//                      reads it (the fp32 body keeps x in f32: stage_x is empty there)
 #define STAGE_WG 256
 #if defined(X_STAGED) && defined(W_QUANT)
 #define X_STAGED_Q 1
-#elif defined(W_F16) && (defined(MMA_BODY) || defined(STAGE_REST))   // STAGE_REST: matvec.cl's MV_MMA
+#elif defined(W_F16) && defined(MMA_BODY)
 #define X_STAGED_H 1
 #ifdef MMA_ASYNC
 #define MMA_ASYNC_BODY 1                     // the cp.async / ldmatrix body (matmul_async.cl)

@@ -32,9 +32,9 @@
 // block is read once for the group's 16 token rows and multiplied on tensor cores. Quantized: an
 // m16n8k32 s8 MMA per block and 8 rows (the exact int32 block sums scaled by d_x * d_w, as the
 // T = 1 path scales each block's dot product); x comes as Q8_0 codes from stage_x (matmul.cl,
-// -DSTAGE_REST). f16: two m16n8k16 f16 MMAs a block, summed in f32; x comes from stage_x as f16,
-// as the prefill matmul's tensor-core body takes it. stage_x prepares x once for the launch, so
-// no group repeats the RMS prologue or the quantization.
+// -DSTAGE_REST), which prepares it once for the launch, so no group repeats the RMS prologue or
+// the quantization. f16: two m16n8k16 f16 MMAs a block, summed in f32, of x rounded to f16 (as
+// the prefill matmul's tensor-core body takes it), which each lane reads and rounds itself.
 // Warp w takes the MV_RPW rows of row set w / MV_SPLIT over K slice w % MV_SPLIT (blocks s,
 // s + MV_SPLIT, ...); the slices meet in local memory in slice order. A (token, row)'s sum thus
 // runs in one fixed order whatever the other rows of its group: its bits do not depend on them.
@@ -202,15 +202,23 @@ inline void quantize_x_lanes(__global const float4* x4, __local int* xq, __local
 
 #ifdef MV_MMA
 #define MV_NT (MV_RPW / 8)                          // 8-row MMA columns a warp
+#define MV_MB (MV_K / 32)                           // 32-value blocks a row: an s8 m16n8k32, or
+                                                    // two f16 m16n8k16, a block and 8 rows
+#ifdef EMU_MMA
+#define MV_EMU_PARAM , __local uint* emu_sc
+#define MV_EMU_ARG , emu_sc
+#else
+#define MV_EMU_PARAM
+#define MV_EMU_ARG
+#endif
+#endif
+
+#if defined(MV_MMA) && defined(W_QUANT)
 #ifndef MV_MMA_KC
 #define MV_MMA_KC MV_K                              // K values a chunk (codegen: a divisor of K)
 #endif
-#define MV_MB (MV_K / 32)                           // 32-value blocks a row: an s8 m16n8k32, or
-                                                    // two f16 m16n8k16, a block and 8 rows
 #define MV_KCB (MV_MMA_KC / 32)                     // blocks a chunk
 #define MV_BPW ((MV_KCB + MV_SPLIT - 1) / MV_SPLIT) // a warp's blocks of a chunk, consecutive
-#ifdef W_QUANT
-#define MV_XBYTES 1                                 // stage_x's bytes a value: Q8_0 codes
 #define MV_XW (MV_MMA_KC / 4 + 4)                   // a staged token's words: the chunk's codes, then
                                                     // 4 more, so the A loads of 8 tokens x 4 lanes
                                                     // fall on 32 different banks
@@ -219,32 +227,16 @@ inline void quantize_x_lanes(__global const float4* x4, __local int* xq, __local
 #else
 #define MV_XHDR 1
 #endif
-#else
-#define MV_XBYTES 2                                 // f16 x
-#define MV_XW (MV_MMA_KC / 2 + 16)                  // the chunk's halves, then 16 more words, so the
-                                                    // 16-byte A loads of a quarter warp's 2 tokens
-                                                    // fall on 32 different banks
-#define MV_XHDR 0
-#endif
-#define MV_XU (MV_MMA_KC * MV_XBYTES / 16)          // a token's 16-byte units of a chunk
 // local words: the chunk's x for 16 tokens, or after the K loop the slices' sums and out_all
 #define MV_STAGE_WORDS (16 * MV_XW + 16 * MV_KCB * MV_XHDR)
 #define MV_SUM_WORDS ((MV_SPLIT + 1) * MV_TOKS * MV_ROWS)
 #define MV_MMA_LDS MV_MAX(MV_STAGE_WORDS, MV_SUM_WORDS)
-#ifdef EMU_MMA
-#define MV_EMU_PARAM , __local uint* emu_sc
-#define MV_EMU_ARG , emu_sc
-#else
-#define MV_EMU_PARAM
-#define MV_EMU_ARG
-#endif
-
-#ifdef W_QUANT
 #ifdef W_Q8_0
 #define MV_W_WORDS 2                                // a lane's words of a row's block
 #else
 #define MV_W_WORDS 1
 #endif
+
 // A block's B fragment (k = 4 tq .. and 16 + 4 tq ..) from a lane's words of it: q4_0's byte j
 // holds value j (low nibble) and j + 16 (high), so word tq gives both halves; codes as s8
 inline void mv_b_frag(const uint* wv, uint* b0, uint* b1) {
@@ -271,40 +263,19 @@ inline int mv_block_isum(__local const uint* xw, __global const uint* ww) {
     return s;
 }
 #endif
-#elif !defined(USE_NV_MMA)
-// f16 weights without tensor cores: one token's block of x (16 words of halves) dotted with one
-// row's block ww in f32 (the MMA's element; halves by bit arithmetic, as this runs in a loop
-// that holds barriers: common.cl's note on PoCL)
-inline float mv_block_fsum(__local const uint* xw, __global const uint* ww) {
-    float s = 0.0f;
-    for (int q = 0; q < 16; q++) {
-        uint xv = xw[q], wv = ww[q];
-        s = fma(emu_half(xv, 0), emu_half(wv, 0), s);
-        s = fma(emu_half(xv, 1), emu_half(wv, 1), s);
-    }
-    return s;
-}
-#endif
 
 // The group's 16 token rows (from t0; nt valid) times its weight rows, into out_all [16][MV_ROWS]
-// = lds + MV_SPLIT * 16 * MV_ROWS. sx: stage_x's output for the step's M rows: quantized weights
-// codes int8 [M][K], then d f32 [M][K / 32] (then q4_1's s f32 [M][K / 32]); f16 weights x as
-// f16 [M][K]. K in chunks of MV_MMA_KC: each warp first asks for its weights of the chunk (all
-// of them in flight at once), then the group copies the chunk of x into local memory (16-byte
-// loads), then the warp's MMAs read A from there.
-// f16: lane tq's 16-byte unit of a block (its values 8 tq .. 8 tq + 7) of its B row, and the
-// same unit of its two A rows, serve two m16n8k16 as their k = 2 tq, 2 tq + 1 (words 0, 2) and
-// 8 + 2 tq, 9 + 2 tq (words 1, 3): A and B take the block's k in the same order, so each MMA
-// sums 16 of its terms, and every load is a whole unit.
+// = lds + MV_SPLIT * 16 * MV_ROWS. sx: stage_x's output for the step's M rows: codes int8 [M][K],
+// then d f32 [M][K / 32] (then q4_1's s f32 [M][K / 32]). K in chunks of MV_MMA_KC: each warp
+// first asks for its weights of the chunk (all of them in flight at once), then the group copies
+// the chunk of x into local memory (16-byte loads), then the warp's MMAs read A from there.
 inline void mv_mma_sums(gin sx, gin w, int M, int N, int g, int t0, int nt, int lid, int rset, int split,
                         int n_heads, int n_kv_heads, int hd, __local uint* lds MV_EMU_PARAM) {
     int lane = lid & 31, gq = lane >> 2, tq = lane & 3;
-    __local uint* xc = lds;                                   // [16][MV_XW] codes / halves
-#ifdef W_QUANT
-    size_t nblk = (size_t)N * MV_MB;
+    size_t nblk = (size_t)N * MV_UNITS;
+    __local uint* xc = lds;                                   // [16][MV_XW] codes
     __local float* xd = (__local float*)(lds + 16 * MV_XW);   // [16][MV_KCB] scales (q4_1: then s)
     __global const float* sd = (__global const float*)(sx + (size_t)M * MV_K);
-#endif
     int ra = gq < nt ? gq : 0, rb = gq + 8 < nt ? gq + 8 : 0;   // A rows; past nt the first (never stored)
     // B's column gq is slot 8 j + gq; C's columns 2 tq, 2 tq + 1 (padding slots read row 0)
     int wrow[MV_NT], crow[MV_NT][2];
@@ -317,53 +288,42 @@ inline void mv_mma_sums(gin sx, gin w, int M, int N, int g, int t0, int nt, int 
         crow[j][1] = max(slot_row(g, s0 + 2 * tq + 1, MV_ROWS, N, n_heads, n_kv_heads, hd), 0);
         for (int i = 0; i < 4; i++) acc[j][i] = 0.0f;
     }
-    for (int c0 = 0; c0 < MV_MB; c0 += MV_KCB) {
-#ifdef W_QUANT
+    for (int c0 = 0; c0 < MV_UNITS; c0 += MV_KCB) {
         uint wv[MV_BPW][MV_NT][MV_W_WORDS];
         WS_T dw[MV_BPW][MV_NT][2];
-#else
-        uint4 wv[MV_BPW][MV_NT];
-#endif
 #pragma unroll
         for (int i = 0; i < MV_BPW; i++) {
-            int b = min(c0 + split * MV_BPW + i, MV_MB - 1);
+            int b = min(c0 + split * MV_BPW + i, MV_UNITS - 1);
 #pragma unroll
             for (int j = 0; j < MV_NT; j++) {
-#ifdef W_QUANT
-                __global const uint* ww = (__global const uint*)w + ((size_t)wrow[j] * MV_MB + b) * (W_QBYTES / 4);
+                __global const uint* ww = (__global const uint*)w + ((size_t)wrow[j] * MV_UNITS + b) * (W_QBYTES / 4);
                 wv[i][j][0] = ww[tq];
 #if MV_W_WORDS > 1
                 wv[i][j][1] = ww[4 + tq];
 #endif
-                dw[i][j][0] = wheader(w, (size_t)crow[j][0] * MV_MB + b, nblk);
-                dw[i][j][1] = wheader(w, (size_t)crow[j][1] * MV_MB + b, nblk);
-#else
-                wv[i][j] = ((__global const uint4*)w)[((size_t)wrow[j] * MV_MB + b) * 4 + tq];
-#endif
+                dw[i][j][0] = wheader(w, (size_t)crow[j][0] * MV_UNITS + b, nblk);
+                dw[i][j][1] = wheader(w, (size_t)crow[j][1] * MV_UNITS + b, nblk);
             }
         }
         if (c0 == 0) PDL_WAIT();   // x is the kernel before's (stage_x); the weights are not
         barrier(CLK_LOCAL_MEM_FENCE);   // the last chunk's A loads are done
-        for (int e = lid; e < nt * MV_XU; e += MV_WG) {
-            int tt = e / MV_XU, u = e % MV_XU;
+        for (int e = lid; e < nt * (MV_MMA_KC / 16); e += MV_WG) {
+            int tt = e / (MV_MMA_KC / 16), u = e % (MV_MMA_KC / 16);
             *(__local uint4*)(xc + tt * MV_XW + 4 * u) =
-                ((__global const uint4*)(sx + ((size_t)(t0 + tt) * MV_K + (size_t)c0 * 32) * MV_XBYTES))[u];
+                ((__global const uint4*)(sx + (size_t)(t0 + tt) * MV_K + (size_t)c0 * 32))[u];
         }
-#ifdef W_QUANT
         for (int e = lid; e < nt * MV_KCB; e += MV_WG) {
             int tt = e / MV_KCB, b = e % MV_KCB;
-            xd[tt * MV_KCB + b] = sd[(size_t)(t0 + tt) * MV_MB + c0 + b];
+            xd[tt * MV_KCB + b] = sd[(size_t)(t0 + tt) * MV_UNITS + c0 + b];
 #ifdef W_Q4_1
-            xd[16 * MV_KCB + tt * MV_KCB + b] = sd[(size_t)M * MV_MB + (size_t)(t0 + tt) * MV_MB + c0 + b];
+            xd[16 * MV_KCB + tt * MV_KCB + b] = sd[(size_t)M * MV_UNITS + (size_t)(t0 + tt) * MV_UNITS + c0 + b];
 #endif
         }
-#endif
         barrier(CLK_LOCAL_MEM_FENCE);
 #pragma unroll
         for (int i = 0; i < MV_BPW; i++) {
             int bl = split * MV_BPW + i, bc = min(bl, MV_KCB - 1);   // the block within the chunk
             bool live = bl < MV_KCB;        // every warp runs every MMA (the emulation's barriers)
-#ifdef W_QUANT
             float dxa = xd[ra * MV_KCB + bc], dxb = xd[rb * MV_KCB + bc];
 #ifdef W_Q4_1
             float sxa = xd[16 * MV_KCB + ra * MV_KCB + bc], sxb = xd[16 * MV_KCB + rb * MV_KCB + bc];
@@ -381,10 +341,10 @@ inline void mv_mma_sums(gin sx, gin w, int M, int N, int g, int t0, int nt, int 
                 mv_b_frag(wv[i][j], &b0, &b1);
                 MMA_S8(c, a, b0, b1);
 #else
-                int b = min(c0 + bl, MV_MB - 1);
+                int b = min(c0 + bl, MV_UNITS - 1);
                 for (int q = 0; q < 4; q++)
                     c[q] = mv_block_isum(q < 2 ? pa : pb,
-                                         (__global const uint*)w + ((size_t)crow[j][q & 1] * MV_MB + b) * (W_QBYTES / 4));
+                                         (__global const uint*)w + ((size_t)crow[j][q & 1] * MV_UNITS + b) * (W_QBYTES / 4));
 #endif
                 if (live) {
 #ifdef W_Q4_1
@@ -400,35 +360,6 @@ inline void mv_mma_sums(gin sx, gin w, int M, int N, int g, int t0, int nt, int 
 #endif
                 }
             }
-#else   // f16 weights
-            __local const uint* pa = xc + ra * MV_XW + 16 * bc;
-            __local const uint* pb = xc + rb * MV_XW + 16 * bc;
-#ifdef USE_NV_MMA
-            uint4 xa = *(__local const uint4*)(pa + 4 * tq), xb = *(__local const uint4*)(pb + 4 * tq);
-            uint a0[4] = {xa.x, xb.x, xa.y, xb.y}, a1[4] = {xa.z, xb.z, xa.w, xb.w};
-#endif
-#pragma unroll
-            for (int j = 0; j < MV_NT; j++) {
-#if defined(USE_NV_MMA) && defined(EMU_MMA)
-                float c[4] = {acc[j][0], acc[j][1], acc[j][2], acc[j][3]};
-                MMA_F16(c, a0, wv[i][j].x, wv[i][j].y);
-                MMA_F16(c, a1, wv[i][j].z, wv[i][j].w);
-                if (live)
-                    for (int q = 0; q < 4; q++) acc[j][q] = c[q];
-#elif defined(USE_NV_MMA)
-                if (live) {   // uniform in the warp: its K slice
-                    MMA_F16(acc[j], a0, wv[i][j].x, wv[i][j].y);
-                    MMA_F16(acc[j], a1, wv[i][j].z, wv[i][j].w);
-                }
-#else
-                int b = min(c0 + bl, MV_MB - 1);
-                if (live)
-                    for (int q = 0; q < 4; q++)
-                        acc[j][q] += mv_block_fsum(q < 2 ? pa : pb,
-                                                   (__global const uint*)w + ((size_t)crow[j][q & 1] * MV_MB + b) * 16);
-#endif
-            }
-#endif  // W_QUANT
         }
     }
     barrier(CLK_LOCAL_MEM_FENCE);   // the stage's last reads, before the sums take its words
@@ -447,6 +378,181 @@ inline void mv_mma_sums(gin sx, gin w, int M, int N, int g, int t0, int nt, int 
     for (int e = lid; e < MV_TOKS * MV_ROWS; e += MV_WG) {   // the K slices in order
         float s = part[e];
         for (int k = 1; k < MV_SPLIT; k++) s += part[k * MV_TOKS * MV_ROWS + e];
+        out_all[e] = s;
+    }
+}
+#endif
+
+#if defined(MV_MMA) && !defined(W_QUANT)
+// f16 weights. Warp w takes the MV_RPW rows of row set w / MV_SPLIT over K slice s = w % MV_SPLIT
+// (blocks s * MV_MPASS ..), MV_MU blocks' weight loads in flight at once, with no barrier
+// and no local memory in the K loop: a lane reads its A values of x (f32, from L1: every warp
+// of the launch reads the same rows) and rounds them to f16 in registers (x scaled by the RMS
+// prologue's norm weight; its sum of squares taken on the way, and each token's dot products
+// divided by its rms at the end: dot(w, x / rms * nw) = dot(w, x * nw) / rms). Lane (gq, tq)'s
+// 16-byte unit of a block (values 8 tq .. 8 tq + 7) of its B row, and the same values of its
+// two A rows, serve two m16n8k16 as their k = 2 tq, 2 tq + 1 (words 0, 2 of the unit) and
+// 8 + 2 tq, 9 + 2 tq (words 1, 3): A and B take the block's k in the same order, so each MMA sums
+// 16 of its terms and every weight load is a whole unit. A token's sums run in one fixed order
+// whatever its place in the group or the other tokens (lanes of any row do the same work; the
+// slices meet in slice order): its bits do not depend on them.
+#define MV_MPASS ((MV_MB + MV_SPLIT - 1) / MV_SPLIT)        // a warp's blocks, consecutive: each
+                                                            // row's bytes in one run (every
+                                                            // MV_SPLIT-th block: 0.89x at 1 row)
+#define MV_MBLK(p) (split * MV_MPASS + (p))                 // the slice's p-th block
+#define MV_MU MV_MIN(MV_MPASS, MV_MAX(1, MV_LOADS / MV_NT)) // blocks whose weights load together
+// local words after the K loop: the slices' sums, out_all, each token's rms, and row set 0's
+// lanes' sums of squares
+#define MV_MMA_LDS ((MV_SPLIT + 1) * MV_TOKS * MV_ROWS + MV_TOKS + MV_SPLIT * 64)
+
+// two values rounded to f16 (nearest even), the first in the low half
+inline uint mv_half2(float lo, float hi) {
+#if defined(USE_NV_PTX) && defined(USE_NV_MMA)
+    uint r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));   // sm_80 on
+    return r;
+#else
+    return emu_f32_to_f16(lo) | (emu_f32_to_f16(hi) << 16);
+#endif
+}
+
+#ifndef USE_NV_MMA
+// without tensor cores: one token's block b of x (scaled, rounded to f16) dotted with one row's
+// block ww in f32 (the MMA's element; halves by bit arithmetic: common.cl's note on PoCL)
+inline float mv_block_fsum(__global const float4* x4, gin nw, int b, __global const uint* ww) {
+    float s = 0.0f;
+    for (int i = 0; i < 8; i++) {
+        float4 v = x4[8 * b + i];
+#ifdef PROLOGUE_RMS
+        v = v * LD4_NORM(nw, 8 * b + i);
+#endif
+        uint2 h = (uint2)(mv_half2(v.x, v.y), mv_half2(v.z, v.w));
+        uint2 wv = (uint2)(ww[2 * i], ww[2 * i + 1]);
+        s = fma(emu_half(h.x, 0), emu_half(wv.x, 0), s);
+        s = fma(emu_half(h.x, 1), emu_half(wv.x, 1), s);
+        s = fma(emu_half(h.y, 0), emu_half(wv.y, 0), s);
+        s = fma(emu_half(h.y, 1), emu_half(wv.y, 1), s);
+    }
+    return s;
+}
+#endif
+
+// The group's 16 token rows (from t0; nt valid; x f32 [M][K]) times its weight rows, into
+// out_all [16][MV_ROWS] = lds + MV_SPLIT * 16 * MV_ROWS
+inline void mv_mma_sums(gin xg, gin nw, float eps, gin w, int N, int g, int t0, int nt, int lid, int rset,
+                        int split, int n_heads, int n_kv_heads, int hd, __local uint* lds MV_EMU_PARAM) {
+    int lane = lid & 31, gq = lane >> 2, tq = lane & 3;
+    int ra = gq < nt ? gq : 0, rb = gq + 8 < nt ? gq + 8 : 0;   // A rows; past nt the first (never stored)
+    __global const float4* xa4 = (__global const float4*)xg + (size_t)(t0 + ra) * (MV_K / 4);
+    __global const float4* xb4 = (__global const float4*)xg + (size_t)(t0 + rb) * (MV_K / 4);
+    __global const uint4* w4 = (__global const uint4*)w;
+    // B's column gq is slot 8 j + gq; C's columns 2 tq, 2 tq + 1 (padding slots read row 0)
+    int wrow[MV_NT], crow[MV_NT][2];
+    float acc[MV_NT][4];
+#pragma unroll
+    for (int j = 0; j < MV_NT; j++) {
+        int s0 = rset * MV_RPW + 8 * j;
+        wrow[j] = max(slot_row(g, s0 + gq, MV_ROWS, N, n_heads, n_kv_heads, hd), 0);
+        crow[j][0] = max(slot_row(g, s0 + 2 * tq, MV_ROWS, N, n_heads, n_kv_heads, hd), 0);
+        crow[j][1] = max(slot_row(g, s0 + 2 * tq + 1, MV_ROWS, N, n_heads, n_kv_heads, hd), 0);
+        for (int i = 0; i < 4; i++) acc[j][i] = 0.0f;
+    }
+    float ssa = 0.0f, ssb = 0.0f;   // sums of squares of this lane's values of rows ra, rb
+    for (int p0 = 0; p0 < MV_MPASS; p0 += MV_MU) {
+        uint4 wv[MV_MU][MV_NT];
+#pragma unroll
+        for (int u = 0; u < MV_MU; u++) {
+            int b = min(MV_MBLK(p0 + u), MV_MB - 1);
+#pragma unroll
+            for (int j = 0; j < MV_NT; j++) wv[u][j] = w4[((size_t)wrow[j] * MV_MB + b) * 4 + tq];
+        }
+        if (p0 == 0) PDL_WAIT();   // x is the kernel before's; the weights are not
+#pragma unroll
+        for (int u = 0; u < MV_MU; u++) {
+            int bi = MV_MBLK(p0 + u), b = min(bi, MV_MB - 1);
+            bool live = p0 + u < MV_MPASS && bi < MV_MB;   // uniform in the warp: its K slice
+#if defined(USE_NV_MMA)
+            float4 alo = xa4[8 * b + 2 * tq], ahi = xa4[8 * b + 2 * tq + 1], blo = alo, bhi = ahi;
+            if (nt > 8) {   // else A's second rows are padding (uniform: the group's rows)
+                blo = xb4[8 * b + 2 * tq];
+                bhi = xb4[8 * b + 2 * tq + 1];
+            }
+#ifdef PROLOGUE_RMS
+            if (live) {
+                ssa += dot(alo, alo) + dot(ahi, ahi);
+                ssb += dot(blo, blo) + dot(bhi, bhi);
+            }
+            float4 nlo = LD4_NORM(nw, 8 * b + 2 * tq), nhi = LD4_NORM(nw, 8 * b + 2 * tq + 1);
+            alo *= nlo; ahi *= nhi; blo *= nlo; bhi *= nhi;
+#endif
+            uint a0[4] = {mv_half2(alo.x, alo.y), mv_half2(blo.x, blo.y), mv_half2(alo.z, alo.w), mv_half2(blo.z, blo.w)};
+            uint a1[4] = {mv_half2(ahi.x, ahi.y), mv_half2(bhi.x, bhi.y), mv_half2(ahi.z, ahi.w), mv_half2(bhi.z, bhi.w)};
+#pragma unroll
+            for (int j = 0; j < MV_NT; j++) {
+#ifdef EMU_MMA   // every work-item calls the emulation (its barriers)
+                float c[4] = {acc[j][0], acc[j][1], acc[j][2], acc[j][3]};
+                MMA_F16(c, a0, wv[u][j].x, wv[u][j].y);
+                MMA_F16(c, a1, wv[u][j].z, wv[u][j].w);
+                if (live)
+                    for (int q = 0; q < 4; q++) acc[j][q] = c[q];
+#else
+                if (live) {
+                    MMA_F16(acc[j], a0, wv[u][j].x, wv[u][j].y);
+                    MMA_F16(acc[j], a1, wv[u][j].z, wv[u][j].w);
+                }
+#endif
+            }
+#else   // no tensor cores
+            if (live) {
+#ifdef PROLOGUE_RMS
+                for (int i = 0; i < 2; i++) {
+                    float4 va = xa4[8 * b + 2 * tq + i], vb = xb4[8 * b + 2 * tq + i];
+                    ssa += dot(va, va);
+                    ssb += dot(vb, vb);
+                }
+#endif
+#pragma unroll
+                for (int j = 0; j < MV_NT; j++)
+                    for (int q = 0; q < 4; q++)
+                        acc[j][q] += mv_block_fsum(q < 2 ? xa4 : xb4, nw, b,
+                                                   (__global const uint*)w + ((size_t)crow[j][q & 1] * MV_MB + b) * 16);
+            }
+#endif
+        }
+    }
+    __local float* part = (__local float*)lds;                 // [MV_SPLIT][16][MV_ROWS]
+    __local float* out_all = part + MV_SPLIT * MV_TOKS * MV_ROWS;
+    __local float* rms = out_all + MV_TOKS * MV_ROWS;          // [16]
+    __local float* ssl = rms + MV_TOKS;                        // [MV_SPLIT][32 lanes][2]
+#pragma unroll
+    for (int j = 0; j < MV_NT; j++) {
+        int s0 = rset * MV_RPW + 8 * j + 2 * tq;
+        __local float* p = part + split * MV_TOKS * MV_ROWS;
+        p[gq * MV_ROWS + s0] = acc[j][0];
+        p[gq * MV_ROWS + s0 + 1] = acc[j][1];
+        p[(gq + 8) * MV_ROWS + s0] = acc[j][2];
+        p[(gq + 8) * MV_ROWS + s0 + 1] = acc[j][3];
+    }
+#ifdef PROLOGUE_RMS
+    if (rset == 0) {   // every row set's lanes read the same x
+        ssl[(split * 32 + lane) * 2] = ssa;
+        ssl[(split * 32 + lane) * 2 + 1] = ssb;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (lid < MV_TOKS) {   // token lid: row lid % 8 of A's lanes, their first or second row
+        float s = 0.0f;
+        for (int k = 0; k < MV_SPLIT; k++)
+            for (int q = 0; q < 4; q++) s += ssl[(k * 32 + (lid & 7) * 4 + q) * 2 + (lid >> 3)];
+        rms[lid] = sqrt(s / (float)MV_K + eps);
+    }
+#endif
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int e = lid; e < MV_TOKS * MV_ROWS; e += MV_WG) {   // the K slices in order
+        float s = part[e];
+        for (int k = 1; k < MV_SPLIT; k++) s += part[k * MV_TOKS * MV_ROWS + e];
+#ifdef PROLOGUE_RMS
+        s /= rms[e / MV_ROWS];
+#endif
         out_all[e] = s;
     }
 }
@@ -491,7 +597,7 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #ifdef QK_SPLIT
             , gout qscb, ulong qsc_off
 #endif
-#if defined(MV_MMA) || defined(MV_SX)
+#if (defined(MV_MMA) && defined(W_QUANT)) || defined(MV_SX)
             , gin sxb, ulong sx_off
 #endif
             KERNEL_ROWS_ARGS) {
@@ -571,8 +677,13 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #ifdef EMU_MMA
     __local uint emu_sc[EMU_SC_WORDS];
 #endif
+#ifdef W_QUANT
     mv_mma_sums(sxb + sx_off, wb + w_off, M, N, g, t0, nt, lid, rset, split, n_heads, n_kv_heads, hd,
                 mma_lds MV_EMU_ARG);
+#else
+    mv_mma_sums(xb + x_off, nwb + nw_off, eps, wb + w_off, N, g, t0, nt, lid, rset, split, n_heads, n_kv_heads, hd,
+                mma_lds MV_EMU_ARG);
+#endif
 #else
 #ifdef PROLOGUE_RMS
     gin nw = nwb + nw_off;
