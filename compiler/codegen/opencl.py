@@ -202,8 +202,10 @@ def matvec_mma_shape(tuning: OpenCLTuning, epilogue: str | None, kv_blocks: bool
     no barrier, so more slices cost nothing but their sums: a narrow matrix then has warps
     enough, and fewer for wide matrices measured slower, round 28); q8_0 / q4_0 KV stores whole
     32-value blocks of a head: 64 rows."""
-    wg, split = (tuning.mv_mma_f16_wg, tuning.mv_mma_f16_split) if wt == "f16" else (tuning.mv_mma_wg,
-                                                                                     tuning.mv_mma_split)
+    if wt == "f16":
+        wg, split = tuning.mv_mma_f16_wg, tuning.mv_mma_f16_split
+    else:
+        wg, split = tuning.mv_mma_wg, tuning.mv_mma_split
     warps = wg // 32
     split = min(split, warps)
     rpw = 8
@@ -495,7 +497,8 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
     mv_wg = tuning.mv_wg_quant if quantized else tuning.mv_wg
     qk_split = 0
     # a step graph's generated rows on tensor cores, 16 a group (matvec.cl MV_MMA)
-    mma = (part == "rest" or part == "logits" and not quantized) and matvec_mma(tuning, wt, k, qk_norm, rope_heads)
+    mma = (part == "rest" or (part == "logits" and not quantized)) and matvec_mma(tuning, wt, k, qk_norm,
+                                                                                   rope_heads)
     if mma:
         mv_wg, mv_rows, mv_split = matvec_mma_shape(tuning, epi, "-DKV_BLOCKS" in options, wt)
     elif rows[0] > 0 and quantized:   # MV_SX: its own shape (a row's sums are the one-token matvec's whatever it)

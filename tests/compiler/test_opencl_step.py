@@ -224,6 +224,7 @@ def test_the_tiles_kernel_takes_the_heads_whose_staged_chunk_fits_the_devices_lo
 # 16 of them; down_proj's K 8192: 10 KB, 4) (a layer's matmuls in launch order: qkv, o_proj,
 # gate_up, down_proj)
 TOKS_1B = {"q4_0": [1, 1, 1, 1], "f16": [4, 4, 4, 4]}   # with the pairs off (mv_sx_from=0)
+TOKS_MMA = [16, 16, 16, 16]   # f16 weights on the tensor-core matvec (the default)
 TOKS_1B_16 = [16, 16, 16, 4]
 MANY_TOKS = replace(TUNING, mv_toks_quant=16, mv_toks_float=8, mv_sx_from=0)
 
@@ -277,23 +278,43 @@ def _check_sx_twins(launches: list, quantized: bool) -> None:
     assert any(launch.kernel == "matvec_stage" for launch in launches) == quantized
 
 
-@pytest.mark.parametrize("weights", ["q4_0", "f16"])
-def test_a_1b_step_graph_splits_each_layer_matmul_by_row_kind_and_pages_every_attention(llama_1b_graphs, weights):
+def _check_mma_rows(launches: list) -> None:
+    """f16 weights on the tensor-core matvec: the generated rows' and the head's one launch each,
+    16 rows a group at every row count (no twin, no stage: each lane reads x itself)."""
+    rows = [launch for launch in launches if launch.kernel == "matvec" and launch.part in ("rest", "logits")]
+    assert rows and {launch.part for launch in rows} == {"rest", "logits"}
+    for launch in rows:
+        assert "-DMV_MMA" in launch.options and "-DMV_TOKS=16" in launch.options and launch.row_tile == 16
+        assert not launch.rows_from and not launch.rows_below
+        assert not any(o.startswith(("-DMV_MMA_KC=", "-DMV_RMS_LATE")) for o in launch.options)
+    assert not any(launch.kernel in ("matvec_stage",) or "-DSTAGE_REST" in launch.options for launch in launches)
+
+
+@pytest.mark.parametrize("weights,mma", [("q4_0", False), ("f16", True), ("f16", False)],
+                         ids=["q4_0", "f16", "f16-on-cuda-cores"])
+def test_a_1b_step_graph_splits_each_layer_matmul_by_row_kind_and_pages_every_attention(llama_1b_graphs, weights,
+                                                                                         mma):
     """Row invariance starts with the kernels chosen: by a row's own kind, never by what shares
     its step. A layer's matmuls run their prompt rows in matmul_tiled (part "lead") and their
     generated rows in the decode matvec (part "rest"), both built with ROW_SPLIT, the matvec
-    taking several generated rows a group (MV_TOKS, its row_tile); the head runs every logit row
-    tiled; attention is the paged pair (not the contiguous kernels). Quantized weights add, for
-    steps of mv_sx_from generated rows or more, each matvec's MV_SX twin and its matvec_stage."""
+    taking several generated rows a group (MV_TOKS, its row_tile); attention is the paged pair
+    (not the contiguous kernels). Quantized weights add, for steps of mv_sx_from generated rows
+    or more, each matvec's MV_SX twin and its matvec_stage, and run their head as a matvec; f16
+    weights run their generated rows and head on the tensor-core matvec (mv_mma_f16), or with it
+    off a twin of mv_toks_float rows a group and a tiled head."""
     prefill, decode = llama_1b_graphs
     g = run_passes(step_graph(prefill, max_seqs=16, block_size=16), CompileOptions(weights=weights))
-    launches = lower_graph(g)
+    tuning = replace(TUNING, mv_mma_f16=mma)
+    launches = lower_graph(g, tuning)
     q = weights == "q4_0"
-    _check_sx_twins(launches, q)
+    if mma:
+        _check_mma_rows(launches)
+    else:
+        _check_sx_twins(launches, q)
     launches = [launch for launch in launches if not launch.rows_from]   # the one-token matvecs
     # without the pairs, each matmul's generated rows run one matvec, as many rows a group as measured
-    rest = [launch for launch in lower_graph(g, replace(TUNING, mv_sx_from=0)) if launch.part == "rest"]
-    assert [launch.row_tile for launch in rest] == TOKS_1B[weights] * 16
+    rest = [launch for launch in lower_graph(g, replace(tuning, mv_sx_from=0)) if launch.part == "rest"]
+    assert [launch.row_tile for launch in rest] == (TOKS_MMA if mma else TOKS_1B[weights]) * 16
     assert all((f"-DMV_TOKS={launch.row_tile}" in launch.options) if launch.row_tile > 1
                else not any(o.startswith("-DMV_TOKS=") for o in launch.options) for launch in rest)   # T 1: today's kernel
     # each walks its groups token-fastest (several token groups: 16 rows over row_tile)
@@ -307,11 +328,13 @@ def test_a_1b_step_graph_splits_each_layer_matmul_by_row_kind_and_pages_every_at
     assert dec and all(launch.row_tile == 1 and not any("MV_TOKS" in o for o in launch.options) for launch in dec)
     kernels = Counter(launch.kernel for launch in launches)
     layers = 16
-    # the head: quantized a matvec for every logit row, sized by them; f16 tiled
-    assert kernels["matmul_tiled"] == 4 * layers + (not q) and kernels["matvec"] == 4 * layers + q
+    # the head: a matvec for every logit row, sized by them; f16 off the tensor cores tiled
+    mv_head = q or mma
+    assert kernels["matmul_tiled"] == 4 * layers + (not mv_head) and kernels["matvec"] == 4 * layers + mv_head
     parts = Counter((launch.kernel, launch.part) for launch in launches if launch.family in ("matmul", "matvec"))
     assert parts[("matmul_tiled", "lead")] == parts[("stage_x", "lead")] == parts[("matvec", "rest")] == 4 * layers
-    assert parts[("matvec", "logits")] == q and parts[("matmul_tiled", "")] == parts[("stage_x", "")] == (not q)
+    assert parts[("matvec", "logits")] == mv_head
+    assert parts[("matmul_tiled", "")] == parts[("stage_x", "")] == (not mv_head)
     assert all(("-DROW_SPLIT" in launch.options) == (launch.part in ("lead", "rest")) for launch in launches)
     assert kernels["attention_paged_rows"] == kernels["attention_paged_tiles"] == layers
     assert kernels["attention_tiled"] == kernels["attention_decode"] == kernels["attention_split"] == 0
@@ -334,11 +357,9 @@ def test_a_1b_step_graph_launches_the_prefill_graphs_kernels_a_layer_but_for_pag
     layers, paged = 16, ("attention_paged_rows", "attention_paged_tiles", "attention_scores_paged")
     prefill_attention = ("attention_tiled", "attention_scores")
     per_layer = {k: n / layers for k, n in step.items() if k not in ("embedding", "gather_rows")}
-    q = weights == "q4_0"   # the head: quantized a matvec (as the prefill's on its last row), f16 tiled
-    head = Counter(matvec=1) if q else Counter(stage_x=1, matmul_tiled=1)
-    assert per_layer == {"stage_x": 4 + (not q) / layers, "matmul_tiled": 4 + (not q) / layers,
-                         "matvec": 4 + q / layers, "attention_paged_rows": 1, "attention_paged_tiles": 1,
-                         "attention_scores_paged": 1}   # launched only while a policy scores
+    head = Counter(matvec=1)   # a matvec (as the prefill's on its last row); f16's on tensor cores
+    assert per_layer == {"stage_x": 4, "matmul_tiled": 4, "matvec": 4 + 1 / layers, "attention_paged_rows": 1,
+                         "attention_paged_tiles": 1, "attention_scores_paged": 1}   # only while a policy scores
     # less attention, the generated rows' matvecs, the embedding and the head
     assert step - Counter({k: step[k] for k in paged}) - Counter(matvec=4 * layers) \
         - Counter(embedding=1, gather_rows=1) - head \

@@ -84,3 +84,22 @@ def test_the_tensor_core_matvecs_chunks_divide_k_and_fit_local_memory():
     wg, rows, split = matvec_mma_shape(tuning, None, False)
     assert (wg, rows, split) == (256, 16, 4) and rows * split // (wg // 32) % 8 == 0
     assert matvec_mma_shape(tuning, "rope_kv_store", True)[1] == 64
+
+
+def test_f16_weights_take_the_tensor_core_matvec_by_default_where_rows_are_whole_blocks():
+    """matvec_mma: f16 weights on MV_MMA unless mv_mma_f16 is off, K is no multiple of 32 or a
+    group needs whole heads (per-head norms, RoPE by heads); quantized ones only with mv_mma; f32
+    and bf16 never. Its f16 groups: 8 rows, the group's 8 warps each on a slice of K, 64 rows
+    where a q8_0 / q4_0 KV store takes whole blocks of a head."""
+    from dataclasses import replace
+    from llmrs.compiler.codegen.opencl import matvec_mma, matvec_mma_shape
+    tuning = OpenCLTuning()
+    assert matvec_mma(tuning, "f16", 2048, False, False)
+    assert not matvec_mma(tuning, "f16", 2040, False, False)
+    assert not matvec_mma(tuning, "f16", 2048, True, False) and not matvec_mma(tuning, "f16", 2048, False, True)
+    assert not matvec_mma(replace(tuning, mv_mma_f16=False), "f16", 2048, False, False)
+    assert not matvec_mma(tuning, "q4_0", 2048, False, False) and matvec_mma(replace(tuning, mv_mma=True), "q4_0",
+                                                                            2048, False, False)
+    assert not any(matvec_mma(replace(tuning, mv_mma=True), wt, 2048, False, False) for wt in ("f32", "bf16"))
+    assert matvec_mma_shape(tuning, None, False, "f16") == (256, 8, 8)
+    assert matvec_mma_shape(tuning, "rope_kv_store", True, "f16") == (256, 64, 8)

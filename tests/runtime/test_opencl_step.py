@@ -359,9 +359,18 @@ def hd32(tmp_path_factory):
     return str(make_model(tmp_path_factory.mktemp("hd32") / "m", head_dim=32, dtype="f32"))
 
 
+@pytest.fixture(scope="module")
+def hd64(tmp_path_factory):
+    """And one of head_dim 64: its q / k rows store whole blocks of a head from the qkv matvec (64
+    rows a group), not one head a group as head_dim 32's."""
+    from llmrs.models.tiny import make_model
+    return str(make_model(tmp_path_factory.mktemp("hd64") / "m", head_dim=64, dtype="f32"))
+
+
 @pytest.mark.parametrize("model,weights,kv,max_seq_len", [
     ("golden-a", "f32", "f32", 256), ("golden-a", "f32", "f32", 512), ("golden-b", "q4_0", "f16", 256),
-    ("golden-c", "f32", "f32", 256), ("hd32", "f32", "q8_0", 256), ("hd32", "q8_0", "q4_0", 512)])
+    ("golden-c", "f32", "f32", 256), ("hd32", "f32", "q8_0", 256), ("hd32", "q8_0", "q4_0", 512),
+    ("hd64", "f16", "q8_0", 256), ("hd32", "f16", "q4_0", 256)])
 def test_a_cache_of_several_attention_splits_matches_the_interpreter_in_prompt_and_decode_steps(model, weights, kv,
                                                                                                  max_seq_len, request):
     """A plan whose cache holds more entries than one paged-attention split (ATT_SPLITS > 1, as
@@ -371,11 +380,18 @@ def test_a_cache_of_several_attention_splits_matches_the_interpreter_in_prompt_a
     kernel's grid was once cut to the rows kernel's splits, leaving heads uncomputed (errors of
     0.4-1.0). A quantized cache may round a code of K or V, and quantized weights a code of a
     row's Q8_0 input, otherwise than numpy does near a tie (one step's logits off by ~1e-2, the
-    next ones exact again), hence their looser bounds."""
-    if model == "hd32":
-        model = request.getfixturevalue("hd32")
+    next ones exact again), hence their looser bounds. f16 weights: the generated rows' tensor-core
+    matvec (64 rows a group where the store takes whole blocks of a head) with x rounded to f16."""
+
+    name = model
+    if model in ("hd32", "hd64"):
+        model = request.getfixturevalue(model)
     graphs = _compiled(model, weights, kv, T=16, seqs=4, max_seq_len=max_seq_len)
-    be, ip = _backend(graphs), Interpreter(graphs["step"])
+    plan = generate(graphs, OpenCLTuning())
+    if weights == "f16":   # the generated rows on the tensor-core matvec; head_dim 64's K and V store too
+        mma = [launch["options"] for launch in plan["graphs"]["step"] if "-DMV_MMA" in launch["options"]]
+        assert mma and any("-DKV_BLOCKS" in options for options in mma) == (name == "hd64")
+    be, ip = OpenCLBackend.from_graphs(graphs, plan), Interpreter(graphs["step"])
     assert any(b.splits > 1 for b in be.launches["step"] if b.kernel.function_name == "attention_paged_rows")
     tol = 3e-2 if weights != "f32" else {"f32": 1e-4, "f16": 1e-3}.get(kv, 3e-3)
     state = ip.new_state()
