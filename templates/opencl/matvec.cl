@@ -211,6 +211,43 @@ inline void quantize_x_lanes(__global const float4* x4, __local int* xq, __local
 #define MV_EMU_PARAM
 #define MV_EMU_ARG
 #endif
+
+// A warp's weight rows: of its 8-row column j, B's column gq is slot 8 j + gq, C's columns are
+// 2 tq and 2 tq + 1 (padding slots read row 0, never stored); its accumulators zeroed
+inline void mv_mma_rows(int g, int rset, int gq, int tq, int N, int n_heads, int n_kv_heads, int hd,
+                        int* wrow, int (*crow)[2], float (*acc)[4]) {
+#pragma unroll
+    for (int j = 0; j < MV_NT; j++) {
+        int s0 = rset * MV_RPW + 8 * j;
+        wrow[j] = max(slot_row(g, s0 + gq, MV_ROWS, N, n_heads, n_kv_heads, hd), 0);
+        crow[j][0] = max(slot_row(g, s0 + 2 * tq, MV_ROWS, N, n_heads, n_kv_heads, hd), 0);
+        crow[j][1] = max(slot_row(g, s0 + 2 * tq + 1, MV_ROWS, N, n_heads, n_kv_heads, hd), 0);
+        for (int i = 0; i < 4; i++) acc[j][i] = 0.0f;
+    }
+}
+
+// The warp's C fragments into its K slice's sums, part [MV_SPLIT][16][MV_ROWS] (by token, slot)
+inline void mv_mma_parts(float (*acc)[4], __local float* part, int rset, int split, int gq, int tq) {
+    __local float* p = part + split * MV_TOKS * MV_ROWS;
+#pragma unroll
+    for (int j = 0; j < MV_NT; j++) {
+        int s0 = rset * MV_RPW + 8 * j + 2 * tq;
+        p[gq * MV_ROWS + s0] = acc[j][0];
+        p[gq * MV_ROWS + s0 + 1] = acc[j][1];
+        p[(gq + 8) * MV_ROWS + s0] = acc[j][2];
+        p[(gq + 8) * MV_ROWS + s0 + 1] = acc[j][3];
+    }
+}
+
+// The K slices' sums, in slice order, into out_all [16][MV_ROWS] (after part); each token's
+// divided by its rms where one is given (the RMS prologue applied late)
+inline void mv_mma_fold(__local const float* part, __local float* out_all, __local const float* rms, int lid) {
+    for (int e = lid; e < MV_TOKS * MV_ROWS; e += MV_WG) {
+        float s = part[e];
+        for (int k = 1; k < MV_SPLIT; k++) s += part[k * MV_TOKS * MV_ROWS + e];
+        out_all[e] = rms ? s / rms[e / MV_ROWS] : s;
+    }
+}
 #endif
 
 #if defined(MV_MMA) && defined(W_QUANT)
@@ -277,17 +314,9 @@ inline void mv_mma_sums(gin sx, gin w, int M, int N, int g, int t0, int nt, int 
     __local float* xd = (__local float*)(lds + 16 * MV_XW);   // [16][MV_KCB] scales (q4_1: then s)
     __global const float* sd = (__global const float*)(sx + (size_t)M * MV_K);
     int ra = gq < nt ? gq : 0, rb = gq + 8 < nt ? gq + 8 : 0;   // A rows; past nt the first (never stored)
-    // B's column gq is slot 8 j + gq; C's columns 2 tq, 2 tq + 1 (padding slots read row 0)
     int wrow[MV_NT], crow[MV_NT][2];
     float acc[MV_NT][4];
-#pragma unroll
-    for (int j = 0; j < MV_NT; j++) {
-        int s0 = rset * MV_RPW + 8 * j;
-        wrow[j] = max(slot_row(g, s0 + gq, MV_ROWS, N, n_heads, n_kv_heads, hd), 0);
-        crow[j][0] = max(slot_row(g, s0 + 2 * tq, MV_ROWS, N, n_heads, n_kv_heads, hd), 0);
-        crow[j][1] = max(slot_row(g, s0 + 2 * tq + 1, MV_ROWS, N, n_heads, n_kv_heads, hd), 0);
-        for (int i = 0; i < 4; i++) acc[j][i] = 0.0f;
-    }
+    mv_mma_rows(g, rset, gq, tq, N, n_heads, n_kv_heads, hd, wrow, crow, acc);
     for (int c0 = 0; c0 < MV_UNITS; c0 += MV_KCB) {
         uint wv[MV_BPW][MV_NT][MV_W_WORDS];
         WS_T dw[MV_BPW][MV_NT][2];
@@ -364,22 +393,9 @@ inline void mv_mma_sums(gin sx, gin w, int M, int N, int g, int t0, int nt, int 
     }
     barrier(CLK_LOCAL_MEM_FENCE);   // the stage's last reads, before the sums take its words
     __local float* part = (__local float*)lds;                 // [MV_SPLIT][16][MV_ROWS]
-    __local float* out_all = part + MV_SPLIT * MV_TOKS * MV_ROWS;
-#pragma unroll
-    for (int j = 0; j < MV_NT; j++) {
-        int s0 = rset * MV_RPW + 8 * j + 2 * tq;
-        __local float* p = part + split * MV_TOKS * MV_ROWS;
-        p[gq * MV_ROWS + s0] = acc[j][0];
-        p[gq * MV_ROWS + s0 + 1] = acc[j][1];
-        p[(gq + 8) * MV_ROWS + s0] = acc[j][2];
-        p[(gq + 8) * MV_ROWS + s0 + 1] = acc[j][3];
-    }
+    mv_mma_parts(acc, part, rset, split, gq, tq);
     barrier(CLK_LOCAL_MEM_FENCE);
-    for (int e = lid; e < MV_TOKS * MV_ROWS; e += MV_WG) {   // the K slices in order
-        float s = part[e];
-        for (int k = 1; k < MV_SPLIT; k++) s += part[k * MV_TOKS * MV_ROWS + e];
-        out_all[e] = s;
-    }
+    mv_mma_fold(part, part + MV_SPLIT * MV_TOKS * MV_ROWS, 0, lid);
 }
 #endif
 
@@ -446,17 +462,9 @@ inline void mv_mma_sums(gin xg, gin nw, float eps, gin w, int N, int g, int t0, 
     __global const float4* xa4 = (__global const float4*)xg + (size_t)(t0 + ra) * (MV_K / 4);
     __global const float4* xb4 = (__global const float4*)xg + (size_t)(t0 + rb) * (MV_K / 4);
     __global const uint4* w4 = (__global const uint4*)w;
-    // B's column gq is slot 8 j + gq; C's columns 2 tq, 2 tq + 1 (padding slots read row 0)
     int wrow[MV_NT], crow[MV_NT][2];
     float acc[MV_NT][4];
-#pragma unroll
-    for (int j = 0; j < MV_NT; j++) {
-        int s0 = rset * MV_RPW + 8 * j;
-        wrow[j] = max(slot_row(g, s0 + gq, MV_ROWS, N, n_heads, n_kv_heads, hd), 0);
-        crow[j][0] = max(slot_row(g, s0 + 2 * tq, MV_ROWS, N, n_heads, n_kv_heads, hd), 0);
-        crow[j][1] = max(slot_row(g, s0 + 2 * tq + 1, MV_ROWS, N, n_heads, n_kv_heads, hd), 0);
-        for (int i = 0; i < 4; i++) acc[j][i] = 0.0f;
-    }
+    mv_mma_rows(g, rset, gq, tq, N, n_heads, n_kv_heads, hd, wrow, crow, acc);
     float ssa = 0.0f, ssb = 0.0f;   // sums of squares of this lane's values of rows ra, rb
     for (int p0 = 0; p0 < MV_MPASS; p0 += MV_MU) {
         uint4 wv[MV_MU][MV_NT];
@@ -524,15 +532,8 @@ inline void mv_mma_sums(gin xg, gin nw, float eps, gin w, int N, int g, int t0, 
     __local float* out_all = part + MV_SPLIT * MV_TOKS * MV_ROWS;
     __local float* rms = out_all + MV_TOKS * MV_ROWS;          // [16]
     __local float* ssl = rms + MV_TOKS;                        // [MV_SPLIT][32 lanes][2]
-#pragma unroll
-    for (int j = 0; j < MV_NT; j++) {
-        int s0 = rset * MV_RPW + 8 * j + 2 * tq;
-        __local float* p = part + split * MV_TOKS * MV_ROWS;
-        p[gq * MV_ROWS + s0] = acc[j][0];
-        p[gq * MV_ROWS + s0 + 1] = acc[j][1];
-        p[(gq + 8) * MV_ROWS + s0] = acc[j][2];
-        p[(gq + 8) * MV_ROWS + s0 + 1] = acc[j][3];
-    }
+    __local const float* late = 0;                             // each token's rms, if applied here
+    mv_mma_parts(acc, part, rset, split, gq, tq);
 #ifdef PROLOGUE_RMS
     if (rset == 0) {   // every row set's lanes read the same x
         ssl[(split * 32 + lane) * 2] = ssa;
@@ -545,16 +546,10 @@ inline void mv_mma_sums(gin xg, gin nw, float eps, gin w, int N, int g, int t0, 
             for (int q = 0; q < 4; q++) s += ssl[(k * 32 + (lid & 7) * 4 + q) * 2 + (lid >> 3)];
         rms[lid] = sqrt(s / (float)MV_K + eps);
     }
+    late = rms;
 #endif
     barrier(CLK_LOCAL_MEM_FENCE);
-    for (int e = lid; e < MV_TOKS * MV_ROWS; e += MV_WG) {   // the K slices in order
-        float s = part[e];
-        for (int k = 1; k < MV_SPLIT; k++) s += part[k * MV_TOKS * MV_ROWS + e];
-#ifdef PROLOGUE_RMS
-        s /= rms[e / MV_ROWS];
-#endif
-        out_all[e] = s;
-    }
+    mv_mma_fold(part, out_all, late, lid);
 }
 #endif
 
