@@ -93,7 +93,8 @@ def _interpret(ip: Interpreter, state: dict, rows: StepRows) -> np.ndarray:
 # directly, as a device without tensor cores runs them, or "emulated" (mma.sync's fragments)
 MODELS = [("golden-a", "f32", "f32", False), ("golden-b", "q4_0", "f16", False), ("golden-c", "f32", "f32", False),
           ("golden-b", "q4_0", "f16", True), ("golden-a", "q8_0", "f32", True), ("golden-a", "f16", "f32", False),
-          ("golden-a", "f16", "f32", True), ("golden-a", "f16", "f32", "emulated")]
+          ("golden-a", "f16", "f32", True), ("golden-a", "f16", "f32", "emulated"),
+          ("golden-a", "q8_0", "f32", "emulated")]
 
 
 def _tol(weights: str, mma: bool | str) -> float:
