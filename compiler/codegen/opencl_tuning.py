@@ -62,7 +62,7 @@ class OpenCLTuning:
     mv_mma_f16_wg: int = 256         # its threads a group (512: 545-594 / 1998-2081 / 3287-3422 /
     mv_mma_f16_split: int = 8        # 4669-4888), and warps on one 8-row column's K (4: 470-482 /
                                      # 1810-1817 / 3169-3189 / 5224-5234; 8 slices only where a launch
-                                     # has fewer than 8192 or 16384 warps without them, -3-7 %)
+                                     # has fewer than 8192 or 16384 warps without them, -1-7 %)
     mv_mma_wg: int = 256             # its threads per group (H200 1B q4_0, 16 rows a step: 4950
                                      # tok/s; 512: 4760, and OUT_OF_RESOURCES on OpenCL's queue)
     mv_mma_split: int = 4            # its warps on one 8-row column's K
