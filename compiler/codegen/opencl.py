@@ -198,19 +198,19 @@ def matvec_mma_shape(tuning: OpenCLTuning, epilogue: str | None, kv_blocks: bool
     """(threads, weight rows, K slices) of a group of the generated rows' tensor-core matvec
     (matvec.cl MV_MMA): mv_mma_wg threads, mv_mma_split warps on each 8-row MMA column's K (a
     group's rows are few, so a launch has many groups, and each group reads its 16 rows' x once
-    from stage_x's output); f16 weights mv_mma_f16_wg and mv_mma_f16_split (their K loop holds
+    from stage_x's output); f16 weights mv_mma_f16_wg, mv_mma_f16_split and mv_mma_f16_rpw rows a
+    warp (a multiple of 8: 8-row columns sharing each lane's A values; their K loop holds
     no barrier, so more slices cost nothing but their sums: a narrow matrix then has warps
     enough, and fewer for wide matrices measured slower, round 28); q8_0 / q4_0 KV stores whole
     32-value blocks of a head: 64 rows."""
     if wt == "f16":
-        wg, split = tuning.mv_mma_f16_wg, tuning.mv_mma_f16_split
+        wg, split, rpw = tuning.mv_mma_f16_wg, tuning.mv_mma_f16_split, tuning.mv_mma_f16_rpw
     else:
-        wg, split = tuning.mv_mma_wg, tuning.mv_mma_split
+        wg, split, rpw = tuning.mv_mma_wg, tuning.mv_mma_split, 8
     warps = wg // 32
     split = min(split, warps)
-    rpw = 8
     if epilogue == "rope_kv_store" and kv_blocks:
-        rpw = max(8, 64 // (warps // split))
+        rpw = max(rpw, 64 // (warps // split))
     return wg, warps // split * rpw, split
 
 

@@ -241,6 +241,35 @@ def test_a_generated_row_has_the_same_bits_at_any_place_in_a_matvec_group_of_any
                 np.testing.assert_array_equal(step[s], first[k], err_msg=f"{n_seqs} sequences, row {s}, step {k}")
 
 
+def test_f16_tensor_core_matvec_rows_a_warp_change_no_bits():
+    """mv_mma_f16_rpw: 16 weight rows a warp (two MMA columns sharing each lane's x values) sum
+    every (token, row) in the order 8 rows a warp does (its K slice's blocks in order, then the
+    slices in order), so a step's logits are the same bits under either, and the interpreter's."""
+    graphs = _compiled("golden-a", "f16", "f32", T=16, seqs=4)
+    ip = Interpreter(graphs["step"])
+    got = {}
+    for rpw in (8, 16):
+        plan = generate(graphs, replace(OpenCLTuning(), mv_mma_f16_rpw=rpw))
+        assert {f"-DMV_ROWS={rpw}"} == {o for launch in plan["graphs"]["step"] if "-DMV_MMA" in launch["options"]
+                                        for o in launch["options"] if o.startswith("-DMV_ROWS=")}
+        be, state = OpenCLBackend.from_graphs(graphs, plan), ip.new_state()
+        rng = np.random.default_rng(47)
+        vocab = graphs["step"].values["logits"].shape[1]
+        prompts = [rng.integers(0, vocab, n).tolist() for n in (5, 3)]
+        pool = Pool(16, rng, {0: 5, 1: 3})
+        rows = pool.rows([(0, t) for t in prompts[0]] + [(1, t) for t in prompts[1]], [0, 1], [4, 7])
+        steps = [be.run_step(rows)]
+        assert rel_err(steps[0], _interpret(ip, state, rows)) <= _tol("f16", True)
+        for _ in range(3):
+            tokens = [int(np.argmax(x)) for x in steps[-1]]
+            rows = pool.rows([(0, tokens[0]), (1, tokens[1])], [0, 1], [0, 1])
+            steps.append(be.run_step(rows))
+            assert rel_err(steps[-1], _interpret(ip, state, rows)) <= _tol("f16", True)
+        got[rpw] = steps
+    for k, (a, b) in enumerate(zip(got[8], got[16])):
+        np.testing.assert_array_equal(a, b, err_msg=f"step {k}")
+
+
 def test_the_device_argmax_of_a_step_is_the_argmax_of_its_logits_in_the_rows_order():
     """run_step_argmax (a batch whose samplers are all greedy): the plan's argmax kernel after the
     head gives each chosen row's token, in logit_rows' order, through the row split's reordering."""
