@@ -466,7 +466,7 @@ def _matvec_rows(ctx: _Ctx, op: Op, part: str, inputs: dict[str, Any]) -> None:
     elif quantized:   # no twin where a group needs whole heads or KV blocks, nor beside MV_MMA
         pair = (not tuning.mv_mma and tuning.mv_sx_toks > 1 and not qk_norm
                 and not (epi == "rope_kv_store" and "-DKV_BLOCKS" in inputs["options"]))
-    else:           # the head of float weights is tiled, never here
+    else:           # float weights off the tensor-core matvec: their head is tiled, never here
         pair = tuning.mv_toks_float > 1 and not qk_norm
     if not (sx and pair and inputs["m"] >= sx):
         _matmul_variant(ctx, op, False, part, **inputs)

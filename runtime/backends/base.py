@@ -73,6 +73,16 @@ def _within(name: str, arr: np.ndarray, lo: int, hi: int, what: str) -> None:
                             f"({what})")
 
 
+def check_step_tokens(tokens: object, n: int, vocab: int) -> np.ndarray:
+    """A step's n token ids given after its other rows were checked (a step prepared while the
+    last one ran, its sampled tokens filled in at launch): as check_step_rows checks them."""
+    arr = _ints("tokens", tokens, 1)
+    if len(arr) != n:
+        raise StepRowsError(f"step rows: tokens has {len(arr)} entries for {n} tokens")
+    _within("tokens", arr, 0, vocab - 1, "the vocabulary")
+    return arr
+
+
 def check_step_rows(rows: StepRows, shape: StepShape) -> StepRows:
     """rows as int32 arrays, after checking every index against the step graph's shape, so no
     kernel is handed one that reads or writes outside its buffers; StepRowsError otherwise. Every
@@ -224,4 +234,5 @@ class Backend(ABC):
         """Release threads and device resources; calling it again does nothing."""
 
 
-__all__ = ["NEVER", "Backend", "StepRows", "StepRowsError", "check_step_rows", "step_score_from"]
+__all__ = ["NEVER", "Backend", "StepRows", "StepRowsError", "check_step_rows", "check_step_tokens",
+           "step_score_from"]

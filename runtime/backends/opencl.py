@@ -22,7 +22,7 @@ import numpy as np
 
 from ...compiler.ir import Graph, IRError, storage_shape
 from ..plan import PREFILL_SHORT, VERIFY, Plan
-from .base import Backend, StepRows, StepRowsError, _within
+from .base import Backend, StepRows, check_step_tokens
 # the parts' public names, importable from here as before the split
 from .opencl_device import INSTALL_OPENCL, OpenCLError, _cl, list_devices, pick_device
 from .opencl_launch import GREEDY_MAX_STEPS, Bound, CommandBuffer, DirectLaunches, bind_program
@@ -552,14 +552,10 @@ class OpenCLBackend(Backend):
         `tokens`: its rows' token ids now, in the step's row order, for the ones it was prepared
         with (a step planned before they were sampled)."""
         if tokens is not None:
-            tokens = np.asarray(tokens)
-            n = int(prepared.head[0])
-            if tokens.shape != (n,) or tokens.dtype.kind not in "iu":
-                raise StepRowsError(f"step rows: tokens must be {n} integers, got {tokens.dtype}{list(tokens.shape)}")
-            _within("tokens", tokens, 0, self._step_shape.vocab - 1, "the vocabulary")
+            tokens = check_step_tokens(tokens, int(prepared.head[0]), self._step_shape.vocab)
             host, rel = prepared.tokens_at
-            ordered = tokens if prepared.order is None else tokens[prepared.order]
-            host[rel:rel + 4 * n] = ordered.astype(np.int32).view(np.uint8)
+            ordered = (tokens if prepared.order is None else tokens[prepared.order]).astype(np.int32)
+            host[rel:rel + ordered.nbytes] = ordered.view(np.uint8)
         self._put(self.step_buf, 0, prepared.head)
         for buf, off, host in prepared.copies:
             self._put(buf, off, host)

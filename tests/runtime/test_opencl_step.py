@@ -344,6 +344,21 @@ def test_a_step_with_a_bad_index_is_refused_in_one_line(small_step, field, value
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("tokens,message", [([1, 2], "tokens has 2 entries for 3 tokens"),
+                                            ([1, 2, 384], r"tokens\[2\] = 384 is outside 0\.\.383 \(the vocabulary\)"),
+                                            ([1.5, 2.5, 3.5], r"tokens must be a 1-d array of integers")])
+def test_a_prepared_steps_late_tokens_are_checked_as_its_rows_were(small_step, tokens, message):
+    """A step prepared while the last one runs gets its sampled tokens at launch
+    (launch_step): the same one-line refusal as a bad step's rows, before anything runs; the
+    prepared step then still launches with good tokens."""
+    be, good = small_step
+    prepared = be.prepare_step(good, False)
+    with pytest.raises(StepRowsError, match="^step rows: " + message):
+        be.launch_step(prepared, np.asarray(tokens))
+    np.testing.assert_array_equal(be.collect_step(be.launch_step(prepared, np.asarray(good.tokens))),
+                                  be.run_step(good))
+
+
 def test_too_many_rows_and_a_plan_without_a_step_graph_are_refused(small_step):
     be, good = small_step
     nine = np.arange(9, dtype=np.int32)
