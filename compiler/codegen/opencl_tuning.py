@@ -63,9 +63,10 @@ class OpenCLTuning:
     mv_mma_f16_split: int = 8        # 4669-4888), and warps on one 8-row column's K (4: 470-482 /
                                      # 1810-1817 / 3169-3189 / 5224-5234; 8 slices only where a launch
                                      # has fewer than 8192 or 16384 warps without them, -1-7 %)
-    mv_mma_f16_rpw: int = 8          # and weight rows a warp, a multiple of 8 (16: two MMA columns
-                                     # share each lane's x values, half the reads of x a weight byte
-                                     # at 16 rows; not measured yet)
+    mv_mma_f16_rpw: int = 16         # and weight rows a warp, a multiple of 8 (16: two MMA columns
+                                     # share each lane's x values, half the reads of x a weight byte;
+                                     # H200 1B f16, one run: 738-748 / 2615-2659 / 4258-4312 / 5972-
+                                     # 6128 tok/s, 8: 694 / 2469 / 3855 / 5018; round 29)
     mv_mma_wg: int = 256             # its threads per group (H200 1B q4_0, 16 rows a step: 4950
                                      # tok/s; 512: 4760, and OUT_OF_RESOURCES on OpenCL's queue)
     mv_mma_split: int = 4            # its warps on one 8-row column's K

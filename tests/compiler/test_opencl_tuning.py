@@ -101,6 +101,6 @@ def test_f16_weights_take_the_tensor_core_matvec_by_default_where_rows_are_whole
     assert not matvec_mma(tuning, "q4_0", 2048, False, False) and matvec_mma(replace(tuning, mv_mma=True), "q4_0",
                                                                             2048, False, False)
     assert not any(matvec_mma(replace(tuning, mv_mma=True), wt, 2048, False, False) for wt in ("f32", "bf16"))
-    assert matvec_mma_shape(tuning, None, False, "f16") == (256, 8, 8)
+    assert matvec_mma_shape(replace(tuning, mv_mma_f16_rpw=8), None, False, "f16") == (256, 8, 8)
     assert matvec_mma_shape(tuning, "rope_kv_store", True, "f16") == (256, 64, 8)
-    assert matvec_mma_shape(replace(tuning, mv_mma_f16_rpw=16), None, False, "f16") == (256, 16, 8)
+    assert matvec_mma_shape(tuning, None, False, "f16") == (256, 16, 8)
