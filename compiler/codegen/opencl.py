@@ -194,7 +194,7 @@ MMA_TOKENS = 16   # token rows a group of the generated rows' tensor-core matvec
 
 
 def matvec_mma_shape(tuning: OpenCLTuning, epilogue: str | None, kv_blocks: bool,
-                     wt: str = "q4_0") -> tuple[int, int, int]:
+                     wt: str = "q4_0", n: int = 0) -> tuple[int, int, int]:
     """(threads, weight rows, K slices) of a group of the generated rows' tensor-core matvec
     (matvec.cl MV_MMA): mv_mma_wg threads, mv_mma_split warps on each 8-row MMA column's K (a
     group's rows are few, so a launch has many groups, and each group reads its 16 rows' x once
@@ -205,6 +205,8 @@ def matvec_mma_shape(tuning: OpenCLTuning, epilogue: str | None, kv_blocks: bool
     32-value blocks of a head: 64 rows."""
     if wt == "f16":
         wg, split, rpw = tuning.mv_mma_f16_wg, tuning.mv_mma_f16_split, tuning.mv_mma_f16_rpw
+        if tuning.mv_mma_f16_wide and n >= tuning.mv_mma_f16_wide:
+            rpw = tuning.mv_mma_f16_rpw_wide
     else:
         wg, split, rpw = tuning.mv_mma_wg, tuning.mv_mma_split, 8
     warps = wg // 32
@@ -500,7 +502,7 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
     mma = (part == "rest" or (part == "logits" and not quantized)) and matvec_mma(tuning, wt, k, qk_norm,
                                                                                    rope_heads)
     if mma:
-        mv_wg, mv_rows, mv_split = matvec_mma_shape(tuning, epi, "-DKV_BLOCKS" in options, wt)
+        mv_wg, mv_rows, mv_split = matvec_mma_shape(tuning, epi, "-DKV_BLOCKS" in options, wt, n)
     elif rows[0] > 0 and quantized:   # MV_SX: its own shape (a row's sums are the one-token matvec's whatever it)
         mv_wg, mv_rows, mv_split = tuning.mv_sx_wg, tuning.mv_sx_wg // 32 * tuning.mv_sx_rpw, 1
     elif rope_heads:

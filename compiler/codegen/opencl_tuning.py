@@ -67,6 +67,11 @@ class OpenCLTuning:
                                      # share each lane's x values, half the reads of x a weight byte;
                                      # H200 1B f16, one run: 738-748 / 2615-2659 / 4258-4312 / 5972-
                                      # 6128 tok/s, 8: 694 / 2469 / 3855 / 5018; round 29)
+    mv_mma_f16_rpw_wide: int = 32    # rows a warp of a matrix of mv_mma_f16_wide rows or more (0:
+    mv_mma_f16_wide: int = 8192      # none; the same bits whatever the rows a warp): the 1B's gate/up
+                                     # and head, its others 16 (32 everywhere: 701-703 / 6245-6263;
+                                     # this rule 701-714 / 5949-6068 against 16's 706-710 / 5649-5670
+                                     # at 1 / 16 rows, one run each; round 29)
     mv_mma_wg: int = 256             # its threads per group (H200 1B q4_0, 16 rows a step: 4950
                                      # tok/s; 512: 4760, and OUT_OF_RESOURCES on OpenCL's queue)
     mv_mma_split: int = 4            # its warps on one 8-row column's K

@@ -244,16 +244,20 @@ def test_a_generated_row_has_the_same_bits_at_any_place_in_a_matvec_group_of_any
 
 
 def test_f16_tensor_core_matvec_rows_a_warp_change_no_bits():
-    """mv_mma_f16_rpw: 16 or 32 weight rows a warp (MMA columns sharing each lane's x values) sum
+    """mv_mma_f16_rpw: 16, 32 or 64 weight rows a warp (MMA columns sharing each lane's x values),
+    or 32 for the wide matrices alone (mv_mma_f16_wide: here the 384-row gate/up and head), sum
     every (token, row) in the order 8 rows a warp does (its K slice's blocks in order, then the
-    slices in order), so a step's logits are the same bits under either, and the interpreter's."""
+    slices in order), so a step's logits are the same bits under each, and the interpreter's."""
     graphs = _compiled("golden-a", "f16", "f32", T=16, seqs=4)
     ip = Interpreter(graphs["step"])
+    variants = {str(rpw): ({rpw}, dict(mv_mma_f16_rpw=rpw, mv_mma_f16_wide=0)) for rpw in (8, 16, 32, 64)}
+    variants["wide"] = ({16, 32}, dict(mv_mma_f16_rpw=16, mv_mma_f16_rpw_wide=32, mv_mma_f16_wide=256))
     got = {}
-    for rpw in (8, 16, 32):
-        plan = generate(graphs, replace(OpenCLTuning(), mv_mma_f16_rpw=rpw))
-        assert {f"-DMV_ROWS={rpw}"} == {o for launch in plan["graphs"]["step"] if "-DMV_MMA" in launch["options"]
-                                        for o in launch["options"] if o.startswith("-DMV_ROWS=")}
+    for name, (rows_a_warp, tuning) in variants.items():
+        plan = generate(graphs, replace(OpenCLTuning(), **tuning))
+        assert {f"-DMV_ROWS={rpw}" for rpw in rows_a_warp} == {
+            o for launch in plan["graphs"]["step"] if "-DMV_MMA" in launch["options"]
+            for o in launch["options"] if o.startswith("-DMV_ROWS=")}
         be, state = OpenCLBackend.from_graphs(graphs, plan), ip.new_state()
         rng = np.random.default_rng(47)
         vocab = graphs["step"].values["logits"].shape[1]
@@ -267,10 +271,10 @@ def test_f16_tensor_core_matvec_rows_a_warp_change_no_bits():
             rows = pool.rows([(0, tokens[0]), (1, tokens[1])], [0, 1], [0, 1])
             steps.append(be.run_step(rows))
             assert rel_err(steps[-1], _interpret(ip, state, rows)) <= _tol("f16", True, be)
-        got[rpw] = steps
-    for rpw in (16, 32):
-        for k, (a, b) in enumerate(zip(got[8], got[rpw])):
-            np.testing.assert_array_equal(a, b, err_msg=f"{rpw} rows a warp, step {k}")
+        got[name] = steps
+    for name in variants:
+        for k, (a, b) in enumerate(zip(got["8"], got[name])):
+            np.testing.assert_array_equal(a, b, err_msg=f"{name} rows a warp, step {k}")
 
 
 def test_the_device_argmax_of_a_step_is_the_argmax_of_its_logits_in_the_rows_order():
