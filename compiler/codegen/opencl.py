@@ -547,7 +547,10 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
     sx = rows[0] > 0 and quantized
     if mma:
         toks = MMA_TOKENS
-        options += ["-DMV_MMA"] + ([f"-DMV_MMA_KC={mma_chunk(k, tuning.mv_mma_chunk)}"] if quantized else [])
+        if quantized and tuning.mv_mma_lx:
+            options += ["-DMV_MMA", "-DMV_MMA_LX"]   # its lanes quantize x: no stage_x
+        else:
+            options += ["-DMV_MMA"] + ([f"-DMV_MMA_KC={mma_chunk(k, tuning.mv_mma_chunk)}"] if quantized else [])
     elif sx:
         toks = max(2, min(tuning.mv_sx_toks, m))
         stage_wg, stage_rows, _ = matvec_shape(tuning, k, n, quantized, epi, "-DKV_BLOCKS" in options)
@@ -575,8 +578,9 @@ def _matmul_variant(ctx: _Ctx, op: Op, tiled: bool, part: str, *, options: list[
                 *([eps] if rms else []), *(ints if kv else []), *late]
         if qk_split:   # the heads' tickets, then their rows
             args.append({"scratch": 4 * m * (heads[0] + heads[1]) * (1 + heads[2])})
-        if mma and quantized:   # x as stage_x leaves it for the step's rows from the split on
-            # (f16 weights: each lane reads and rounds its values of x, matvec.cl mv_mma_sums)
+        if mma and quantized and not tuning.mv_mma_lx:   # x as stage_x leaves it for the step's
+            # rows from the split on (f16 weights, and quantized ones with mv_mma_lx: each lane
+            # reads and converts its values of x, matvec.cl mv_mma_sums)
             staged = {"staging": staging_bytes(m, k, wt)}
             ctx.launches.append(Launch(op.name, "matmul", "stage_x", options + ["-DX_STAGED", "-DSTAGE_REST"],
                                        [_v(x), nw, staged, {"int": m}, {"int": k}, eps],

@@ -67,15 +67,20 @@ class OpenCLTuning:
                                      # share each lane's x values, half the reads of x a weight byte;
                                      # H200 1B f16, one run: 738-748 / 2615-2659 / 4258-4312 / 5972-
                                      # 6128 tok/s, 8: 694 / 2469 / 3855 / 5018; round 29)
-    mv_mma_f16_rpw_wide: int = 32    # rows a warp of a matrix of mv_mma_f16_wide rows or more (0:
+    mv_mma_f16_rpw_wide: int = 64    # rows a warp of a matrix of mv_mma_f16_wide rows or more (0:
     mv_mma_f16_wide: int = 8192      # none; the same bits whatever the rows a warp): the 1B's gate/up
-                                     # and head, its others 16 (32 everywhere: 701-703 / 6245-6263;
-                                     # this rule 701-714 / 5949-6068 against 16's 706-710 / 5649-5670
-                                     # at 1 / 16 rows, one run each; round 29)
+                                     # and head, its others 16. H200 1B f16 tok/s at 1 / 16 streams,
+                                     # two passes each in one run: 64 744-799 / 6543-7183, 32
+                                     # 734-735 / 6362-6400; in another, 32 701-714 / 5949-6068
+                                     # against 16 everywhere 706-710 / 5649-5670 (round 29)
     mv_mma_wg: int = 256             # its threads per group (H200 1B q4_0, 16 rows a step: 4950
                                      # tok/s; 512: 4760, and OUT_OF_RESOURCES on OpenCL's queue)
     mv_mma_split: int = 4            # its warps on one 8-row column's K
     mv_mma_chunk: int = 2048         # its K values of x a group holds at once at most (local memory)
+    mv_mma_lx: bool = False          # its lanes quantize their values of x themselves, as stage_x
+                                     # does (the RMS sums first, a warp a token): no stage_x launch
+                                     # before it. Tested on PoCL, directly and emulated; not yet
+                                     # measured on a card
     mv_sx_from: int = 4              # a step graph's generated rows (and quantized head) from this
                                      # many rows a step on (0: never) run the one-token matvec's twin:
                                      # quantized weights matvec.cl MV_SX (x's blocks staged once a row

@@ -33,7 +33,8 @@
 // m16n8k32 s8 MMA per block and 8 rows (the exact int32 block sums scaled by d_x * d_w, as the
 // T = 1 path scales each block's dot product); x comes as Q8_0 codes from stage_x (matmul.cl,
 // -DSTAGE_REST), which prepares it once for the launch, so no group repeats the RMS prologue or
-// the quantization. f16: two m16n8k16 f16 MMAs a block, summed in f32, of x rounded to f16 (as
+// the quantization; or, with -DMV_MMA_LX, each lane quantizes its own values of x as stage_x does
+// (the group's RMS sums first), with no launch before. f16: two m16n8k16 f16 MMAs a block, summed in f32, of x rounded to f16 (as
 // the prefill matmul's tensor-core body takes it), which each lane reads and rounds itself.
 // Warp w takes the MV_RPW rows of row set w / MV_SPLIT over K slice w % MV_SPLIT (blocks s,
 // s + MV_SPLIT, ...); the slices meet in local memory in slice order. A (token, row)'s sum thus
@@ -251,23 +252,6 @@ inline void mv_mma_fold(__local const float* part, __local float* out_all, __loc
 #endif
 
 #if defined(MV_MMA) && defined(W_QUANT)
-#ifndef MV_MMA_KC
-#define MV_MMA_KC MV_K                              // K values a chunk (codegen: a divisor of K)
-#endif
-#define MV_KCB (MV_MMA_KC / 32)                     // blocks a chunk
-#define MV_BPW ((MV_KCB + MV_SPLIT - 1) / MV_SPLIT) // a warp's blocks of a chunk, consecutive
-#define MV_XW (MV_MMA_KC / 4 + 4)                   // a staged token's words: the chunk's codes, then
-                                                    // 4 more, so the A loads of 8 tokens x 4 lanes
-                                                    // fall on 32 different banks
-#ifdef W_Q4_1
-#define MV_XHDR 2                                   // d, and Q8_1's s
-#else
-#define MV_XHDR 1
-#endif
-// local words: the chunk's x for 16 tokens, or after the K loop the slices' sums and out_all
-#define MV_STAGE_WORDS (16 * MV_XW + 16 * MV_KCB * MV_XHDR)
-#define MV_SUM_WORDS ((MV_SPLIT + 1) * MV_TOKS * MV_ROWS)
-#define MV_MMA_LDS MV_MAX(MV_STAGE_WORDS, MV_SUM_WORDS)
 #ifdef W_Q8_0
 #define MV_W_WORDS 2                                // a lane's words of a row's block
 #else
@@ -289,7 +273,7 @@ inline void mv_b_frag(const uint* wv, uint* b0, uint* b1) {
 #ifndef USE_NV_MMA
 // without tensor cores: the int32 sum of one token's block codes xw[8] and one row's block ww
 // (the MMA's element, exact in any order)
-inline int mv_block_isum(__local const uint* xw, __global const uint* ww) {
+inline int mv_block_isum(const uint* xw, __global const uint* ww) {
     int s = 0;
     for (int q = 0; q < 4; q++) {
         uint wv[2] = {ww[q], MV_W_WORDS > 1 ? ww[4 + q] : 0u}, b0, b1;
@@ -300,6 +284,42 @@ inline int mv_block_isum(__local const uint* xw, __global const uint* ww) {
     return s;
 }
 #endif
+
+// a block's four int32 sums c (tokens a, a, b, b by rows 0, 1, 0, 1 of the lane's C fragment)
+// into the lane's accumulators, scaled by the tokens' d_x and the rows' d_w (q4_1: plus m_w s_x)
+inline void mv_q_acc(float* acc, const int* c, float dxa, float dxb, float sxa, float sxb, WS_T dw0, WS_T dw1) {
+#ifdef W_Q4_1
+    acc[0] += small_int_to_float(c[0]) * (dxa * dw0.x) + dw0.y * sxa;
+    acc[1] += small_int_to_float(c[1]) * (dxa * dw1.x) + dw1.y * sxa;
+    acc[2] += small_int_to_float(c[2]) * (dxb * dw0.x) + dw0.y * sxb;
+    acc[3] += small_int_to_float(c[3]) * (dxb * dw1.x) + dw1.y * sxb;
+#else
+    acc[0] += small_int_to_float(c[0]) * (dxa * dw0);
+    acc[1] += small_int_to_float(c[1]) * (dxa * dw1);
+    acc[2] += small_int_to_float(c[2]) * (dxb * dw0);
+    acc[3] += small_int_to_float(c[3]) * (dxb * dw1);
+#endif
+}
+#endif
+
+#if defined(MV_MMA) && defined(W_QUANT) && !defined(MV_MMA_LX)
+#ifndef MV_MMA_KC
+#define MV_MMA_KC MV_K                              // K values a chunk (codegen: a divisor of K)
+#endif
+#define MV_KCB (MV_MMA_KC / 32)                     // blocks a chunk
+#define MV_BPW ((MV_KCB + MV_SPLIT - 1) / MV_SPLIT) // a warp's blocks of a chunk, consecutive
+#define MV_XW (MV_MMA_KC / 4 + 4)                   // a staged token's words: the chunk's codes, then
+                                                    // 4 more, so the A loads of 8 tokens x 4 lanes
+                                                    // fall on 32 different banks
+#ifdef W_Q4_1
+#define MV_XHDR 2                                   // d, and Q8_1's s
+#else
+#define MV_XHDR 1
+#endif
+// local words: the chunk's x for 16 tokens, or after the K loop the slices' sums and out_all
+#define MV_STAGE_WORDS (16 * MV_XW + 16 * MV_KCB * MV_XHDR)
+#define MV_SUM_WORDS ((MV_SPLIT + 1) * MV_TOKS * MV_ROWS)
+#define MV_MMA_LDS MV_MAX(MV_STAGE_WORDS, MV_SUM_WORDS)
 
 // The group's 16 token rows (from t0; nt valid) times its weight rows, into out_all [16][MV_ROWS]
 // = lds + MV_SPLIT * 16 * MV_ROWS. sx: stage_x's output for the step's M rows: codes int8 [M][K],
@@ -353,9 +373,10 @@ inline void mv_mma_sums(gin sx, gin w, int M, int N, int g, int t0, int nt, int 
         for (int i = 0; i < MV_BPW; i++) {
             int bl = split * MV_BPW + i, bc = min(bl, MV_KCB - 1);   // the block within the chunk
             bool live = bl < MV_KCB;        // every warp runs every MMA (the emulation's barriers)
-            float dxa = xd[ra * MV_KCB + bc], dxb = xd[rb * MV_KCB + bc];
+            float dxa = xd[ra * MV_KCB + bc], dxb = xd[rb * MV_KCB + bc], sxa = 0.0f, sxb = 0.0f;
 #ifdef W_Q4_1
-            float sxa = xd[16 * MV_KCB + ra * MV_KCB + bc], sxb = xd[16 * MV_KCB + rb * MV_KCB + bc];
+            sxa = xd[16 * MV_KCB + ra * MV_KCB + bc];
+            sxb = xd[16 * MV_KCB + rb * MV_KCB + bc];
 #endif
             __local const uint* pa = xc + ra * MV_XW + 8 * bc;
             __local const uint* pb = xc + rb * MV_XW + 8 * bc;
@@ -371,23 +392,16 @@ inline void mv_mma_sums(gin sx, gin w, int M, int N, int g, int t0, int nt, int 
                 MMA_S8(c, a, b0, b1);
 #else
                 int b = min(c0 + bl, MV_UNITS - 1);
+                uint xa[8], xb[8];
+                for (int q = 0; q < 8; q++) {
+                    xa[q] = pa[q];
+                    xb[q] = pb[q];
+                }
                 for (int q = 0; q < 4; q++)
-                    c[q] = mv_block_isum(q < 2 ? pa : pb,
+                    c[q] = mv_block_isum(q < 2 ? xa : xb,
                                          (__global const uint*)w + ((size_t)crow[j][q & 1] * MV_UNITS + b) * (W_QBYTES / 4));
 #endif
-                if (live) {
-#ifdef W_Q4_1
-                    acc[j][0] += small_int_to_float(c[0]) * (dxa * dw[i][j][0].x) + dw[i][j][0].y * sxa;
-                    acc[j][1] += small_int_to_float(c[1]) * (dxa * dw[i][j][1].x) + dw[i][j][1].y * sxa;
-                    acc[j][2] += small_int_to_float(c[2]) * (dxb * dw[i][j][0].x) + dw[i][j][0].y * sxb;
-                    acc[j][3] += small_int_to_float(c[3]) * (dxb * dw[i][j][1].x) + dw[i][j][1].y * sxb;
-#else
-                    acc[j][0] += small_int_to_float(c[0]) * (dxa * dw[i][j][0]);
-                    acc[j][1] += small_int_to_float(c[1]) * (dxa * dw[i][j][1]);
-                    acc[j][2] += small_int_to_float(c[2]) * (dxb * dw[i][j][0]);
-                    acc[j][3] += small_int_to_float(c[3]) * (dxb * dw[i][j][1]);
-#endif
-                }
+                if (live) mv_q_acc(acc[j], c, dxa, dxb, sxa, sxb, dw[i][j][0], dw[i][j][1]);
             }
         }
     }
@@ -399,19 +413,16 @@ inline void mv_mma_sums(gin sx, gin w, int M, int N, int g, int t0, int nt, int 
 }
 #endif
 
-#if defined(MV_MMA) && !defined(W_QUANT)
-// f16 weights. Warp w takes the MV_RPW rows of row set w / MV_SPLIT over K slice s = w % MV_SPLIT
-// (blocks s * MV_MPASS ..), MV_MU blocks' weight loads in flight at once, with no barrier
-// and no local memory in the K loop: a lane reads its A values of x (f32, from L1: every warp
-// of the launch reads the same rows) and rounds them to f16 in registers (x scaled by the RMS
-// prologue's norm weight; its sum of squares taken on the way, and each token's dot products
-// divided by its rms at the end: dot(w, x / rms * nw) = dot(w, x * nw) / rms). Lane (gq, tq)'s
-// 16-byte unit of a block (values 8 tq .. 8 tq + 7) of its B row, and the same values of its
-// two A rows, serve two m16n8k16 as their k = 2 tq, 2 tq + 1 (words 0, 2 of the unit) and
-// 8 + 2 tq, 9 + 2 tq (words 1, 3): A and B take the block's k in the same order, so each MMA sums
-// 16 of its terms and every weight load is a whole unit. A token's sums run in one fixed order
-// whatever its place in the group or the other tokens (lanes of any row do the same work; the
-// slices meet in slice order): its bits do not depend on them.
+#if defined(MV_MMA) && (!defined(W_QUANT) || defined(MV_MMA_LX))
+// The variants whose lanes read x themselves (f16 weights; quantized weights with -DMV_MMA_LX).
+// Warp w takes the MV_RPW rows of row set w / MV_SPLIT over K slice s = w % MV_SPLIT (blocks
+// s * MV_MPASS ..), MV_MU blocks' weight loads in flight at once, with no barrier and no local
+// memory in the K loop: a lane reads its A values of x (f32, from L1: every warp of the launch
+// reads the same rows), scales them by the RMS prologue's norm weight and converts them in
+// registers; it sums their squares on the way, and each token's dot products are divided by its
+// rms at the end: dot(w, x / rms * nw) = dot(w, x * nw) / rms. A token's sums run in one fixed
+// order whatever its place in the group or the other tokens (lanes of any row do the same work;
+// the slices meet in slice order): its bits do not depend on them.
 #define MV_MPASS ((MV_MB + MV_SPLIT - 1) / MV_SPLIT)        // a warp's blocks, consecutive: each
                                                             // row's bytes in one run (every
                                                             // MV_SPLIT-th block: 0.89x at 1 row)
@@ -420,6 +431,43 @@ inline void mv_mma_sums(gin sx, gin w, int M, int N, int g, int t0, int nt, int 
 // local words after the K loop: the slices' sums, out_all, each token's rms, and row set 0's
 // lanes' sums of squares
 #define MV_MMA_LDS ((MV_SPLIT + 1) * MV_TOKS * MV_ROWS + MV_TOKS + MV_SPLIT * 64)
+
+// After the K loop: the warps' sums into part, each token's rms from its lanes' sums of squares
+// ssa, ssb (row set 0's: every row set reads the same x), and the slices folded into out_all
+// [16][MV_ROWS] = lds + MV_SPLIT * 16 * MV_ROWS, divided by it
+inline void mv_mma_late(float (*acc)[4], __local uint* lds, int rset, int split, int lid, float ssa, float ssb,
+                        float eps) {
+    int lane = lid & 31;
+    __local float* part = (__local float*)lds;                 // [MV_SPLIT][16][MV_ROWS]
+    __local float* out_all = part + MV_SPLIT * MV_TOKS * MV_ROWS;
+    __local float* rms = out_all + MV_TOKS * MV_ROWS;          // [16]
+    __local float* ssl = rms + MV_TOKS;                        // [MV_SPLIT][32 lanes][2]
+    __local const float* late = 0;                             // each token's rms, if applied here
+    mv_mma_parts(acc, part, rset, split, lane >> 2, lane & 3);
+#if defined(PROLOGUE_RMS) && !defined(W_QUANT)
+    if (rset == 0) {
+        ssl[(split * 32 + lane) * 2] = ssa;
+        ssl[(split * 32 + lane) * 2 + 1] = ssb;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (lid < MV_TOKS) {   // token lid: row lid % 8 of A's lanes, their first or second row
+        float s = 0.0f;
+        for (int k = 0; k < MV_SPLIT; k++)
+            for (int q = 0; q < 4; q++) s += ssl[(k * 32 + (lid & 7) * 4 + q) * 2 + (lid >> 3)];
+        rms[lid] = sqrt(s / (float)MV_K + eps);
+    }
+    late = rms;
+#endif
+    barrier(CLK_LOCAL_MEM_FENCE);
+    mv_mma_fold(part, out_all, late, lid);
+}
+#endif
+
+#if defined(MV_MMA) && !defined(W_QUANT)
+// f16 weights: lane (gq, tq)'s 16-byte unit of a block (values 8 tq .. 8 tq + 7) of its B row, and
+// the same values of its two A rows (rounded to f16), serve two m16n8k16 as their k = 2 tq, 2 tq + 1
+// (words 0, 2 of the unit) and 8 + 2 tq, 9 + 2 tq (words 1, 3): A and B take the block's k in the
+// same order, so each MMA sums 16 of its terms and every weight load is a whole unit.
 
 // two values rounded to f16 (nearest even), the first in the low half
 inline uint mv_half2(float lo, float hi) {
@@ -528,28 +576,170 @@ inline void mv_mma_sums(gin xg, gin nw, float eps, gin w, int N, int g, int t0, 
 #endif
         }
     }
-    __local float* part = (__local float*)lds;                 // [MV_SPLIT][16][MV_ROWS]
-    __local float* out_all = part + MV_SPLIT * MV_TOKS * MV_ROWS;
-    __local float* rms = out_all + MV_TOKS * MV_ROWS;          // [16]
-    __local float* ssl = rms + MV_TOKS;                        // [MV_SPLIT][32 lanes][2]
-    __local const float* late = 0;                             // each token's rms, if applied here
-    mv_mma_parts(acc, part, rset, split, gq, tq);
+    mv_mma_late(acc, lds, rset, split, lid, ssa, ssb, eps);
+}
+#endif
+
+#if defined(MV_MMA) && defined(MV_MMA_LX)
+// Quantized weights, x quantized by the lanes (no stage_x launch before): lane (gq, tq) reads
+// word tq of its B row's block (values 4 tq .. 4 tq + 3 in the low nibbles, 16 + 4 tq .. in the
+// high; q8_0 words tq and 4 + tq) and the same 8 values of x of its two A rows, and quantizes
+// them as stage_x quantizes a block: x / rms * nw (so the RMS prologue's sums come first, a warp
+// a token, before the K loop: quantizing x * nw and dividing by rms late moves a value lying on
+// a half step, as the golden models' bf16 embeddings do, to the other code), the block's amax
+// from the quad's 4 lanes (a max: exact in any order), d = amax / 127 kept as f16, codes
+// round(v / d). One m16n8k32 a block and 8 rows.
+#ifdef USE_NV_MMA
+#ifdef EMU_MMA
+#define MV_XOR(v, o) emu_shfl_xor(v, o, emu_sc)
+#else
+#define MV_XOR(v, o) shfl_xor_f(v, o)
+#endif
+// a token's 8 values (lo: k = 4 tq ..; hi: 16 + 4 tq ..) of a block quantized with the quad's
+// other lanes: their codes a[0], a[1], d (and q4_1's s = d * sum of the block's codes)
+inline void mv_lx_quant(float4 lo, float4 hi, uint* a, float* d, float* s MV_EMU_PARAM) {
+    float4 al = fabs(lo), ah = fabs(hi);
+    float amax = fmax(fmax(fmax(al.x, al.y), fmax(al.z, al.w)), fmax(fmax(ah.x, ah.y), fmax(ah.z, ah.w)));
+    amax = fmax(amax, MV_XOR(amax, 1));
+    amax = fmax(amax, MV_XOR(amax, 2));
+    float dd = amax / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f;
+    float4 ql = round(lo * id), qh = round(hi * id);
+    a[0] = as_uint(convert_char4(ql));
+    a[1] = as_uint(convert_char4(qh));
+    *d = round_to_half(dd);
+    float sum = ((ql.x + ql.y) + (ql.z + ql.w)) + ((qh.x + qh.y) + (qh.z + qh.w));
+    sum += MV_XOR(sum, 1);
+    sum += MV_XOR(sum, 2);
+    *s = X_SUM(dd, sum);
+}
+#else
+// without tensor cores: a token's whole block b quantized by one lane (the same amax, so the
+// same codes as the quad's), codes[8] by words (word i: values 4 i .. 4 i + 3)
+inline void mv_lx_block(__global const float4* x4, gin nw, int b, float rms, uint* codes, float* d, float* s) {
+    float4 v[8];
+    float amax = 0.0f;
+    for (int i = 0; i < 8; i++) {
+        v[i] = x4[8 * b + i];
 #ifdef PROLOGUE_RMS
-    if (rset == 0) {   // every row set's lanes read the same x
-        ssl[(split * 32 + lane) * 2] = ssa;
-        ssl[(split * 32 + lane) * 2 + 1] = ssb;
+        v[i] = v[i] / rms * LD4_NORM(nw, 8 * b + i);
+#endif
+        float4 a = fabs(v[i]);
+        amax = fmax(amax, fmax(fmax(a.x, a.y), fmax(a.z, a.w)));
     }
-    barrier(CLK_LOCAL_MEM_FENCE);
-    if (lid < MV_TOKS) {   // token lid: row lid % 8 of A's lanes, their first or second row
-        float s = 0.0f;
-        for (int k = 0; k < MV_SPLIT; k++)
-            for (int q = 0; q < 4; q++) s += ssl[(k * 32 + (lid & 7) * 4 + q) * 2 + (lid >> 3)];
-        rms[lid] = sqrt(s / (float)MV_K + eps);
+    float dd = amax / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f, sum = 0.0f;
+    for (int i = 0; i < 8; i++) {
+        float4 q = round(v[i] * id);
+        sum += (q.x + q.y) + (q.z + q.w);
+        codes[i] = as_uint(convert_char4(q));
     }
-    late = rms;
+    *d = round_to_half(dd);
+    *s = X_SUM(dd, sum);
+}
+#endif
+
+// The group's 16 token rows (from t0; nt valid; x f32 [M][K]) times its weight rows, into
+// out_all [16][MV_ROWS] = lds + MV_SPLIT * 16 * MV_ROWS
+inline void mv_mma_sums(gin xg, gin nw, float eps, gin w, int N, int g, int t0, int nt, int lid, int rset,
+                        int split, int n_heads, int n_kv_heads, int hd, __local uint* lds MV_EMU_PARAM) {
+    int lane = lid & 31, gq = lane >> 2, tq = lane & 3;
+    size_t nblk = (size_t)N * MV_UNITS;
+    int ra = gq < nt ? gq : 0, rb = gq + 8 < nt ? gq + 8 : 0;   // A rows; past nt the first (never stored)
+    __global const float4* xa4 = (__global const float4*)xg + (size_t)(t0 + ra) * (MV_K / 4);
+    __global const float4* xb4 = (__global const float4*)xg + (size_t)(t0 + rb) * (MV_K / 4);
+    float rma = 1.0f, rmb = 1.0f;   // the tokens' rms (the RMS prologue)
+#ifdef PROLOGUE_RMS
+    __local float* rms = (__local float*)lds + (MV_SPLIT + 1) * MV_TOKS * MV_ROWS;   // [16], past the sums
+    PDL_WAIT();
+#ifdef USE_NV_PTX
+    for (int tt = lid >> 5; tt < MV_TOKS; tt += MV_WARPS) {   // a warp a token, lanes along K
+        __global const float4* x4 = (__global const float4*)xg + (size_t)(t0 + (tt < nt ? tt : 0)) * (MV_K / 4);
+        float ss = 0.0f;
+        if (tt < nt)   // uniform in the warp
+            for (int i = lane; i < MV_K / 4; i += 32) ss += dot(x4[i], x4[i]);
+        ss = warp_sum(ss);
+        if (lane == 0) rms[tt] = sqrt(ss / (float)MV_K + eps);
+    }
+#else
+    if (lid < MV_TOKS) {   // no warp shuffles: a thread a token
+        __global const float4* x4 = (__global const float4*)xg + (size_t)(t0 + (lid < nt ? lid : 0)) * (MV_K / 4);
+        float ss = 0.0f;
+        for (int i = 0; i < MV_K / 4; i++) ss += dot(x4[i], x4[i]);
+        rms[lid] = sqrt(ss / (float)MV_K + eps);
+    }
 #endif
     barrier(CLK_LOCAL_MEM_FENCE);
-    mv_mma_fold(part, out_all, late, lid);
+    rma = rms[ra];
+    rmb = rms[rb];
+#endif
+    int wrow[MV_NT], crow[MV_NT][2];
+    float acc[MV_NT][4];
+    mv_mma_rows(g, rset, gq, tq, N, n_heads, n_kv_heads, hd, wrow, crow, acc);
+    for (int p0 = 0; p0 < MV_MPASS; p0 += MV_MU) {
+        uint wv[MV_MU][MV_NT][MV_W_WORDS];
+        WS_T dw[MV_MU][MV_NT][2];
+#pragma unroll
+        for (int u = 0; u < MV_MU; u++) {
+            int b = min(MV_MBLK(p0 + u), MV_MB - 1);
+#pragma unroll
+            for (int j = 0; j < MV_NT; j++) {
+                __global const uint* ww = (__global const uint*)w + ((size_t)wrow[j] * MV_UNITS + b) * (W_QBYTES / 4);
+                wv[u][j][0] = ww[tq];
+#if MV_W_WORDS > 1
+                wv[u][j][1] = ww[4 + tq];
+#endif
+                dw[u][j][0] = wheader(w, (size_t)crow[j][0] * MV_UNITS + b, nblk);
+                dw[u][j][1] = wheader(w, (size_t)crow[j][1] * MV_UNITS + b, nblk);
+            }
+        }
+#ifndef PROLOGUE_RMS
+        if (p0 == 0) PDL_WAIT();   // x is the kernel before's; the weights are not
+#endif
+#pragma unroll
+        for (int u = 0; u < MV_MU; u++) {
+            int bi = MV_MBLK(p0 + u), b = min(bi, MV_MB - 1);
+            bool live = p0 + u < MV_MPASS && bi < MV_MB;   // uniform in the warp: its K slice
+#ifdef USE_NV_MMA
+            float4 alo = xa4[8 * b + tq], ahi = xa4[8 * b + 4 + tq], blo = alo, bhi = ahi;
+            if (nt > 8) {   // else A's second rows are padding (uniform: the group's rows)
+                blo = xb4[8 * b + tq];
+                bhi = xb4[8 * b + 4 + tq];
+            }
+#ifdef PROLOGUE_RMS
+            float4 nlo = LD4_NORM(nw, 8 * b + tq), nhi = LD4_NORM(nw, 8 * b + 4 + tq);
+            alo = alo / rma * nlo; ahi = ahi / rma * nhi; blo = blo / rmb * nlo; bhi = bhi / rmb * nhi;
+#endif
+            uint qa[2], qb[2];
+            float dxa, dxb, sxa, sxb;
+            mv_lx_quant(alo, ahi, qa, &dxa, &sxa MV_EMU_ARG);   // every lane: the quad's shuffles
+            mv_lx_quant(blo, bhi, qb, &dxb, &sxb MV_EMU_ARG);
+            uint a[4] = {qa[0], qb[0], qa[1], qb[1]};
+#pragma unroll
+            for (int j = 0; j < MV_NT; j++) {
+                int c[4];
+                uint b0, b1;
+                mv_b_frag(wv[u][j], &b0, &b1);
+                MMA_S8(c, a, b0, b1);
+                if (live) mv_q_acc(acc[j], c, dxa, dxb, sxa, sxb, dw[u][j][0], dw[u][j][1]);
+            }
+#else   // no tensor cores: each lane quantizes its two tokens' whole block (quantize_x)
+            if (live) {
+                uint ca[8], cb[8];
+                float dxa, dxb, sxa, sxb;
+                mv_lx_block(xa4, nw, b, rma, ca, &dxa, &sxa);
+                mv_lx_block(xb4, nw, b, rmb, cb, &dxb, &sxb);
+#pragma unroll
+                for (int j = 0; j < MV_NT; j++) {
+                    int c[4];
+                    for (int q = 0; q < 4; q++)
+                        c[q] = mv_block_isum(q < 2 ? ca : cb,
+                                             (__global const uint*)w + ((size_t)crow[j][q & 1] * MV_UNITS + b) * (W_QBYTES / 4));
+                    mv_q_acc(acc[j], c, dxa, dxb, sxa, sxb, dw[u][j][0], dw[u][j][1]);
+                }
+            }
+#endif
+        }
+    }
+    mv_mma_late(acc, lds, rset, split, lid, 0.0f, 0.0f, eps);
 }
 #endif
 
@@ -592,7 +782,7 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #ifdef QK_SPLIT
             , gout qscb, ulong qsc_off
 #endif
-#if (defined(MV_MMA) && defined(W_QUANT)) || defined(MV_SX)
+#if (defined(MV_MMA) && defined(W_QUANT) && !defined(MV_MMA_LX)) || defined(MV_SX)
             , gin sxb, ulong sx_off
 #endif
             KERNEL_ROWS_ARGS) {
@@ -672,7 +862,7 @@ void matvec(__global const int* step, gin xb, ulong x_off, gin wb, ulong w_off,
 #ifdef EMU_MMA
     __local uint emu_sc[EMU_SC_WORDS];
 #endif
-#ifdef W_QUANT
+#if defined(W_QUANT) && !defined(MV_MMA_LX)
     mv_mma_sums(sxb + sx_off, wb + w_off, M, N, g, t0, nt, lid, rset, split, n_heads, n_kv_heads, hd,
                 mma_lds MV_EMU_ARG);
 #else

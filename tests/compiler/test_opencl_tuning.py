@@ -104,8 +104,8 @@ def test_f16_weights_take_the_tensor_core_matvec_by_default_where_rows_are_whole
     assert matvec_mma_shape(replace(tuning, mv_mma_f16_rpw=8), None, False, "f16") == (256, 8, 8)
     assert matvec_mma_shape(tuning, "rope_kv_store", True, "f16") == (256, 64, 8)
     assert matvec_mma_shape(tuning, None, False, "f16") == (256, 16, 8)
-    # 32 rows a warp from mv_mma_f16_wide rows on (the 1B's gate/up and head), never for quantized weights
+    # 64 rows a warp from mv_mma_f16_wide rows on (the 1B's gate/up and head), never for quantized weights
     assert matvec_mma_shape(tuning, None, False, "f16", 8191) == (256, 16, 8)
-    assert matvec_mma_shape(tuning, None, False, "f16", 8192) == (256, 32, 8)
+    assert matvec_mma_shape(tuning, None, False, "f16", 8192) == (256, 64, 8)
     assert matvec_mma_shape(replace(tuning, mv_mma_f16_wide=0), None, False, "f16", 128256) == (256, 16, 8)
     assert matvec_mma_shape(tuning, None, False, "q4_0", 128256) == matvec_mma_shape(tuning, None, False, "q4_0")

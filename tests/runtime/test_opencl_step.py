@@ -94,7 +94,8 @@ def _interpret(ip: Interpreter, state: dict, rows: StepRows) -> np.ndarray:
 MODELS = [("golden-a", "f32", "f32", False), ("golden-b", "q4_0", "f16", False), ("golden-c", "f32", "f32", False),
           ("golden-b", "q4_0", "f16", True), ("golden-a", "q8_0", "f32", True), ("golden-a", "f16", "f32", False),
           ("golden-a", "f16", "f32", True), ("golden-a", "f16", "f32", "emulated"),
-          ("golden-a", "q8_0", "f32", "emulated")]
+          ("golden-a", "q8_0", "f32", "emulated"), ("golden-b", "q4_0", "f16", "lx"),
+          ("golden-b", "q4_0", "f16", "lx-emulated"), ("golden-a", "q8_0", "f32", "lx-emulated")]
 
 
 def _tol(weights: str, mma: bool | str, be: OpenCLBackend) -> float:
@@ -110,10 +111,11 @@ def test_interleaved_sequences_match_the_interpreter_and_their_greedy_tokens_a_r
                                                                                           monkeypatch):
     """Three prompts of 7, 3 and 10 tokens: the second joins in the first's step, the third
     mid-run; prompt chunks beside decode rows, rows in another order than the tables."""
-    if mma == "emulated":
+    if str(mma).endswith("emulated"):
         monkeypatch.setenv("LLMRS_OPENCL_EMULATE_MMA", "1")
     graphs = _compiled(model, weights, kv, T=16, seqs=4)
-    plan = generate(graphs, replace(OpenCLTuning(), mv_mma=bool(mma), mv_mma_f16=bool(mma), mv_mma_chunk=64))
+    plan = generate(graphs, replace(OpenCLTuning(), mv_mma=bool(mma), mv_mma_f16=bool(mma),
+                                    mv_mma_lx=str(mma).startswith("lx"), mv_mma_chunk=64))
     assert any("-DMV_MMA" in launch["options"] for launch in plan["graphs"]["step"]) == bool(mma)
     be, ip = OpenCLBackend.from_graphs(graphs, plan), Interpreter(graphs["step"])
     state = ip.new_state()
@@ -150,9 +152,11 @@ def test_interleaved_sequences_match_the_interpreter_and_their_greedy_tokens_a_r
 
 
 @pytest.mark.parametrize("weights,split,matvec,mma", [("q4_0", True, True, False), ("q4_0", True, True, True),
+                                                     ("q4_0", True, True, "lx"),
                                                      ("f16", True, True, True), ("q4_0", False, True, False),
                                                      ("q4_0", True, False, False)],
                          ids=["generated-rows-in-matvec", "generated-rows-on-tensor-cores",
+                              "generated-rows-on-tensor-cores-lanes-quantize-x",
                               "f16-generated-rows-on-tensor-cores", "every-row-tiled",
                               "generated-rows-tiled-by-the-plan"])
 def test_a_sequences_logits_are_bit_identical_alone_and_in_a_batch_of_8(weights, split, matvec, mma):
@@ -163,8 +167,9 @@ def test_a_sequences_logits_are_bit_identical_alone_and_in_a_batch_of_8(weights,
     decode matvec, unless the plan's tuning sends them through the tiles: matvec False, or 16 a
     group on tensor cores: mma); else every row runs tiled."""
     graphs = _compiled("golden-b", weights, "f16", T=32, seqs=8)
-    plan = generate(graphs, replace(OpenCLTuning(), mv_generated_rows=matvec, mv_mma=mma, mv_mma_f16=mma))
-    assert any("-DMV_MMA" in launch["options"] for launch in plan["graphs"]["step"]) == mma
+    plan = generate(graphs, replace(OpenCLTuning(), mv_generated_rows=matvec, mv_mma=bool(mma), mv_mma_f16=bool(mma),
+                                    mv_mma_lx=mma == "lx"))
+    assert any("-DMV_MMA" in launch["options"] for launch in plan["graphs"]["step"]) == bool(mma)
     parts = {launch["part"] for launch in plan["graphs"]["step"]}
     assert ("rest" in parts) == matvec   # without the split no launch runs the generated rows apart
     be = OpenCLBackend.from_graphs(graphs, plan)
@@ -199,6 +204,8 @@ def test_a_sequences_logits_are_bit_identical_alone_and_in_a_batch_of_8(weights,
                                                      ("golden-a", "f32", "f32", False, True),
                                                      ("golden-b", "q4_0", "f16", True, True),
                                                      ("golden-c", "q8_0", "f32", True, True),
+                                                     ("golden-b", "q4_0", "f16", "lx", True),
+                                                     ("golden-c", "q8_0", "f32", "lx", True),
                                                      ("golden-a", "f16", "f32", True, True)])
 def test_a_generated_row_has_the_same_bits_at_any_place_in_a_matvec_group_of_any_size(model, weights, kv, mma, sx):
     """The generated rows' matvec takes T rows a group (MV_TOKS): S sequences of one prompt and
@@ -212,12 +219,16 @@ def test_a_generated_row_has_the_same_bits_at_any_place_in_a_matvec_group_of_any
     graphs = _compiled(model, weights, kv, T=40, seqs=20, max_seq_len=128)
     # as many rows a group as local memory allows (the default tuning measured 1 best for
     # quantized weights on an H100, opencl_tuning.py), so groups of many rows are what is tested
-    plan = generate(graphs, replace(OpenCLTuning(), mv_toks_quant=16, mv_toks_float=8, mv_mma=mma, mv_mma_f16=mma,
-                                    mv_mma_chunk=64,
+    plan = generate(graphs, replace(OpenCLTuning(), mv_toks_quant=16, mv_toks_float=8, mv_mma=bool(mma),
+                                    mv_mma_f16=bool(mma), mv_mma_lx=mma == "lx", mv_mma_chunk=64,
                                     **({} if sx else {"mv_sx_from": 0})))
     T = max(launch["row_tile"] for launch in plan["graphs"]["step"] if launch.get("part") == "rest")
     assert T > 1
-    assert any("-DMV_MMA" in launch["options"] for launch in plan["graphs"]["step"]) == mma
+    assert any("-DMV_MMA" in launch["options"] for launch in plan["graphs"]["step"]) == bool(mma)
+    # the lanes quantize x: no stage_x before the generated rows' launches
+    assert any("-DMV_MMA_LX" in launch["options"] for launch in plan["graphs"]["step"]) == (mma == "lx")
+    assert not (mma == "lx" and any(launch["kernel"] == "stage_x" and launch.get("part") == "rest"
+                                    for launch in plan["graphs"]["step"]))
     twins = any("-DMV_SX" in launch["options"] for launch in plan["graphs"]["step"])
     assert twins == (sx and weights != "f32" and not mma)
     # float weights' pair: the one-token matvec below mv_sx_from rows, T a group from there
