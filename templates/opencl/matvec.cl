@@ -285,6 +285,22 @@ inline int mv_block_isum(const uint* xw, __global const uint* ww) {
 }
 #endif
 
+// block b of the warp's weight rows: lane tq's words of its B rows (wrow) and the d_w of its C
+// rows (crow), all loads issued before any is used
+inline void mv_q_load(gin w, int b, int tq, const int* wrow, int (*crow)[2], size_t nblk, uint (*wv)[MV_W_WORDS],
+                      WS_T (*dw)[2]) {
+#pragma unroll
+    for (int j = 0; j < MV_NT; j++) {
+        __global const uint* ww = (__global const uint*)w + ((size_t)wrow[j] * MV_UNITS + b) * (W_QBYTES / 4);
+        wv[j][0] = ww[tq];
+#if MV_W_WORDS > 1
+        wv[j][1] = ww[4 + tq];
+#endif
+        dw[j][0] = wheader(w, (size_t)crow[j][0] * MV_UNITS + b, nblk);
+        dw[j][1] = wheader(w, (size_t)crow[j][1] * MV_UNITS + b, nblk);
+    }
+}
+
 // a block's four int32 sums c (tokens a, a, b, b by rows 0, 1, 0, 1 of the lane's C fragment)
 // into the lane's accumulators, scaled by the tokens' d_x and the rows' d_w (q4_1: plus m_w s_x)
 inline void mv_q_acc(float* acc, const int* c, float dxa, float dxb, float sxa, float sxb, WS_T dw0, WS_T dw1) {
@@ -341,19 +357,8 @@ inline void mv_mma_sums(gin sx, gin w, int M, int N, int g, int t0, int nt, int 
         uint wv[MV_BPW][MV_NT][MV_W_WORDS];
         WS_T dw[MV_BPW][MV_NT][2];
 #pragma unroll
-        for (int i = 0; i < MV_BPW; i++) {
-            int b = min(c0 + split * MV_BPW + i, MV_UNITS - 1);
-#pragma unroll
-            for (int j = 0; j < MV_NT; j++) {
-                __global const uint* ww = (__global const uint*)w + ((size_t)wrow[j] * MV_UNITS + b) * (W_QBYTES / 4);
-                wv[i][j][0] = ww[tq];
-#if MV_W_WORDS > 1
-                wv[i][j][1] = ww[4 + tq];
-#endif
-                dw[i][j][0] = wheader(w, (size_t)crow[j][0] * MV_UNITS + b, nblk);
-                dw[i][j][1] = wheader(w, (size_t)crow[j][1] * MV_UNITS + b, nblk);
-            }
-        }
+        for (int i = 0; i < MV_BPW; i++)
+            mv_q_load(w, min(c0 + split * MV_BPW + i, MV_UNITS - 1), tq, wrow, crow, nblk, wv[i], dw[i]);
         if (c0 == 0) PDL_WAIT();   // x is the kernel before's (stage_x); the weights are not
         barrier(CLK_LOCAL_MEM_FENCE);   // the last chunk's A loads are done
         for (int e = lid; e < nt * (MV_MMA_KC / 16); e += MV_WG) {
@@ -678,19 +683,8 @@ inline void mv_mma_sums(gin xg, gin nw, float eps, gin w, int N, int g, int t0, 
         uint wv[MV_MU][MV_NT][MV_W_WORDS];
         WS_T dw[MV_MU][MV_NT][2];
 #pragma unroll
-        for (int u = 0; u < MV_MU; u++) {
-            int b = min(MV_MBLK(p0 + u), MV_MB - 1);
-#pragma unroll
-            for (int j = 0; j < MV_NT; j++) {
-                __global const uint* ww = (__global const uint*)w + ((size_t)wrow[j] * MV_UNITS + b) * (W_QBYTES / 4);
-                wv[u][j][0] = ww[tq];
-#if MV_W_WORDS > 1
-                wv[u][j][1] = ww[4 + tq];
-#endif
-                dw[u][j][0] = wheader(w, (size_t)crow[j][0] * MV_UNITS + b, nblk);
-                dw[u][j][1] = wheader(w, (size_t)crow[j][1] * MV_UNITS + b, nblk);
-            }
-        }
+        for (int u = 0; u < MV_MU; u++)
+            mv_q_load(w, min(MV_MBLK(p0 + u), MV_MB - 1), tq, wrow, crow, nblk, wv[u], dw[u]);
 #ifndef PROLOGUE_RMS
         if (p0 == 0) PDL_WAIT();   // x is the kernel before's; the weights are not
 #endif
