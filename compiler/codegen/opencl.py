@@ -199,7 +199,8 @@ def matvec_mma_shape(tuning: OpenCLTuning, epilogue: str | None, kv_blocks: bool
     (matvec.cl MV_MMA): mv_mma_wg threads, mv_mma_split warps on each 8-row MMA column's K (a
     group's rows are few, so a launch has many groups, and each group reads its 16 rows' x once
     from stage_x's output); f16 weights mv_mma_f16_wg, mv_mma_f16_split and mv_mma_f16_rpw rows a
-    warp (a multiple of 8: 8-row columns sharing each lane's A values; their K loop holds
+    warp, mv_mma_f16_rpw_wide for a matrix of n >= mv_mma_f16_wide rows (a multiple of 8: 8-row
+    columns sharing each lane's A values; fewer groups, so only wide matrices gain; their K loop holds
     no barrier, so more slices cost nothing but their sums: a narrow matrix then has warps
     enough, and fewer for wide matrices measured slower, round 28); q8_0 / q4_0 KV stores whole
     32-value blocks of a head: 64 rows."""
