@@ -92,10 +92,10 @@ def _interpret(ip: Interpreter, state: dict, rows: StepRows) -> np.ndarray:
 # and the generated rows on tensor cores (MV_MMA) for q4_0, q8_0 and f16 weights: summed
 # directly, as a device without tensor cores runs them, or "emulated" (mma.sync's fragments);
 # "lx": the quantized ones with their lanes quantizing x (mv_mma_lx), q4_1 too. q4_1 runs on
-# golden-c: on golden-a and -b some x values of q4_1's rows lie exactly on a Q8_1 half step, where
-# a kernel's RMS sum, an ulp off numpy's in another order, picks the other code (7-9e-3 on the
-# logits: golden-a with every variant, the one-token matvec included; golden-b where the prompt
-# rows take the prefill matmul's tensor-core body)
+# golden-c: on golden-a a prompt row's SwiGLU output (down_proj's input) lies an ulp from a Q8_1
+# half step (code 70, 7.6e-6 off), where the kernel's SiLU, an ulp off numpy's, picks the other
+# code (7e-3 on the logits with every variant; golden-b's q4_1 likewise where its prompt rows take
+# the prefill matmul's tensor-core body)
 MODELS = [("golden-a", "f32", "f32", False), ("golden-b", "q4_0", "f16", False), ("golden-c", "f32", "f32", False),
           ("golden-b", "q4_0", "f16", True), ("golden-a", "q8_0", "f32", True), ("golden-a", "f16", "f32", False),
           ("golden-a", "f16", "f32", True), ("golden-a", "f16", "f32", "emulated"),
