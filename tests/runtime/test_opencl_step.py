@@ -94,8 +94,8 @@ def _interpret(ip: Interpreter, state: dict, rows: StepRows) -> np.ndarray:
 # "lx": the quantized ones with their lanes quantizing x (mv_mma_lx), q4_1 too. q4_1 runs on
 # golden-c: on golden-a a prompt row's SwiGLU output (down_proj's input) lies an ulp from a Q8_1
 # half step (code 70, 7.6e-6 off), where the kernel's SiLU, an ulp off numpy's, picks the other
-# code (7e-3 on the logits with every variant; golden-b's q4_1 likewise where its prompt rows take
-# the prefill matmul's tensor-core body)
+# code (7e-3 on the logits with every variant; golden-b's q4_1 misses too where its prompt rows
+# take the prefill matmul's tensor-core body, not traced)
 MODELS = [("golden-a", "f32", "f32", False), ("golden-b", "q4_0", "f16", False), ("golden-c", "f32", "f32", False),
           ("golden-b", "q4_0", "f16", True), ("golden-a", "q8_0", "f32", True), ("golden-a", "f16", "f32", False),
           ("golden-a", "f16", "f32", True), ("golden-a", "f16", "f32", "emulated"),
