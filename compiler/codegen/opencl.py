@@ -692,6 +692,18 @@ def paged_tiles(tuning: OpenCLTuning, m: int, hd: int) -> bool:
     return m > 1 and local <= tuning.att_paged_local_bytes
 
 
+def paged_heads(tuning: OpenCLTuning, h: int, kvh: int, hd: int) -> int:
+    """Query heads a group of attention_paged_rows takes (ATT_HPG): with att_paged_gqa, the most
+    heads of one KV head whose warps' states fit att_paged_hpg_bytes of local memory, each K and
+    V row then read once for them; else 1. A head's bits are the same either way."""
+    if not tuning.att_paged_gqa:
+        return 1
+    group = h // kvh
+    fits = [n for n in range(1, group + 1)
+            if group % n == 0 and 4 * n * (tuning.att_dec_wg // 32) * (hd + 2) <= tuning.att_paged_hpg_bytes]
+    return max(fits)
+
+
 def _paged_attention(ctx: _Ctx, op: Op, kv: str) -> None:
     """A step graph's attention through block tables (attention_paged*.cl): rows with a
     neighbour row of their sequence in attention_paged_tiles (where it is on), the others in
@@ -710,11 +722,13 @@ def _paged_attention(ctx: _Ctx, op: Op, kv: str) -> None:
     tiles = paged_tiles(tuning, m, hd)
     if tiles:
         options += ["-DATT_TILES", f"-DATT_RPW={tuning.att_paged_rpw}"]
+    hpg = paged_heads(tuning, h, kvh, hd)
     args = [_v(q), _v(k), _v(v), _v(op.outputs[0]), _v(row_seq), _v(ctx_len), _v(tables)]
     scalars = [{"int": h}, {"int": kvh}, {"float": float(a["scale"])}, {"int": m}, {"int": ctx.shape(tables)[1]}]
     scratch = 4 * m * h + 4 * m * h * splits * (hd + 2)   # counters, then partials
-    ctx.launches.append(Launch(op.name, "attention_paged", "attention_paged_rows", options,
-                               args + [{"scratch": scratch}] + scalars, local=wg, groups=h * splits, rows=m))
+    ctx.launches.append(Launch(op.name, "attention_paged", "attention_paged_rows",
+                               options + ([f"-DATT_HPG={hpg}"] if hpg > 1 else []),
+                               args + [{"scratch": scratch}] + scalars, local=wg, groups=h // hpg * splits, rows=m))
     if tiles:
         ctx.launches.append(Launch(op.name, "attention_paged", "attention_paged_tiles", options, args + scalars,
                                    local=wg, groups=h, rows=m, row_tile=wg // 32 * tuning.att_paged_rpw))

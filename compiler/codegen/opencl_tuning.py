@@ -149,6 +149,10 @@ class OpenCLTuning:
                                      # every row to attention_paged_rows (NVIDIA's 48 KB)
     att_paged_scratch_bytes: int = 64 << 20   # attention_paged_rows' partials of a step's rows
                                      # at most (splits halve until they fit; not measured)
+    att_paged_gqa: bool = False      # attention_paged_rows: a group takes a KV head's query heads
+    att_paged_hpg_bytes: int = 16 << 10   # (as many as their warps' states fit in this local
+                                     # memory), each K and V row read once for them; the same bits.
+                                     # Tested on PoCL; not yet measured on a card
     # -- the small kernels (not measured against other sizes) ---------------------------------
     norm_wg: int = 64                # rms_norm threads per row
     red_wg: int = 256                # softmax / argmax threads per row

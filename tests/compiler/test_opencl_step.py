@@ -11,7 +11,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from llmrs.compiler.codegen.opencl import generate, lower_graph, matvec_tokens, paged_splits, paged_tiles
+from llmrs.compiler.codegen.opencl import (generate, lower_graph, matvec_tokens, paged_heads, paged_splits,
+                                           paged_tiles)
 from llmrs.compiler.codegen.opencl_tuning import DeviceKind, OpenCLTuning, tuning_for
 from llmrs.compiler.interpret import OPS, Interpreter, Step
 from llmrs.compiler.ir import Graph
@@ -143,6 +144,29 @@ def test_a_row_alone_gets_the_bits_it_gets_among_other_rows_from_either_kernel(c
         np.testing.assert_array_equal(alone[0], batch[t], err_msg=f"row {t} (ctx_len {ctx_len[t]})")
     order = np.concatenate([np.flatnonzero(row_seq == s) for s in reversed(range(len(SEQS)))])
     np.testing.assert_array_equal(pa.run(q[order], row_seq[order], ctx_len[order]), batch[order])
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_the_rows_kernel_taking_a_kv_heads_query_heads_together_changes_no_bits(case):
+    """att_paged_gqa: a group of attention_paged_rows takes the query heads of one KV head
+    (ATT_HPG, as many as local memory holds), reading each K and V row once for them; every
+    head's arithmetic stays in its order, so a row run alone (the rows kernel, heads together)
+    gets the bits it gets in a step where its run of rows took the tiles kernel (a head a
+    group), with one group a row and with two (their partials folded by the last), and the
+    interpreter's output."""
+    h, kvh, hd = case[:3]
+    gqa = replace(TUNING, att_paged_gqa=True)
+    hpg = paged_heads(gqa, h, kvh, hd)
+    assert hpg == max(n for n in range(1, h // kvh + 1) if (h // kvh) % n == 0 and 4 * n * 4 * (hd + 2) <= 16 << 10)
+    assert paged_heads(TUNING, h, kvh, hd) == 1 and (hpg > 1 or h == kvh)
+    for tuning in (gqa, replace(gqa, att_dec_max_splits=2)):
+        pa = PagedAttention(*case, tuning=tuning)
+        q, row_seq, ctx_len = pa.rows()
+        batch = pa.run(q, row_seq, ctx_len)
+        _close(batch, pa.want(q, row_seq, ctx_len), 1e-4)
+        for t in range(len(q)):
+            alone = pa.run(q[t:t + 1], row_seq[t:t + 1], ctx_len[t:t + 1])
+            np.testing.assert_array_equal(alone[0], batch[t], err_msg=f"row {t} (ctx_len {ctx_len[t]})")
 
 
 def test_paged_attention_with_several_chunks_a_slot_matches_interpreter_and_keeps_its_bits():
