@@ -146,6 +146,7 @@ def test_a_row_alone_gets_the_bits_it_gets_among_other_rows_from_either_kernel(c
     np.testing.assert_array_equal(pa.run(q[order], row_seq[order], ctx_len[order]), batch[order])
 
 
+@pytest.mark.slow   # an opt-in variant; its builds take PoCL a minute a case
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_the_rows_kernel_taking_a_kv_heads_query_heads_together_changes_no_bits(case):
     """att_paged_gqa: a group of attention_paged_rows takes the query heads of one KV head

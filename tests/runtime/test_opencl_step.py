@@ -158,7 +158,7 @@ def test_interleaved_sequences_match_the_interpreter_and_their_greedy_tokens_a_r
 
 
 @pytest.mark.parametrize("weights,split,matvec,mma", [("q4_0", True, True, False), ("q4_0", True, True, True),
-                                                     ("q4_0", True, True, "lx"),
+                                                     pytest.param("q4_0", True, True, "lx", marks=pytest.mark.slow),
                                                      ("f16", True, True, True), ("q4_0", False, True, False),
                                                      ("q4_0", True, False, False)],
                          ids=["generated-rows-in-matvec", "generated-rows-on-tensor-cores",
@@ -260,17 +260,19 @@ def test_a_generated_row_has_the_same_bits_at_any_place_in_a_matvec_group_of_any
                 np.testing.assert_array_equal(step[s], first[k], err_msg=f"{n_seqs} sequences, row {s}, step {k}")
 
 
-def test_f16_tensor_core_matvec_rows_a_warp_change_no_bits():
+@pytest.mark.parametrize("variants", [("16", "wide"), pytest.param(("32", "64"), marks=pytest.mark.slow)])
+def test_f16_tensor_core_matvec_rows_a_warp_change_no_bits(variants):
     """mv_mma_f16_rpw: 16, 32 or 64 weight rows a warp (MMA columns sharing each lane's x values),
     or 32 for the wide matrices alone (mv_mma_f16_wide: here the 384-row gate/up and head), sum
     every (token, row) in the order 8 rows a warp does (its K slice's blocks in order, then the
     slices in order), so a step's logits are the same bits under each, and the interpreter's."""
     graphs = _compiled("golden-a", "f16", "f32", T=16, seqs=4)
     ip = Interpreter(graphs["step"])
-    variants = {str(rpw): ({rpw}, dict(mv_mma_f16_rpw=rpw, mv_mma_f16_wide=0)) for rpw in (8, 16, 32, 64)}
-    variants["wide"] = ({16, 32}, dict(mv_mma_f16_rpw=16, mv_mma_f16_rpw_wide=32, mv_mma_f16_wide=256))
+    every = {str(rpw): ({rpw}, dict(mv_mma_f16_rpw=rpw, mv_mma_f16_wide=0)) for rpw in (8, 16, 32, 64)}
+    every["wide"] = ({16, 32}, dict(mv_mma_f16_rpw=16, mv_mma_f16_rpw_wide=32, mv_mma_f16_wide=256))
     got = {}
-    for name, (rows_a_warp, tuning) in variants.items():
+    for name in ("8", *variants):   # each against 8 rows a warp
+        rows_a_warp, tuning = every[name]
         plan = generate(graphs, replace(OpenCLTuning(), **tuning))
         assert {f"-DMV_ROWS={rpw}" for rpw in rows_a_warp} == {
             o for launch in plan["graphs"]["step"] if "-DMV_MMA" in launch["options"]
