@@ -121,14 +121,10 @@ inline float mv_rms(__global const float4* x4, __local float* red, float eps) {
 #define XS_T int      // sum(q), for q4_0's -8 offset
 #define X_SUM(d, sum) ((int)(sum))
 #endif
-// x's block b (after the RMS prologue) quantized to Q8_0 as quantize_row_q8_0_ref:
-// d = amax / 127 (kept as f16), q = round(x / d) half away from zero; into local memory
-inline void quantize_x(__global const float4* x4, int b, __local int4* xq, __local float* xd,
-                       __local XS_T* xs
-#ifdef PROLOGUE_RMS
-                       , gin nw, float rms
-#endif
-                       ) {
+// x's block b (after the RMS prologue: x / rms * nw) quantized to Q8_0 as quantize_row_q8_0_ref:
+// d = amax / 127 (kept as f16), q = round(x / d) half away from zero; codes[8] by words (word i:
+// values 4 i .. 4 i + 3), d and the block's X_SUM (q4_1's s)
+inline void quantize_block(__global const float4* x4, gin nw, int b, float rms, uint* codes, float* d, float* s) {
     float4 v[8];
     float amax = 0.0f;
     for (int i = 0; i < 8; i++) {
@@ -139,19 +135,34 @@ inline void quantize_x(__global const float4* x4, int b, __local int4* xq, __loc
         float4 a = fabs(v[i]);
         amax = fmax(amax, fmax(fmax(a.x, a.y), fmax(a.z, a.w)));
     }
-    float d = amax / 127.0f;
-    float id = d != 0.0f ? 1.0f / d : 0.0f;
-    float sum = 0.0f;
-    int packed[8];
+    float dd = amax / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f, sum = 0.0f;
     for (int i = 0; i < 8; i++) {
         float4 q = round(v[i] * id);
         sum += (q.x + q.y) + (q.z + q.w);
-        packed[i] = as_int(convert_char4(q));
+        codes[i] = as_uint(convert_char4(q));
     }
-    xq[2 * b] = (int4)(packed[0], packed[1], packed[2], packed[3]);
-    xq[2 * b + 1] = (int4)(packed[4], packed[5], packed[6], packed[7]);
-    xd[b] = round_to_half(d);
-    xs[b] = X_SUM(d, sum);
+    *d = round_to_half(dd);
+    *s = X_SUM(dd, sum);
+}
+
+// the same, into local memory
+inline void quantize_x(__global const float4* x4, int b, __local int4* xq, __local float* xd,
+                       __local XS_T* xs
+#ifdef PROLOGUE_RMS
+                       , gin nw, float rms
+#endif
+                       ) {
+#ifndef PROLOGUE_RMS
+    gin nw = 0;
+    float rms = 1.0f;
+#endif
+    uint c[8];
+    float d, sx;
+    quantize_block(x4, nw, b, rms, c, &d, &sx);
+    xq[2 * b] = as_int4((uint4)(c[0], c[1], c[2], c[3]));
+    xq[2 * b + 1] = as_int4((uint4)(c[4], c[5], c[6], c[7]));
+    xd[b] = d;
+    xs[b] = (XS_T)sx;
 }
 
 #ifdef USE_NV_PTX
@@ -617,29 +628,6 @@ inline void mv_lx_quant(float4 lo, float4 hi, uint* a, float* d, float* s MV_EMU
     sum += MV_XOR(sum, 2);
     *s = X_SUM(dd, sum);
 }
-#else
-// without tensor cores: a token's whole block b quantized by one lane (the same amax, so the
-// same codes as the quad's), codes[8] by words (word i: values 4 i .. 4 i + 3)
-inline void mv_lx_block(__global const float4* x4, gin nw, int b, float rms, uint* codes, float* d, float* s) {
-    float4 v[8];
-    float amax = 0.0f;
-    for (int i = 0; i < 8; i++) {
-        v[i] = x4[8 * b + i];
-#ifdef PROLOGUE_RMS
-        v[i] = v[i] / rms * LD4_NORM(nw, 8 * b + i);
-#endif
-        float4 a = fabs(v[i]);
-        amax = fmax(amax, fmax(fmax(a.x, a.y), fmax(a.z, a.w)));
-    }
-    float dd = amax / 127.0f, id = dd != 0.0f ? 1.0f / dd : 0.0f, sum = 0.0f;
-    for (int i = 0; i < 8; i++) {
-        float4 q = round(v[i] * id);
-        sum += (q.x + q.y) + (q.z + q.w);
-        codes[i] = as_uint(convert_char4(q));
-    }
-    *d = round_to_half(dd);
-    *s = X_SUM(dd, sum);
-}
 #endif
 
 // The group's 16 token rows (from t0; nt valid; x f32 [M][K]) times its weight rows, into
@@ -715,12 +703,13 @@ inline void mv_mma_sums(gin xg, gin nw, float eps, gin w, int N, int g, int t0, 
                 MMA_S8(c, a, b0, b1);
                 if (live) mv_q_acc(acc[j], c, dxa, dxb, sxa, sxb, dw[u][j][0], dw[u][j][1]);
             }
-#else   // no tensor cores: each lane quantizes its two tokens' whole block (quantize_x)
+#else   // no tensor cores: each lane quantizes its two tokens' whole block (quantize_block: the
+        // same amax, so the same codes as the quad's)
             if (live) {
                 uint ca[8], cb[8];
                 float dxa, dxb, sxa, sxb;
-                mv_lx_block(xa4, nw, b, rma, ca, &dxa, &sxa);
-                mv_lx_block(xb4, nw, b, rmb, cb, &dxb, &sxb);
+                quantize_block(xa4, nw, b, rma, ca, &dxa, &sxa);
+                quantize_block(xb4, nw, b, rmb, cb, &dxb, &sxb);
 #pragma unroll
                 for (int j = 0; j < MV_NT; j++) {
                     int c[4];
